@@ -1,0 +1,73 @@
+"""One analysis of a composition: text -> composition -> placement -> program -> costs.
+
+Everything downstream (human report, JSON, HTML) reads an ``Analysis``; nothing re-derives a
+placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from formal._costs import (
+    Memory, Traffic, bubble_fraction, communication, in_flight_micro_batches, model_state_paper_units,
+    most_loaded, total_bytes, transfers,
+)
+from formal._model import Model, Precision
+from formal._placement import Placement
+from formal._program import StepProgram, derive_program, group_sizes
+from formal._strategies import Composition
+
+
+@dataclass(frozen=True)
+class Analysis:
+    composition: Composition
+    model: Model
+    precision: Precision
+    placement: Placement
+    program: StepProgram
+    memory: Memory
+    traffic: tuple[Traffic, ...]
+    transfers: tuple[tuple[str, object, object, str, sp.Expr], ...]
+    device_memory: int | None
+    symbolic_memory: Memory
+
+    @property
+    def communication_bytes(self) -> sp.Expr:
+        return total_bytes(self.traffic)
+
+    @property
+    def model_state_psi(self) -> sp.Expr:
+        """Model-state traffic in units of the parameter count (ZeRO paper, section 7)."""
+        return sp.nsimplify(model_state_paper_units(self.traffic) / self.model.parameter_count())
+
+    @property
+    def fits(self) -> bool | None:
+        if self.device_memory is None:
+            return None
+        return bool(sp.nsimplify(self.memory.total) <= self.device_memory)
+
+    @property
+    def bubble(self) -> sp.Expr:
+        return bubble_fraction(self.placement)
+
+    @property
+    def in_flight(self) -> sp.Expr:
+        return in_flight_micro_batches(self.placement)
+
+
+def analyze(composition: Composition, model: Model, precision: Precision,
+            device_memory: int | None = None, program: StepProgram | None = None) -> Analysis:
+    placement = composition.placement(model)
+    if program is None:
+        program = derive_program(placement, model)
+    sizes = group_sizes(model)
+    mem = most_loaded(placement, model, precision, sizes)
+    symbolic_pl = composition.placement(model, symbolic=True)
+    sym = most_loaded(symbolic_pl, model, precision, sizes)
+    return Analysis(
+        composition=composition, model=model, precision=precision, placement=placement,
+        program=program, memory=mem, traffic=communication(program, precision),
+        transfers=transfers(program, precision), device_memory=device_memory, symbolic_memory=sym,
+    )

@@ -1,0 +1,170 @@
+"""The composition language: ``tp2xzero3xpp4``, ``fsdp8xdpr2``, ``tp4xspxpp2xm8``.
+
+Terms are joined by ``x`` (``×`` and ``*`` are accepted too). A term is a strategy name with an
+optional degree, or a modifier (see ``MODIFIERS``). Parsing is total: every string either
+parses or raises ``CompositionError`` naming the offending term.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+from formal._placement import Options, Recompute, Schedule, Strategy
+from formal._strategies import LIBRARY, Composition
+from formal.errors import CompositionError
+
+MAX_DEGREE = 1_000_000  # a mesh axis wider than a million devices is a typo
+
+MODIFIERS: dict[str, str] = {
+    "sp": "sequence parallelism on the tp axis (Korthikanti et al. 2022)",
+    "m<N>": "N micro-batches per step (pipeline micro-batches or gradient accumulation)",
+    "v<N>": "interleaved pipeline schedule with N model chunks per device",
+    "gpipe": "GPipe pipeline schedule (all forwards, then all backwards)",
+    "1f1b": "1F1B pipeline schedule (the default)",
+    "offload": "optimizer state, gradients and the update on the host (ZeRO-Offload)",
+    "offload-params": "parameters on the host, fetched before each use (ZeRO-Infinity)",
+    "recompute": "full activation recomputation (keep each layer's input only)",
+    "selective": "selective recomputation of the attention core (Korthikanti et al. 2022)",
+}
+
+_TERM = re.compile(r"^([a-z][a-z0-9-]*?)(\d*)$")
+_SPLIT = re.compile(r"[x×*]")
+
+
+def _split_terms(text: str) -> list[str]:
+    # 'x' separates terms, but never inside a known name; no library name contains an 'x'.
+    return [t.strip() for t in _SPLIT.split(text.strip().lower())]
+
+
+def parse(text: str, strategies: Mapping[str, Callable[[], Strategy]] | None = None,
+          devices: int | None = None) -> Composition:
+    """Parse a composition; a term without a degree takes the devices left over."""
+    if not isinstance(text, str) or not text.strip():
+        raise CompositionError("empty composition: expected terms like tp2xzero3xpp4")
+    library = {**LIBRARY, **(strategies or {})}
+    terms = _split_terms(text)
+    found: list[Strategy] = []
+    modifiers: list[str] = []
+    options = Options()
+    for term in terms:
+        if not term:
+            raise CompositionError(f"{text.strip()!r}: empty term (doubled or trailing 'x')")
+        mod = _modifier(term, options, modifiers)
+        if mod is not None:
+            options = mod
+            modifiers.append(term)
+            continue
+        name, degree = _name_and_degree(term, library)
+        found.append(library[name]().with_degree(degree))
+    if not found:
+        raise CompositionError(f"{text.strip()!r}: no strategy, only modifiers")
+    found = _resolve_leftover(found, devices, text)
+    if not any(_modifier_kind(t) == "m" for t in modifiers):
+        options = replace(options, micro_batches=_default_micro_batches(found))
+    return Composition(tuple(found), options, tuple(modifiers))
+
+
+def _default_micro_batches(found: list[Strategy]) -> int:
+    """Without ``m<N>``: one micro-batch, or 4p under a pipeline (1F1B bubble (p-1)/4p < 1/4)."""
+    p = 1
+    for s in found:
+        if s.axis.value == "pp":
+            p *= s.degree or 1
+    return 4 * p if p > 1 else 1
+
+
+def _name_and_degree(term: str, library: Mapping[str, Callable[[], Strategy]]) -> tuple[str, int | None]:
+    if term in library:
+        return term, None
+    match = _TERM.match(term)
+    if match:
+        name, digits = match.group(1), match.group(2)
+        # zero38 is zero3 with degree 8: try the longest known name that leaves only digits.
+        for cut in range(len(term), 0, -1):
+            head, tail = term[:cut], term[cut:]
+            if head in library and tail.isdigit():
+                return head, _degree(term, tail)
+        if name not in library:
+            raise CompositionError(f"{term}: unknown strategy {name!r} (known: {', '.join(sorted(library))}; "
+                                   f"modifiers: {', '.join(MODIFIERS)})")
+        return name, _degree(term, digits) if digits else None
+    raise CompositionError(f"{term}: not a strategy term (expected a name and an optional degree, e.g. tp2)")
+
+
+def _degree(term: str, digits: str) -> int:
+    if len(digits) > 7 or int(digits) > MAX_DEGREE:
+        raise CompositionError(f"{term}: degree {digits} is absurd (at most {MAX_DEGREE})")
+    value = int(digits)
+    if value < 1:
+        raise CompositionError(f"{term}: degree must be at least 1")
+    return value
+
+
+def _modifier(term: str, options: Options, seen: list[str]) -> Options | None:
+    def once(key: str) -> None:
+        if any(_modifier_kind(s) == key for s in seen):
+            raise CompositionError(f"{term}: modifier {key!r} given twice")
+
+    kind = _modifier_kind(term)
+    if kind is None:
+        return None
+    once(kind)
+    match kind:
+        case "sp":
+            return replace(options, sequence_parallel=True)
+        case "m":
+            return replace(options, micro_batches=_degree(term, term[1:]))
+        case "v":
+            return replace(options, chunks=_degree(term, term[1:]), schedule=Schedule.INTERLEAVED)
+        case "schedule":
+            return replace(options, schedule=Schedule.GPIPE if term == "gpipe" else Schedule.ONE_F_ONE_B)
+        case "offload":
+            return replace(options, offload_optimizer=True)
+        case "offload-params":
+            return replace(options, offload_parameters=True)
+        case "recompute":
+            full = term in ("recompute", "full-recompute")
+            return replace(options, recompute=Recompute.FULL if full else Recompute.SELECTIVE)
+        case _:
+            raise AssertionError(kind)
+
+
+def _modifier_kind(term: str) -> str | None:
+    if term == "sp":
+        return "sp"
+    if re.fullmatch(r"m\d+", term):
+        return "m"
+    if re.fullmatch(r"v\d+", term):
+        return "v"
+    if term in ("gpipe", "1f1b"):
+        return "schedule"
+    if term in ("offload", "offload-optimizer"):
+        return "offload"
+    if term == "offload-params":
+        return "offload-params"
+    if term in ("recompute", "full-recompute", "selective", "selective-recompute"):
+        return "recompute"
+    return None
+
+
+def _resolve_leftover(found: list[Strategy], devices: int | None, text: str) -> list[Strategy]:
+    missing = [i for i, s in enumerate(found) if s.degree is None]
+    if not missing:
+        return found
+    if len(missing) > 1:
+        names = ", ".join(str(found[i]) for i in missing)
+        raise CompositionError(f"{text.strip()}: {names} have no degree; give all but one a degree")
+    given = 1
+    for s in found:
+        given *= s.degree or 1
+    total = devices if devices is not None else None
+    if total is None:
+        raise CompositionError(f"{found[missing[0]].name}: no degree and no --devices to take it from")
+    if total % given:
+        raise CompositionError(f"{found[missing[0]].name}: --devices {total} is not a multiple of the "
+                               f"other degrees' product {given}")
+    out = list(found)
+    out[missing[0]] = found[missing[0]].with_degree(total // given)
+    return out

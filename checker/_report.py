@@ -1,0 +1,138 @@
+"""Reports of an ``Analysis``: the JSON document (schema in docs/schema.md) and the terminal view."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sympy as sp
+from rich.console import Console
+from rich.table import Table
+
+from checker._analysis import Analysis
+from checker._numbers import gb
+from formal._costs import ceil_int
+from formal._model import ParameterCount, Transformer
+
+SCHEMA = "placement-semantics/report/1"
+
+
+def _num(x: sp.Expr) -> int:
+    return ceil_int(x)
+
+
+def _exact(x: sp.Expr) -> str:
+    return str(sp.nsimplify(x))
+
+
+def model_json(analysis: Analysis) -> dict[str, Any]:
+    m = analysis.model
+    out: dict[str, Any] = {"name": getattr(m, "name", "") or "custom", "parameters": m.parameter_count()}
+    if isinstance(m, Transformer):
+        out.update(layers=m.layers, hidden=m.hidden, heads=m.heads, kv_heads=m.kv_heads_, ffn=m.ffn_,
+                   vocab=m.vocab, seq=m.seq, micro_batch=m.micro_batch, tied_embeddings=m.tied_embeddings,
+                   experts=m.experts, source=m.source)
+    elif isinstance(m, ParameterCount):
+        out.update(kind="parameter-count", note="activations unknown for a bare parameter count")
+    return out
+
+
+def to_json(analysis: Analysis) -> dict[str, Any]:
+    pl = analysis.placement
+    mem = analysis.memory
+    per_device = mem.as_ints()
+    sym = analysis.symbolic_memory
+    expressions = {
+        "parameters": str(sym.parameters.total), "gradients": str(sym.gradients.total),
+        "optimizer": str(sym.optimizer.total), "model_states": str(sym.model_states),
+        "activations": None if sym.activations is None else str(sym.activations),
+    }
+    collectives = [
+        {
+            "op": t.kind.value, "axis": t.axis.value, "state": t.state.long_name, "group": t.group.name,
+            "phase": t.phase, "elements": _num(t.elements), "count": _num(t.count),
+            "participants": _num(t.participants), "bytes": _num(t.bytes),
+            "paper_elements": _num(t.paper_elements),
+            "psi_units": _exact(t.paper_elements / analysis.model.parameter_count()),
+        }
+        for t in analysis.traffic
+    ]
+    return {
+        "schema": SCHEMA,
+        "composition": str(analysis.composition),
+        "mesh": {axis.value: int(d) for axis, d in pl.mesh},
+        "devices": analysis.composition.devices,
+        "model": model_json(analysis),
+        "precision": {
+            "name": analysis.precision.name, "parameters": analysis.precision.parameters,
+            "gradients": analysis.precision.gradients, "optimizer": analysis.precision.optimizer,
+            "activations": analysis.precision.activations, "gradient_wire": analysis.precision.gradient_wire,
+        },
+        "options": {
+            "sequence_parallel": pl.options.sequence_parallel, "recompute": pl.options.recompute.value,
+            "offload_optimizer": pl.options.offload_optimizer,
+            "offload_parameters": pl.options.offload_parameters, "schedule": pl.options.schedule.value,
+            "chunks": pl.options.chunks, "micro_batches": pl.options.micro_batches,
+        },
+        "placement": pl.table(),
+        "memory": {
+            "unit": "bytes",
+            "per_device": per_device,
+            "host": _num(mem.host),
+            "most_loaded_rank": {"pipeline_stage": mem.stage,
+                                 "in_flight_micro_batches": _exact(analysis.in_flight)},
+            "expressions": expressions,
+            "device_memory": analysis.device_memory,
+            "fits": analysis.fits,
+        },
+        "communication": {
+            "unit": "bytes",
+            "per_device_per_step": _num(analysis.communication_bytes),
+            "model_state_psi_units": _exact(analysis.model_state_psi),
+            "collectives": collectives,
+            "host_transfers": [
+                {"op": op, "state": st.long_name, "group": g.name, "phase": ph, "bytes": _num(v)}  # type: ignore[attr-defined]
+                for op, st, g, ph, v in analysis.transfers
+            ],
+        },
+        "pipeline": {"bubble_fraction": _exact(analysis.bubble)},
+        "program": [str(op) for op in analysis.program.ops],
+    }
+
+
+def print_human(analysis: Analysis, console: Console) -> None:
+    doc = to_json(analysis)
+    m = doc["model"]
+    console.print(f"[bold]{doc['composition']}[/bold] on {doc['devices']} devices "
+                  f"(mesh {' x '.join(f'{a}={d}' for a, d in doc['mesh'].items())}); "
+                  f"model {m['name']} ({m['parameters']:,} parameters); precision {doc['precision']['name']} "
+                  f"({doc['precision']['parameters']}/{doc['precision']['gradients']}/"
+                  f"{doc['precision']['optimizer']} bytes per parameter)")
+    per = doc["memory"]["per_device"]
+    table = Table(title=f"Memory per device (most loaded: pipeline stage {doc['memory']['most_loaded_rank']['pipeline_stage']}); GB = 1e9 bytes")
+    table.add_column("state")
+    table.add_column("bytes", justify="right")
+    table.add_column("GB", justify="right")
+    for key in ("parameters", "gradients", "optimizer", "model_states", "activations", "buffers", "total"):
+        value = per[key]
+        table.add_row(key, "unknown" if value is None else f"{value:,}", "unknown" if value is None else gb(value))
+    if doc["memory"]["host"]:
+        table.add_row("host (offloaded)", f"{doc['memory']['host']:,}", gb(doc["memory"]["host"]))
+    console.print(table)
+    if doc["memory"]["fits"] is not None:
+        verdict = "fits" if doc["memory"]["fits"] else "does NOT fit"
+        console.print(f"{verdict} in {gb(doc['memory']['device_memory'])} per device")
+    comm = Table(title="Communication per device per step (ring algorithms)")
+    for col in ("op", "axis", "state.group", "phase", "elements", "count", "bytes", "Psi units"):
+        comm.add_column(col, justify="right" if col in ("elements", "count", "bytes") else "left")
+    for c in doc["communication"]["collectives"]:
+        comm.add_row(c["op"], c["axis"], f"{c['state']}.{c['group']}", c["phase"], f"{c['elements']:,}",
+                     f"{c['count']:,}", f"{c['bytes']:,}", c["psi_units"])
+    console.print(comm)
+    console.print(f"total {doc['communication']['per_device_per_step']:,} bytes "
+                  f"({gb(doc['communication']['per_device_per_step'])}) per device per step; "
+                  f"model states {doc['communication']['model_state_psi_units']} Psi (ZeRO paper units)")
+    if doc["communication"]["host_transfers"]:
+        moved = sum(t["bytes"] for t in doc["communication"]["host_transfers"])
+        console.print(f"host-device transfers: {moved:,} bytes per step (PCIe, not network)")
+    if doc["pipeline"]["bubble_fraction"] != "0":
+        console.print(f"pipeline bubble fraction {doc['pipeline']['bubble_fraction']}")

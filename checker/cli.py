@@ -1,0 +1,148 @@
+"""``check-composition``: the command users run.
+
+Exit codes scripts can rely on: 0 valid, 1 invalid, 2 usage or input error, 3 unknown.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+
+from checker._analysis import Analysis, analyze
+from checker._numbers import parse_bytes, parse_count
+from checker._parse import MODIFIERS, parse
+from checker._report import print_human, to_json
+from formal._model import PRECISIONS, Model, ParameterCount
+from formal._presets import DEFAULT_DEVICE_MEMORY, DEFAULT_DEVICES, DEFAULT_MODEL, PRESETS
+from formal._strategies import LIBRARY, Composition
+from formal.errors import InputError, PlacementError
+
+EXIT_VALID, EXIT_INVALID, EXIT_USAGE, EXIT_UNKNOWN = 0, 1, 2, 3
+
+EXAMPLES = """
+\b
+Examples:
+  check-composition tp2xzero3xpp4                  # default model and cluster
+  check-composition zero3 --devices 8 --params 7.5e9 --json
+  check-composition tp4xspxpp2xm8 --model llama2-7b --device-memory 80GB
+  check-composition fsdp8xdpr2 --model gpt3-1.3b   # HSDP: shard 8, replicate 2
+\b
+Composition language: strategy terms with an optional degree joined by 'x'
+(a term without a degree takes the devices left over). Modifiers:
+""" + "\n".join(f"  {k:<15} {v}" for k, v in MODIFIERS.items())
+
+
+class DefaultGroup(click.Group):
+    """A group whose first argument, when not a subcommand, is a composition for ``check``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
+            args = ["check", *args]
+        return super().parse_args(ctx, args)
+
+
+def fail(message: str) -> None:
+    """One clear line on stderr and exit code 2: the CLI's only way to report bad input."""
+    click.echo(f"error: {message}", err=True)
+    sys.exit(EXIT_USAGE)
+
+
+def load_model(model: str | None, params: str | None, micro_batch: int | None, seq: int | None) -> Model:
+    if params is not None and model is not None:
+        raise InputError(f"--params {params} and --model {model}: give one, not both")
+    chosen: Model
+    if params is not None:
+        chosen = ParameterCount(parse_count(params), name=f"{params} parameters")
+    else:
+        name = model or DEFAULT_MODEL
+        if name in PRESETS:
+            chosen = PRESETS[name]
+        elif name.endswith(".json") and Path(name).exists():
+            from formal._hf import load_hf_config  # an optional reader; see issue 7
+            chosen = load_hf_config(Path(name))
+        else:
+            raise InputError(f"--model {name}: unknown model (presets: {', '.join(sorted(PRESETS))})")
+    if micro_batch is not None:
+        if micro_batch < 1:
+            raise InputError(f"--micro-batch {micro_batch}: must be at least 1")
+        chosen = chosen.with_micro_batch(micro_batch)
+    if seq is not None:
+        from dataclasses import replace
+
+        from formal._model import Transformer
+        if seq < 1:
+            raise InputError(f"--seq {seq}: must be at least 1")
+        if isinstance(chosen, Transformer):
+            chosen = replace(chosen, seq=seq)
+    return chosen
+
+
+def build(composition: str, devices: int | None, model: str | None, params: str | None,
+          precision: str, device_memory: str | None, micro_batch: int | None = None,
+          seq: int | None = None) -> Analysis:
+    if devices is not None and devices < 1:
+        raise InputError(f"--devices {devices}: must be at least 1")
+    comp: Composition = parse(composition, devices=devices if devices is not None else DEFAULT_DEVICES)
+    chosen = load_model(model, params, micro_batch, seq)
+    if precision not in PRECISIONS:
+        raise InputError(f"--precision {precision}: unknown (known: {', '.join(PRECISIONS)})")
+    mem = parse_bytes(device_memory) if device_memory is not None else DEFAULT_DEVICE_MEMORY
+    return analyze(comp, chosen, PRECISIONS[precision], mem)
+
+
+@click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog=EXAMPLES)
+@click.version_option(package_name="placement-semantics")
+def main() -> None:
+    """Will this parallelism composition train exactly like one device, how much memory does
+    each device hold, and how many bytes cross the network per step?"""
+
+
+@main.command(epilog=EXAMPLES)
+@click.argument("composition")
+@click.option("--devices", type=int, default=None, help=f"Device count (default {DEFAULT_DEVICES}, "
+              "or the product of the degrees).")
+@click.option("--model", default=None, help=f"Preset name or Hugging Face config.json (default {DEFAULT_MODEL}).")
+@click.option("--params", default=None, help="A bare parameter count instead of a model (7.5e9, 70B).")
+@click.option("--precision", default="zero", show_default=True,
+              help="Bytes per element: " + ", ".join(PRECISIONS) + ".")
+@click.option("--device-memory", default=None, help="Per-device memory, e.g. 80GB (1e9) or 80GiB (2^30).")
+@click.option("--micro-batch", type=int, default=None, help="Micro-batch size per replica (Megatron's b).")
+@click.option("--seq", type=int, default=None, help="Sequence length.")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report (docs/schema.md).")
+def check(composition: str, devices: int | None, model: str | None, params: str | None, precision: str,
+          device_memory: str | None, micro_batch: int | None, seq: int | None, as_json: bool) -> None:
+    """Check COMPOSITION (e.g. tp2xzero3xpp4): memory, communication and verdict."""
+    try:
+        analysis = build(composition, devices, model, params, precision, device_memory, micro_batch, seq)
+    except InputError as err:
+        fail(str(err))
+        return
+    except PlacementError as err:
+        fail(str(err))
+        return
+    doc: dict[str, Any] = to_json(analysis)
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        print_human(analysis, Console())
+    sys.exit(EXIT_VALID)
+
+
+@main.command("strategies")
+def list_strategies() -> None:
+    """List the strategy library and the modifiers."""
+    for name, make in sorted(LIBRARY.items()):
+        s = make()
+        click.echo(f"{name:<10} axis {s.axis.value:<4} {s.description}")
+    for mod, text in MODIFIERS.items():
+        click.echo(f"{mod:<10} modifier  {text}")
+
+
+if __name__ == "__main__":
+    main()

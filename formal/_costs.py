@@ -1,0 +1,306 @@
+"""Costs derived from a placement and its step program alone (semantics.md section 2).
+
+Memory: for every state and group, size x bytes/element x the product over axes of the mode's
+factor (``pipeline_factor`` / ``axis_factor``), plus transient buffers implied by the modes.
+Communication: every collective of the step program with the ring volumes. Everything is an
+exact sympy expression; ``int`` values are bytes (GB = 1e9 bytes only when printed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import sympy as sp
+
+from formal._model import Model, Precision, Transformer
+from formal._placement import Entry, Placement, Recompute, Schedule
+from formal._program import StepProgram, axis_factor, pipeline_factor, shard_elements
+from formal._vocab import (
+    ACTIVATION_GROUPS, LAYER_GROUPS, MODEL_STATES, Axis, Group, Mode, OpKind, State,
+)
+
+STAGES = ("first", "middle", "last")
+
+
+def ceil_int(x: sp.Expr) -> int:
+    """Bytes are whole: a fractional shard rounds up (shards are padded to equal size)."""
+    return int(sp.ceiling(sp.nsimplify(x)))
+
+
+@dataclass(frozen=True)
+class StateMemory:
+    """Bytes one device holds of one state, by group (persistent, between steps)."""
+
+    state: State
+    by_group: tuple[tuple[Group, sp.Expr], ...]
+
+    @property
+    def total(self) -> sp.Expr:
+        return sp.nsimplify(sum((v for _, v in self.by_group), sp.Integer(0)))
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Per-device memory on one pipeline stage. ``activations`` is None when unknown."""
+
+    stage: str
+    parameters: StateMemory
+    gradients: StateMemory
+    optimizer: StateMemory
+    activations: sp.Expr | None
+    buffers: sp.Expr | None
+    host: sp.Expr
+
+    @property
+    def model_states(self) -> sp.Expr:
+        return sp.nsimplify(self.parameters.total + self.gradients.total + self.optimizer.total)
+
+    @property
+    def total(self) -> sp.Expr:
+        return sp.nsimplify(self.model_states + (self.activations or 0) + (self.buffers or 0))
+
+    def as_ints(self) -> dict[str, int | None]:
+        return {
+            "parameters": ceil_int(self.parameters.total),
+            "gradients": ceil_int(self.gradients.total),
+            "optimizer": ceil_int(self.optimizer.total),
+            "activations": None if self.activations is None else ceil_int(self.activations),
+            "buffers": None if self.buffers is None else ceil_int(self.buffers),
+            "model_states": ceil_int(self.model_states),
+            "total": ceil_int(self.total),
+        }
+
+
+def _device_factor(pl: Placement, state: State, group: Group, stage: str) -> sp.Expr:
+    """Product over axes of the persistent factor, times the axis-free (local) mode."""
+    if pl.local_mode(state, group) in (Mode.OFFLOADED, Mode.MATERIALIZED):
+        return sp.Integer(0)
+    return _axes_factor(pl, state, group, stage)
+
+
+def _axes_factor(pl: Placement, state: State, group: Group, stage: str) -> sp.Expr:
+    out: sp.Expr = sp.Integer(1)
+    for axis, d in pl.mesh:
+        entry = pl.entry(state, group, axis)
+        out = out * (pipeline_factor(group, entry, d, stage) if axis is Axis.PP else axis_factor(entry, d))
+    return out
+
+
+def state_memory(pl: Placement, state: State, sizes: Mapping[Group, sp.Expr], precision: Precision,
+                 stage: str = "first") -> StateMemory:
+    nbytes = precision.bytes_of(state)
+    rows = tuple((g, sp.nsimplify(sizes[g] * nbytes * _device_factor(pl, state, g, stage)))
+                 for g in pl.groups(state))
+    return StateMemory(state, rows)
+
+
+def host_memory(pl: Placement, sizes: Mapping[Group, sp.Expr], precision: Precision,
+                stage: str = "first") -> sp.Expr:
+    total: sp.Expr = sp.Integer(0)
+    for state in MODEL_STATES:
+        for g in pl.groups(state):
+            if pl.local_mode(state, g) is Mode.OFFLOADED:
+                total += sizes[g] * precision.bytes_of(state) * _axes_factor(pl, state, g, stage)
+    return sp.nsimplify(total)
+
+
+def in_flight_micro_batches(pl: Placement) -> sp.Expr:
+    """Micro-batches whose activations the first stage holds at its peak.
+
+    1F1B: min(p, m) (Narayanan et al. 2021, section 2.2); GPipe: m; interleaved:
+    min(p, m) x (1 + (p-1)/(p v)) (Korthikanti et al. 2022, section 4.2.3). No pipeline: 1.
+    """
+    p = pl.degree(Axis.PP)
+    m = sp.Integer(pl.options.micro_batches)
+    if Axis.PP not in pl.axes or p == 1:
+        return sp.Integer(1)
+    match pl.options.schedule:
+        case Schedule.GPIPE:
+            return m
+        case Schedule.ONE_F_ONE_B:
+            return sp.Min(p, m)
+        case Schedule.INTERLEAVED:
+            v = sp.Integer(pl.options.chunks)
+            return sp.Min(p, m) * (1 + (p - 1) / (p * v))
+        case _:
+            raise AssertionError(pl.options.schedule)
+
+
+def activation_memory(pl: Placement, model: Model, precision: Precision, stage: str = "first") -> sp.Expr | None:
+    """Activation bytes on a device: Korthikanti's per-layer bytes through the placement."""
+    if not isinstance(model, Transformer):
+        return None
+    per_layer = model.activation_bytes_per_layer()
+    layers = sp.Integer(model.layers) / pl.degree(Axis.PP)
+    total: sp.Expr = sp.Integer(0)
+    for g in ACTIVATION_GROUPS:
+        if pl.local_mode(State.ACTIVATIONS, g) is Mode.MATERIALIZED:
+            continue  # recomputed in backward, freed after use
+        total += per_layer[g] * _tensor_factor(pl, g)
+    if pl.options.recompute is Recompute.FULL:
+        # Korthikanti Table 2, full recomputation: each layer's input, 2sbh bytes, is kept.
+        total += 2 * sp.Integer(model.seq * model.micro_batch * model.hidden) * _cp_factor(pl)
+    scale = sp.Rational(precision.activations, 2)  # Korthikanti counts 16-bit activations
+    return sp.nsimplify(total * layers * in_flight_micro_batches(pl) * scale)
+
+
+def _tensor_factor(pl: Placement, group: Group) -> sp.Expr:
+    out: sp.Expr = sp.Integer(1)
+    for axis, d in pl.mesh:
+        if axis in (Axis.PP, Axis.DP, Axis.DPR, Axis.EP):
+            continue  # b is one replica's micro-batch already; pp splits layers (counted above)
+        out = out * axis_factor(pl.entry(State.ACTIVATIONS, group, axis), d)
+    return out
+
+
+def _cp_factor(pl: Placement) -> sp.Expr:
+    return 1 / pl.degree(Axis.CP) if Axis.CP in pl.axes else sp.Integer(1)
+
+
+def buffer_memory(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr], precision: Precision,
+                  stage: str = "first") -> sp.Expr | None:
+    """Transient buffers implied by the modes, at their peak.
+
+    ``S*`` gathered per use: the largest gather unit (one transformer layer's parameters, or
+    a non-layer group) held unsharded at a time, without prefetch. ``S*`` held through
+    backward (shard-grad-op): every unsharded parameter of the stage minus its shard. ``G``
+    sharded along a data axis: one layer's unsharded gradient before its reduce-scatter.
+    Unknown (None) for a model given only by its parameter count, whose layers are unknown.
+    """
+    layer_count = model.layers if isinstance(model, Transformer) else None
+    held: sp.Expr = sp.Integer(0)
+    units: dict[str, sp.Expr] = {}
+    for state in (State.PARAMETERS, State.GRADIENTS):
+        nbytes = precision.bytes_of(state)
+        for g in pl.groups(state):
+            for axis in pl.axes:
+                entry = pl.entry(state, g, axis)
+                if not _needs_buffer(state, entry):
+                    continue
+                if layer_count is None:
+                    return None
+                d = pl.degree(axis)
+                full = shard_elements(pl, state, g, sizes[g], axis, stage) * nbytes
+                if state is State.PARAMETERS and entry.keep_gathered:
+                    held += full * (1 - 1 / d)
+                    continue
+                pp = pl.degree(Axis.PP)
+                unit = f"{state.value}:{'layer' if g in LAYER_GROUPS else g.name}"
+                piece = full / (sp.Integer(layer_count) / pp) if g in LAYER_GROUPS else full
+                units[unit] = units.get(unit, sp.Integer(0)) + piece
+    largest = {st: max((v for k, v in units.items() if k.startswith(st.value)), default=sp.Integer(0),
+                       key=lambda e: sp.nsimplify(e)) for st in (State.PARAMETERS, State.GRADIENTS)}
+    return sp.nsimplify(held + sum(largest.values(), sp.Integer(0)))
+
+
+def _needs_buffer(state: State, entry: Entry) -> bool:
+    if state is State.PARAMETERS:
+        return entry.mode is Mode.SHARDED_GATHER
+    return False
+
+
+def memory(pl: Placement, model: Model, precision: Precision, sizes: Mapping[Group, sp.Expr],
+           stage: str = "first") -> Memory:
+    return Memory(
+        stage=stage,
+        parameters=state_memory(pl, State.PARAMETERS, sizes, precision, stage),
+        gradients=state_memory(pl, State.GRADIENTS, sizes, precision, stage),
+        optimizer=state_memory(pl, State.OPTIMIZER, sizes, precision, stage),
+        activations=activation_memory(pl, model, precision, stage),
+        buffers=buffer_memory(pl, model, sizes, precision, stage),
+        host=host_memory(pl, sizes, precision, stage),
+    )
+
+
+def most_loaded(pl: Placement, model: Model, precision: Precision, sizes: Mapping[Group, sp.Expr]) -> Memory:
+    """The device with the largest total: pipeline stage 0 (embedding, most in-flight
+    activations) unless the last stage's head outweighs it. Without pp there is one kind."""
+    if Axis.PP not in pl.axes or pl.degree(Axis.PP) == 1:
+        return memory(pl, model, precision, sizes, "first")
+    candidates = [memory(pl, model, precision, sizes, st) for st in ("first", "last")]
+    if any(not m.total.is_number for m in candidates):
+        return candidates[0]
+    return max(candidates, key=lambda m: sp.nsimplify(m.total))
+
+
+# --- communication -------------------------------------------------------------------------
+
+def ring_factor(kind: OpKind, n: sp.Expr) -> sp.Expr:
+    """Bytes one device sends per byte of the full tensor, ring algorithms (semantics.md 2)."""
+    match kind:
+        case OpKind.ALL_REDUCE:
+            return 2 * (n - 1) / n
+        case OpKind.REDUCE_SCATTER | OpKind.ALL_GATHER | OpKind.ALL_TO_ALL | OpKind.BROADCAST:
+            return (n - 1) / n
+        case OpKind.SEND_RECV:
+            return sp.Integer(1)
+        case _:
+            raise AssertionError(kind)
+
+
+def paper_factor(kind: OpKind) -> sp.Expr:
+    """The ZeRO paper's convention: (d-1)/d dropped; an all-reduce moves 2x, the others 1x."""
+    return sp.Integer(2) if kind is OpKind.ALL_REDUCE else sp.Integer(1)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One collective of the step program with its per-device volume."""
+
+    kind: OpKind
+    axis: Axis
+    state: State
+    group: Group
+    phase: str
+    elements: sp.Expr  # per call: elements of the full tensor along the axis
+    count: sp.Expr  # calls per step
+    participants: sp.Expr
+    bytes: sp.Expr  # per device per step, ring algorithm
+    paper_elements: sp.Expr  # ZeRO-paper units: elements x (2 for all-reduce, else 1) x count
+
+
+def communication(program: StepProgram, precision: Precision) -> tuple[Traffic, ...]:
+    out: list[Traffic] = []
+    pl = program.placement
+    for op in program.ops:
+        if not op.kind.is_collective or op.axis is None:
+            continue
+        n = op.participants if op.participants is not None else pl.degree(op.axis)
+        nbytes = precision.wire_bytes_of(op.state)
+        volume = sp.nsimplify(op.elements * nbytes * ring_factor(op.kind, n) * op.count)
+        paper = sp.nsimplify(op.elements * paper_factor(op.kind) * op.count)
+        out.append(Traffic(op.kind, op.axis, op.state, op.group, op.phase.value, op.elements, op.count,
+                           n, volume, paper))
+    return tuple(out)
+
+
+def transfers(program: StepProgram, precision: Precision) -> tuple[tuple[str, State, Group, str, sp.Expr], ...]:
+    """Host-device (PCIe) transfers, counted apart from network collectives: bytes per step."""
+    out = []
+    for op in program.ops:
+        if op.kind.is_transfer:
+            out.append((op.kind.value, op.state, op.group, op.phase.value,
+                        sp.nsimplify(op.elements * precision.bytes_of(op.state) * op.count)))
+    return tuple(out)
+
+
+def total_bytes(traffic: tuple[Traffic, ...]) -> sp.Expr:
+    return sp.nsimplify(sum((t.bytes for t in traffic), sp.Integer(0)))
+
+
+def model_state_paper_units(traffic: tuple[Traffic, ...]) -> sp.Expr:
+    """Elements of model-state collectives in the ZeRO paper's units (divide by Psi for Psi)."""
+    return sp.nsimplify(sum((t.paper_elements for t in traffic if t.state is not State.ACTIVATIONS),
+                            sp.Integer(0)))
+
+
+def bubble_fraction(pl: Placement) -> sp.Expr:
+    """Pipeline bubble: (p-1)/m for 1F1B and GPipe, (p-1)/(v m) interleaved (PTD-P 2.2)."""
+    p = pl.degree(Axis.PP)
+    m = sp.Integer(pl.options.micro_batches)
+    if Axis.PP not in pl.axes:
+        return sp.Integer(0)
+    if pl.options.schedule is Schedule.INTERLEAVED:
+        return (p - 1) / (sp.Integer(pl.options.chunks) * m)
+    return (p - 1) / m

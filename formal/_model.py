@@ -1,0 +1,236 @@
+"""Model and precision descriptions, and the exact size of every tensor group.
+
+Sizes are sympy expressions in the model's symbols so the same formula serves symbolic proofs
+(``sizes(symbolic=True)``) and exact integers for a concrete model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+import sympy as sp
+
+from formal._vocab import (
+    ATTENTION, ATTN_SCORES, EMBEDDING, EXPERTS, FINAL_NORM, HEAD, LAYER_IO, LINEAR_INNER, MLP,
+    NORM, POSITION, ROUTER, ROW_BIAS, WEIGHTS, Group, State,
+)
+from formal.errors import ModelError
+
+# Symbols of the model (Megatron / Korthikanti notation).
+L, h, a, s, b, V = sp.symbols("L h a s b V", positive=True, integer=True)
+PSI = sp.Symbol("Psi", positive=True, integer=True)  # a bare parameter count (ZeRO notation)
+
+MAX_PARAMETERS = 10**15  # a quadrillion parameters: beyond this a count is a typo, not a model
+
+
+class Ffn(StrEnum):
+    GELU = "gelu"  # two matrices h->f->h (GPT, Megatron)
+    SWIGLU = "swiglu"  # three matrices (Llama, Mixtral)
+
+
+class Norm(StrEnum):
+    LAYERNORM = "layernorm"  # weight and bias: 2h
+    RMSNORM = "rmsnorm"  # weight only: h
+
+
+@dataclass(frozen=True)
+class Transformer:
+    """A decoder-only transformer. ``micro_batch`` is per data-parallel replica (Megatron's b)."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+    micro_batch: int = 1
+    kv_heads: int | None = None  # None: multi-head attention (kv_heads == heads)
+    ffn: int | None = None  # None: 4 * hidden
+    ffn_kind: Ffn = Ffn.GELU
+    norm: Norm = Norm.LAYERNORM
+    bias: bool = True
+    learned_positions: bool = True
+    tied_embeddings: bool = True
+    final_norm: bool = True
+    experts: int = 0  # 0: dense; otherwise experts per MoE layer (every layer)
+    top_k: int = 0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for fname in ("layers", "hidden", "heads", "vocab", "seq", "micro_batch"):
+            value = getattr(self, fname)
+            if not isinstance(value, int) or value <= 0:
+                raise ModelError(f"{fname}={value!r}: must be a positive integer")
+        if self.hidden % self.heads:
+            raise ModelError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
+        kv = self.kv_heads_
+        if kv <= 0 or self.heads % kv:
+            raise ModelError(f"kv_heads={kv}: must divide heads={self.heads}")
+        if self.experts < 0 or (self.experts and not 0 < self.top_k <= self.experts):
+            raise ModelError(f"experts={self.experts}, top_k={self.top_k}: need 0 < top_k <= experts")
+        if self.parameter_count() > MAX_PARAMETERS:
+            raise ModelError(f"{self.name}: {self.parameter_count():.3e} parameters is absurd")
+
+    @property
+    def kv_heads_(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def ffn_(self) -> int:
+        return 4 * self.hidden if self.ffn is None else self.ffn
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    def group_elements(self) -> dict[Group, int]:
+        """Parameter elements of every group, summed over all layers (exact integers)."""
+        hid, f, hd = self.hidden, self.ffn_, self.head_dim
+        qkv_out = self.heads * hd + 2 * self.kv_heads_ * hd
+        attention = hid * qkv_out + self.heads * hd * hid + (qkv_out if self.bias else 0)
+        if self.ffn_kind is Ffn.GELU:
+            mlp_one = 2 * hid * f + (f if self.bias else 0)
+        else:
+            mlp_one = 3 * hid * f + (2 * f if self.bias else 0)
+        norm_one = 2 * hid if self.norm is Norm.LAYERNORM else hid
+        out: dict[Group, int] = {
+            ATTENTION: self.layers * attention,
+            ROW_BIAS: self.layers * (2 * hid if self.bias else 0),
+            NORM: self.layers * 2 * norm_one,
+            FINAL_NORM: norm_one if self.final_norm else 0,
+            EMBEDDING: self.vocab * hid,
+            POSITION: self.seq * hid if self.learned_positions else 0,
+            HEAD: 0 if self.tied_embeddings else self.vocab * hid,
+        }
+        if self.is_moe:
+            out[EXPERTS] = self.layers * self.experts * mlp_one
+            out[ROUTER] = self.layers * hid * self.experts
+        else:
+            out[MLP] = self.layers * mlp_one
+        return {g: n for g, n in out.items() if n}
+
+    def parameter_count(self) -> int:
+        return sum(self.group_elements().values())
+
+    def activation_bytes_per_layer(self) -> dict[Group, sp.Expr]:
+        """Activation bytes of one layer for one micro-batch, by group, before any parallelism.
+
+        Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+        Models"), section 4.1: 16-bit activations and 1-byte dropout masks; per layer
+        ``sbh(34 + 5as/h)`` split as 10sbh (replicated by TP), 24sbh (split by TP) and
+        5as^2b (attention scores, split by TP). ``b`` here is the micro-batch of one replica.
+        """
+        sbh = sp.Integer(self.seq * self.micro_batch * self.hidden)
+        return {
+            LAYER_IO: 10 * sbh,
+            LINEAR_INNER: 24 * sbh,
+            ATTN_SCORES: sp.Integer(5 * self.heads * self.seq**2 * self.micro_batch),
+        }
+
+    def with_micro_batch(self, micro_batch: int) -> Transformer:
+        return replace(self, micro_batch=micro_batch)
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    """A model given only by its parameter count: activations are unknown, not zero."""
+
+    parameters: int
+    name: str = ""
+    micro_batch: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.parameters, int) or self.parameters <= 0:
+            raise ModelError(f"--params {self.parameters!r}: must be a positive integer")
+        if self.parameters > MAX_PARAMETERS:
+            raise ModelError(f"--params {self.parameters:.3e}: absurd (over {MAX_PARAMETERS:.0e})")
+
+    @property
+    def is_moe(self) -> bool:
+        return False
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return False
+
+    def group_elements(self) -> dict[Group, int]:
+        return {WEIGHTS: self.parameters}
+
+    def parameter_count(self) -> int:
+        return self.parameters
+
+    def with_micro_batch(self, micro_batch: int) -> ParameterCount:
+        return replace(self, micro_batch=micro_batch)
+
+
+Model = Transformer | ParameterCount
+
+
+def megatron_parameter_count(layers: int, hidden: int, vocab: int, seq: int) -> sp.Expr:
+    """Narayanan et al. 2021 (PTD-P), section 5.1: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12lh))."""
+    lh = sp.Integer(layers), sp.Integer(hidden)
+    l_, h_ = lh
+    return 12 * l_ * h_**2 * (1 + sp.Rational(13, 12) / h_ + sp.Integer(vocab + seq) / (12 * l_ * h_))
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each state (a recipe is data, not code).
+
+    ``gradients`` counts every gradient copy a recipe keeps (DeepSpeed keeps fp16 and fp32).
+    """
+
+    name: str
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int = 2  # 16-bit activations (Korthikanti's formulas assume this)
+    gradient_wire: int = 2  # bytes per gradient element sent by reductions
+    source: str = ""
+    description: str = ""
+    extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    def wire_bytes_of(self, state: State) -> int:
+        """Bytes per element a collective moves for a state (gradients may travel narrower)."""
+        return self.gradient_wire if state is State.GRADIENTS else self.bytes_of(state)
+
+    def bytes_of(self, state: State) -> int:
+        match state:
+            case State.PARAMETERS:
+                return self.parameters
+            case State.GRADIENTS:
+                return self.gradients
+            case State.OPTIMIZER:
+                return self.optimizer
+            case State.ACTIVATIONS:
+                return self.activations
+            case _:
+                raise AssertionError(state)
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+
+PRECISIONS: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision("zero", 2, 2, 12, source="Rajbhandari et al., ZeRO (SC'20), section 3.1: K=12",
+                  description="mixed fp16/fp32 Adam: fp16 params and grads, fp32 master+m+v"),
+        Precision("deepspeed", 2, 6, 12,
+                  source="DeepSpeed estimate_zero2_model_states_mem_needs (18 bytes = fp16 and fp32 grads + 12)",
+                  description="fp16 params, fp16+fp32 gradients, fp32 master+Adam"),
+        Precision("megatron", 2, 4, 12, gradient_wire=4,
+                  source="Megatron-LM docs, distributed optimizer: 18 bytes, 6 + 12/d with it",
+                  description="bf16 params, fp32 main grads, fp32 master+Adam"),
+        Precision("fp32", 4, 4, 8, gradient_wire=4, description="pure fp32 Adam: params, grads, m, v"),
+        Precision("sgd-momentum", 4, 4, 4, gradient_wire=4, description="fp32 SGD with momentum"),
+        Precision("fp32-sgd", 4, 4, 0, activations=4, gradient_wire=4, description="fp32 plain SGD (no optimizer state)"),
+    )
+}
+DEFAULT_PRECISION = PRECISIONS["zero"]

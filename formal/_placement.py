@@ -1,0 +1,191 @@
+"""Placements: the mode of every tensor group of every state along every mesh axis.
+
+A ``Strategy`` is one axis's placement (plus what the computation along that axis splits); a
+``Composition`` is strategies on distinct axes plus axis-free modifiers (recomputation,
+offload, pipeline schedule). ``Composition.placement(model)`` produces the one ``Placement``
+that the step program, the cost model, the z3 encoding, the simulator and the reports read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import sympy as sp
+
+from formal._vocab import (
+    ACTIVATION_GROUPS, EMBEDDING, Axis, Group, Mode, State,
+)
+
+Key = tuple[State, Group]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """The placement of one state group along one axis.
+
+    ``offset``: shard ``k`` of the state lives on axis coordinate ``(k + offset) mod d``; P, O
+    and G of one group must agree on it (alignment). ``keep_gathered``: an ``S*`` state that
+    is gathered once per micro-batch and held through backward (FSDP shard-grad-op,
+    ``reshard_after_forward=False``) instead of gathered for each use.
+    """
+
+    mode: Mode
+    offset: int = 0
+    keep_gathered: bool = False
+
+    def __str__(self) -> str:
+        extra = ""
+        if self.offset:
+            extra += f"@{self.offset}"
+        if self.keep_gathered:
+            extra += "+hold"
+        return f"{self.mode.value}{extra}"
+
+
+R = Entry(Mode.REPLICATED)
+S = Entry(Mode.SHARDED)
+SG = Entry(Mode.SHARDED_GATHER)
+
+
+class Schedule(StrEnum):
+    """Pipeline schedules (Narayanan et al. 2021, section 2.2)."""
+
+    ONE_F_ONE_B = "1f1b"
+    GPIPE = "gpipe"
+    INTERLEAVED = "interleaved"
+
+
+class Recompute(StrEnum):
+    """Activation recomputation (Korthikanti et al. 2022)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One axis's placement.
+
+    ``entries`` maps (state, group) to an ``Entry``; a ``None`` group is the default for that
+    state. ``compute_sharded``: groups whose computation is itself split along the axis (TP's
+    matrices, PP's layers, EP's experts), so a sharded copy is used locally without a gather.
+    """
+
+    name: str
+    axis: Axis
+    degree: int | None
+    entries: tuple[tuple[tuple[State, Group | None], Entry], ...]
+    compute_sharded: frozenset[Group] | None = frozenset()  # None: every group (PP)
+    description: str = field(default="", compare=False)
+    source: str = field(default="", compare=False)
+
+    def entry(self, state: State, group: Group) -> Entry:
+        table = dict(self.entries)
+        if (state, group) in table:
+            return table[(state, group)]
+        if (state, None) in table:
+            return table[(state, None)]
+        return R
+
+    def computes_sharded(self, group: Group) -> bool:
+        return self.compute_sharded is None or group in self.compute_sharded
+
+    def with_degree(self, degree: int | None) -> Strategy:
+        return Strategy(self.name, self.axis, degree, self.entries, self.compute_sharded,
+                        self.description, self.source)
+
+    def with_entry(self, state: State, group: Group | None, entry: Entry) -> Strategy:
+        table = dict(self.entries)
+        table[(state, group)] = entry
+        return Strategy(self.name, self.axis, self.degree, tuple(table.items()),
+                        self.compute_sharded, self.description, self.source)
+
+    def __str__(self) -> str:
+        return self.name if self.degree is None else f"{self.name}{self.degree}"
+
+
+@dataclass(frozen=True)
+class Options:
+    """Axis-free choices of a composition: modifiers in the composition language."""
+
+    sequence_parallel: bool = False
+    recompute: Recompute = Recompute.NONE
+    offload_optimizer: bool = False
+    offload_parameters: bool = False
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    chunks: int = 1  # virtual stages per device (interleaved schedule)
+    micro_batches: int = 1  # per step per data-parallel replica (pipeline or accumulation)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The plan every downstream module reads. Nothing downstream re-derives a placement.
+
+    ``mesh``: axis to degree (ints, or sympy symbols for symbolic derivations).
+    ``modes``: (state, group) to axis to Entry, for every group the model has.
+    ``local``: axis-free modes (``M`` recomputation, ``O`` offload) per (state, group).
+    ``compute_sharded``: per axis, the groups whose computation is split along it.
+    ``tied``: groups used on two pipeline stages (tied embeddings).
+    """
+
+    mesh: tuple[tuple[Axis, sp.Expr], ...]
+    modes: tuple[tuple[Key, tuple[tuple[Axis, Entry], ...]], ...]
+    local: tuple[tuple[Key, Mode], ...]
+    compute_sharded: tuple[tuple[Axis, frozenset[Group]], ...]
+    options: Options
+    tied: frozenset[Group] = frozenset()
+    user_program: bool = False  # the step program is given, not derived (user TOML)
+
+    @property
+    def axes(self) -> tuple[Axis, ...]:
+        return tuple(a for a, _ in self.mesh)
+
+    def degree(self, axis: Axis) -> sp.Expr:
+        return dict(self.mesh).get(axis, sp.Integer(1))
+
+    def keys(self) -> Iterator[Key]:
+        for key, _ in self.modes:
+            yield key
+
+    def groups(self, state: State) -> tuple[Group, ...]:
+        return tuple(g for (st, g) in self.keys() if st is state)
+
+    def entry(self, state: State, group: Group, axis: Axis) -> Entry:
+        row = dict(dict(self.modes)[(state, group)])
+        return row.get(axis, R)
+
+    def mode(self, state: State, group: Group, axis: Axis) -> Mode:
+        return self.entry(state, group, axis).mode
+
+    def local_mode(self, state: State, group: Group) -> Mode | None:
+        return dict(self.local).get((state, group))
+
+    def computes_sharded(self, axis: Axis, group: Group) -> bool:
+        return group in dict(self.compute_sharded).get(axis, frozenset())
+
+    def table(self) -> dict[str, dict[str, str]]:
+        """``{"P.attention": {"dp": "S*", "tp": "S"}, ...}`` for reports and JSON."""
+        out: dict[str, dict[str, str]] = {}
+        for (state, group), row in self.modes:
+            cells = {axis.value: str(e) for axis, e in row}
+            loc = self.local_mode(state, group)
+            if loc is not None:
+                cells["local"] = loc.value
+            out[f"{state.value}.{group.name}"] = cells
+        return out
+
+
+ACTIVATION_KEYS = tuple((State.ACTIVATIONS, g) for g in ACTIVATION_GROUPS)
+
+
+def mapping_of(pairs: Mapping[Axis, sp.Expr] | tuple[tuple[Axis, sp.Expr], ...]) -> dict[Axis, sp.Expr]:
+    return dict(pairs.items()) if isinstance(pairs, Mapping) else dict(pairs)
+
+
+__all__ = [
+    "EMBEDDING", "Entry", "Key", "Options", "Placement", "R", "Recompute", "S", "SG", "Schedule",
+    "Strategy",
+]

@@ -1,0 +1,376 @@
+"""The step program: the ordered collectives, transfers and local steps of one training step.
+
+Derived from a ``Placement`` alone (semantics.md section 3). The cost model, the z3 encoding
+and the simulator all read this one program; none of them re-derives it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+import sympy as sp
+
+from formal._model import Model, Transformer
+from formal._placement import Entry, Placement, Recompute, Schedule
+from formal._vocab import (
+    EMBEDDING, EXPERTS, FINAL_NORM, FIRST_STAGE_GROUPS, LAST_STAGE_GROUPS, LAYER_GROUPS, LAYER_IO,
+    LINEAR_INNER, NORM, ROUTER, ROW_BIAS, Axis, Group, Mode, OpKind, Phase, Reduce, State,
+)
+
+P, O, G, A = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS, State.ACTIVATIONS
+
+# Parameter groups applied inside the sequence-parallel region: with sequence parallelism
+# their inputs are split along the sequence across tp, so their gradients are partial sums
+# there (Korthikanti et al. 2022 section 4.2.2; Megatron-LM issue #1446 when forgotten).
+SEQUENCE_REGION_GROUPS: frozenset[Group] = frozenset({NORM, ROW_BIAS, FINAL_NORM, ROUTER})
+
+
+class Origin(StrEnum):
+    """What one device holds of a gradient along one axis right after backward."""
+
+    COMPLETE = "complete"  # the value itself (contributions not split along the axis)
+    PARTIAL = "partial"  # a summand: device i holds contribution i
+    SUMMED = "summed"  # every device holds the sum of all contributions, each locally normalised
+
+
+@dataclass(frozen=True)
+class Op:
+    """One step of a step program.
+
+    ``elements``: elements of the whole tensor the op acts on along its axis, as seen by one
+    device (already divided by the other axes' shards); ``count``: times per training step;
+    ``participants``: devices in the collective (the axis degree unless fewer take part, as the
+    first and last stage for tied embeddings); ``offset``: the shard partition a
+    reduce-scatter, all-gather or optimizer step uses; ``full``: for a COMPUTE read, the axes
+    along which the read needs the whole tensor.
+    """
+
+    kind: OpKind
+    state: State
+    group: Group
+    axis: Axis | None
+    phase: Phase
+    elements: sp.Expr = sp.Integer(0)
+    count: sp.Expr = sp.Integer(1)
+    reduce: Reduce | None = None
+    participants: sp.Expr | None = None
+    offset: int = 0
+    scale: sp.Expr | None = None
+    full: frozenset[Axis] = frozenset()
+    note: str = field(default="", compare=False)
+
+    def __str__(self) -> str:
+        where = f", {self.axis.value}" if self.axis is not None else ""
+        extra = f", {self.reduce.value}" if self.reduce is not None else ""
+        if self.offset:
+            extra += f", offset {self.offset}"
+        if self.scale is not None:
+            extra += f", x{self.scale}"
+        return f"{self.phase.value}: {self.kind.value}({self.state.value}.{self.group.name}{where}{extra}) x{self.count}"
+
+
+@dataclass(frozen=True)
+class StepProgram:
+    """A placement's step program. ``origins``: per (group, axis) the gradient after backward."""
+
+    placement: Placement
+    ops: tuple[Op, ...]
+    origins: tuple[tuple[tuple[Group, Axis], Origin], ...]
+    derived: bool = True  # False when given by the user (TOML) or mutated
+
+    def origin(self, group: Group, axis: Axis) -> Origin:
+        return dict(self.origins).get((group, axis), Origin.COMPLETE)
+
+    def with_ops(self, ops: Iterable[Op]) -> StepProgram:
+        return replace(self, ops=tuple(ops), derived=False)
+
+    def collectives(self) -> tuple[Op, ...]:
+        return tuple(op for op in self.ops if op.kind.is_collective)
+
+
+def group_sizes(model: Model) -> dict[Group, sp.Expr]:
+    return {g: sp.Integer(n) for g, n in model.group_elements().items()}
+
+
+def pipeline_factor(group: Group, entry: Entry, p: sp.Expr, stage: str) -> sp.Expr:
+    """Memory factor along pp on a stage (``first``, ``last`` or ``middle``).
+
+    Layers are split evenly (1/p); first-stage groups live on stage 0 only, last-stage groups on
+    stage p-1 only; a tied embedding (``R`` along pp) on both.
+    """
+    if entry.mode is Mode.REPLICATED and group not in LAYER_GROUPS:
+        return sp.Integer(1) if stage in ("first", "last") or p == 1 else sp.Integer(0)
+    if entry.mode in (Mode.OFFLOADED, Mode.MATERIALIZED):
+        return sp.Integer(0)
+    if entry.mode is Mode.REPLICATED:
+        return sp.Integer(1)
+    if group in FIRST_STAGE_GROUPS:
+        return sp.Integer(1) if stage == "first" or p == 1 else sp.Integer(0)
+    if group in LAST_STAGE_GROUPS:
+        return sp.Integer(1) if stage == "last" or p == 1 else sp.Integer(0)
+    return 1 / p
+
+
+def axis_factor(entry: Entry, d: sp.Expr) -> sp.Expr:
+    """Persistent memory factor of one mode along one (non-pipeline) axis (semantics table)."""
+    match entry.mode:
+        case Mode.REPLICATED:
+            return sp.Integer(1)
+        case Mode.SHARDED | Mode.SHARDED_GATHER:
+            return 1 / d
+        case Mode.MATERIALIZED | Mode.OFFLOADED:
+            return sp.Integer(0)
+        case _:
+            raise AssertionError(entry)
+
+
+def owner_stage(group: Group) -> str:
+    if group in FIRST_STAGE_GROUPS:
+        return "first"
+    if group in LAST_STAGE_GROUPS:
+        return "last"
+    return "first"
+
+
+def shard_elements(pl: Placement, state: State, group: Group, size: sp.Expr, skip: Axis | None,
+                   stage: str | None = None) -> sp.Expr:
+    """Elements one device holds of (state, group), ignoring axis ``skip`` and axis-free modes.
+
+    Offloaded/materialized along an axis count as their shard (what would be held).
+    """
+    stage = stage or owner_stage(group)
+    out = size
+    for axis, d in pl.mesh:
+        if axis is skip:
+            continue
+        entry = pl.entry(state, group, axis)
+        if entry.mode in (Mode.OFFLOADED, Mode.MATERIALIZED):
+            entry = Entry(Mode.REPLICATED)
+        if axis is Axis.PP:
+            out = out * pipeline_factor(group, entry, d, stage)
+        else:
+            out = out * axis_factor(entry, d)
+    return sp.nsimplify(out)
+
+
+def gradient_origins(pl: Placement) -> dict[tuple[Group, Axis], Origin]:
+    """Per parameter group and axis: is its gradient partial after backward? (rule 2)."""
+    out: dict[tuple[Group, Axis], Origin] = {}
+    for group in pl.groups(P):
+        for axis in pl.axes:
+            out[(group, axis)] = _origin(pl, group, axis)
+    return out
+
+
+def _origin(pl: Placement, group: Group, axis: Axis) -> Origin:
+    match axis:
+        case Axis.DP | Axis.DPR | Axis.CP:
+            return Origin.PARTIAL
+        case Axis.EP:
+            # Tokens are split along ep; an expert receives (all-to-all) the tokens of every
+            # rank, each rank's loss normalised by its own batch: the sum of all contributions.
+            return Origin.SUMMED if pl.computes_sharded(axis, group) else Origin.PARTIAL
+        case Axis.TP:
+            seq_split = (A, LAYER_IO) in set(pl.keys()) and pl.mode(A, LAYER_IO, Axis.TP).is_sharded
+            if seq_split and group in SEQUENCE_REGION_GROUPS and not pl.computes_sharded(axis, group):
+                return Origin.PARTIAL
+            return Origin.COMPLETE
+        case Axis.PP:
+            return Origin.PARTIAL if group in pl.tied else Origin.COMPLETE
+        case _:
+            raise AssertionError(axis)
+
+
+def derive_program(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr] | None = None) -> StepProgram:
+    """Derive the step program of a placement, in order:
+
+    1. forward, per micro-batch: gather ``S*`` parameters, fetch offloaded ones, read them,
+       activation collectives (TP, CP, EP, PP sends);
+    2. backward, per micro-batch: gather again unless held, read, activation collectives;
+    3. gradient synchronisation: reduce every partial gradient along its axes (reduce-scatter
+       where G is sharded, all-reduce where replicated; mean along data axes, sum otherwise),
+       scale summed expert gradients, copy offloaded gradients to the host;
+    4. the optimizer step on the optimizer's shards;
+    5. refresh: all-gather replicated parameters updated from sharded optimizer state, copy
+       host-updated parameters back.
+    """
+    sizes = dict(sizes) if sizes is not None else group_sizes(model)
+    m = sp.Integer(pl.options.micro_batches)
+    origins = gradient_origins(pl)
+    ops: list[Op] = []
+    groups = pl.groups(P)
+    act = _ActivationOps(pl, model, m)
+    # 1. forward
+    for g in groups:
+        ops += _fetch_parameters(pl, g, sizes[g], m, Phase.FORWARD)
+    ops += act.forward()
+    # 2. backward
+    for g in groups:
+        ops += _fetch_parameters(pl, g, sizes[g], m, Phase.BACKWARD)
+    ops += act.backward()
+    # 3. gradient synchronisation
+    for g in groups:
+        ops += _sync_gradients(pl, g, sizes[g], m, origins)
+    # 4. optimizer step
+    for g in groups:
+        entry_axes = [(axis, pl.entry(O, g, axis)) for axis in pl.axes]
+        offset = max((e.offset for _, e in entry_axes if e.mode.is_sharded), default=0)
+        ops.append(Op(OpKind.OPTIMIZER_STEP, O, g, None, Phase.OPTIMIZER,
+                      shard_elements(pl, O, g, sizes[g], None), offset=offset))
+    # 5. refresh
+    for g in groups:
+        ops += _refresh_parameters(pl, g, sizes[g])
+    return StepProgram(pl, tuple(ops), tuple(origins.items()))
+
+
+def _fetch_parameters(pl: Placement, g: Group, size: sp.Expr, m: sp.Expr, phase: Phase) -> list[Op]:
+    ops: list[Op] = []
+    for axis in pl.axes:
+        entry = pl.entry(P, g, axis)
+        if entry.mode is Mode.SHARDED_GATHER and not (phase is Phase.BACKWARD and entry.keep_gathered):
+            ops.append(Op(OpKind.ALL_GATHER, P, g, axis, phase, shard_elements(pl, P, g, size, axis),
+                          m, offset=entry.offset, note="gather before use"))
+    if pl.local_mode(P, g) is Mode.OFFLOADED:
+        ops.append(Op(OpKind.HOST_TO_DEVICE, P, g, None, phase, shard_elements(pl, P, g, size, None), m,
+                      note="fetch offloaded parameters"))
+    full = frozenset(axis for axis in pl.axes if not pl.computes_sharded(axis, g))
+    ops.append(Op(OpKind.COMPUTE, P, g, None, phase, count=m, full=full))
+    return ops
+
+
+def _sync_gradients(pl: Placement, g: Group, size: sp.Expr, m: sp.Expr,
+                    origins: Mapping[tuple[Group, Axis], Origin]) -> list[Op]:
+    scatter: list[Op] = []
+    reduce: list[Op] = []
+    # Without a full-size accumulator (G sharded along a data axis) each micro-batch's
+    # gradient is reduce-scattered as it is produced (ZeRO-2/3 under gradient accumulation).
+    per_micro_batch = any(pl.mode(G, g, axis) is Mode.SHARDED and origins[(g, axis)] is Origin.PARTIAL
+                          for axis in pl.axes)
+    count = m if per_micro_batch else sp.Integer(1)
+    for axis in pl.axes:
+        origin = origins[(g, axis)]
+        d = pl.degree(axis)
+        if origin is Origin.SUMMED:
+            reduce.append(Op(OpKind.SCALE, G, g, axis, Phase.GRAD_SYNC, scale=1 / d,
+                             note="normalise a gradient summed over the axis"))
+            continue
+        if origin is not Origin.PARTIAL:
+            continue
+        how = Reduce.MEAN if axis.splits_data else Reduce.SUM
+        entry = pl.entry(G, g, axis)
+        elements = shard_elements(pl, G, g, size, axis)
+        participants = sp.Integer(2) if axis is Axis.PP else None
+        if entry.mode.is_sharded:
+            scatter.append(Op(OpKind.REDUCE_SCATTER, G, g, axis, Phase.GRAD_SYNC, elements, count, how,
+                              offset=entry.offset))
+        else:
+            reduce.append(Op(OpKind.ALL_REDUCE, G, g, axis, Phase.GRAD_SYNC, elements, count, how,
+                             participants=participants))
+    ops = scatter + reduce
+    if pl.local_mode(G, g) is Mode.OFFLOADED:
+        ops.append(Op(OpKind.DEVICE_TO_HOST, G, g, None, Phase.GRAD_SYNC, shard_elements(pl, G, g, size, None),
+                      note="gradients to the host optimizer"))
+    return ops
+
+
+def _refresh_parameters(pl: Placement, g: Group, size: sp.Expr) -> list[Op]:
+    ops: list[Op] = []
+    for axis in pl.axes:
+        p_entry, o_entry = pl.entry(P, g, axis), pl.entry(O, g, axis)
+        if p_entry.mode is Mode.REPLICATED and o_entry.mode.is_sharded:
+            ops.append(Op(OpKind.ALL_GATHER, P, g, axis, Phase.REFRESH, shard_elements(pl, P, g, size, axis),
+                          offset=o_entry.offset, note="refresh replicas after a sharded update"))
+    if pl.local_mode(O, g) is Mode.OFFLOADED and pl.local_mode(P, g) is not Mode.OFFLOADED:
+        ops.append(Op(OpKind.HOST_TO_DEVICE, P, g, None, Phase.REFRESH, shard_elements(pl, O, g, size, None),
+                      note="updated parameters back from the host"))
+    return ops
+
+
+class _ActivationOps:
+    """Collectives on activations (per layer, per micro-batch), from the activation placement."""
+
+    def __init__(self, pl: Placement, model: Model, m: sp.Expr) -> None:
+        self.pl, self.model, self.m = pl, model, m
+        self.enabled = isinstance(model, Transformer)
+
+    def _layers_per_stage(self) -> sp.Expr:
+        assert isinstance(self.model, Transformer)
+        return sp.Integer(self.model.layers) / self.pl.degree(Axis.PP)
+
+    def _tensor(self, group: Group, skip: Axis, per_token: sp.Expr) -> sp.Expr:
+        """Elements of one activation tensor of one micro-batch on one device (bsh-sized)."""
+        assert isinstance(self.model, Transformer)
+        out: sp.Expr = sp.Integer(self.model.seq * self.model.micro_batch) * per_token
+        for axis, d in self.pl.mesh:
+            if axis in (skip, Axis.PP) or axis in (Axis.DP, Axis.DPR, Axis.EP):
+                continue  # b is already one replica's micro-batch; pp splits layers, not tensors
+            out = out * axis_factor(self.pl.entry(A, group, axis), d)
+        return sp.nsimplify(out)
+
+    def _tp_ops(self, phase: Phase, recompute_again: bool) -> list[Op]:
+        t = self.pl.degree(Axis.TP)
+        if Axis.TP not in self.pl.axes or t == 1:
+            return []
+        assert isinstance(self.model, Transformer)
+        per_layer = self._layers_per_stage() * self.m
+        if recompute_again:
+            per_layer = 2 * per_layer  # full recomputation replays the forward's collectives
+        bsh = self._tensor(LAYER_IO, Axis.TP, sp.Integer(self.model.hidden))
+        if self.pl.mode(A, LAYER_IO, Axis.TP).is_sharded:
+            # Sequence parallelism: all-gather before, reduce-scatter after, each block
+            # (Korthikanti et al. 2022 section 4.2.2): same volume as the all-reduces.
+            full = bsh * t
+            return [Op(OpKind.ALL_GATHER, A, LAYER_IO, Axis.TP, phase, full, 2 * per_layer),
+                    Op(OpKind.REDUCE_SCATTER, A, LAYER_IO, Axis.TP, phase, full, 2 * per_layer, Reduce.SUM)]
+        # Megatron: f/g operators, one all-reduce per attention and per MLP block each way.
+        return [Op(OpKind.ALL_REDUCE, A, LAYER_IO, Axis.TP, phase, bsh, 2 * per_layer, Reduce.SUM)]
+
+    def _cp_ops(self, phase: Phase) -> list[Op]:
+        if Axis.CP not in self.pl.axes or self.pl.degree(Axis.CP) == 1:
+            return []
+        assert isinstance(self.model, Transformer)
+        kv = sp.Integer(2 * self.model.kv_heads_ * self.model.head_dim)
+        full = self._tensor(LINEAR_INNER, Axis.CP, kv)
+        kind = OpKind.ALL_GATHER if phase is Phase.FORWARD else OpKind.REDUCE_SCATTER
+        reduce = None if phase is Phase.FORWARD else Reduce.SUM
+        return [Op(kind, A, LINEAR_INNER, Axis.CP, phase, full, self._layers_per_stage() * self.m, reduce,
+                   note="keys and values across the context-parallel group")]
+
+    def _ep_ops(self, phase: Phase) -> list[Op]:
+        if Axis.EP not in self.pl.axes or self.pl.degree(Axis.EP) == 1:
+            return []
+        assert isinstance(self.model, Transformer)
+        tokens = self._tensor(LAYER_IO, Axis.EP, sp.Integer(self.model.hidden * max(self.model.top_k, 1)))
+        return [Op(OpKind.ALL_TO_ALL, A, LAYER_IO, Axis.EP, phase, tokens, 2 * self._layers_per_stage() * self.m,
+                   note="token dispatch and combine")]
+
+    def _pp_ops(self, phase: Phase) -> list[Op]:
+        p = self.pl.degree(Axis.PP)
+        if Axis.PP not in self.pl.axes or p == 1:
+            return []
+        assert isinstance(self.model, Transformer)
+        chunks = sp.Integer(self.pl.options.chunks if self.pl.options.schedule is Schedule.INTERLEAVED else 1)
+        bsh = self._tensor(LAYER_IO, Axis.PP, sp.Integer(self.model.hidden))
+        return [Op(OpKind.SEND_RECV, A, LAYER_IO, Axis.PP, phase, bsh, self.m * chunks,
+                   note="activation (forward) or its gradient (backward) to the next stage")]
+
+    def forward(self) -> list[Op]:
+        if not self.enabled:
+            return []
+        ph = Phase.FORWARD
+        return self._tp_ops(ph, False) + self._cp_ops(ph) + self._ep_ops(ph) + self._pp_ops(ph)
+
+    def backward(self) -> list[Op]:
+        if not self.enabled:
+            return []
+        ph = Phase.BACKWARD
+        again = self.pl.options.recompute is Recompute.FULL
+        return self._tp_ops(ph, again) + self._cp_ops(ph) + self._ep_ops(ph) + self._pp_ops(ph)
+
+
+__all__ = [
+    "EMBEDDING", "EXPERTS", "Op", "Origin", "SEQUENCE_REGION_GROUPS", "StepProgram", "derive_program",
+    "gradient_origins", "group_sizes", "shard_elements",
+]

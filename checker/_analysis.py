@@ -11,8 +11,15 @@ from dataclasses import dataclass
 import sympy as sp
 
 from formal._costs import (
-    Memory, Traffic, bubble_fraction, communication, in_flight_micro_batches, model_state_paper_units,
-    most_loaded, total_bytes, transfers,
+    Memory,
+    Traffic,
+    bubble_fraction,
+    communication,
+    in_flight_micro_batches,
+    model_state_paper_units,
+    most_loaded,
+    total_bytes,
+    transfers,
 )
 from formal._model import Model, Precision
 from formal._placement import Placement
@@ -54,7 +61,7 @@ class Analysis:
 
     @property
     def in_flight(self) -> sp.Expr:
-        return in_flight_micro_batches(self.placement)
+        return in_flight_micro_batches(self.placement, self.memory.stage)  # of the most-loaded stage
 
 
 def analyze(composition: Composition, model: Model, precision: Precision,

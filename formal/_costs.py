@@ -17,7 +17,14 @@ from formal._model import Model, Precision, Transformer
 from formal._placement import Entry, Placement, Recompute, Schedule
 from formal._program import StepProgram, axis_factor, pipeline_factor, shard_elements
 from formal._vocab import (
-    ACTIVATION_GROUPS, LAYER_GROUPS, MODEL_STATES, Axis, Group, Mode, OpKind, State,
+    ACTIVATION_GROUPS,
+    LAYER_GROUPS,
+    MODEL_STATES,
+    Axis,
+    Group,
+    Mode,
+    OpKind,
+    State,
 )
 
 STAGES = ("first", "middle", "last")
@@ -105,23 +112,31 @@ def host_memory(pl: Placement, sizes: Mapping[Group, sp.Expr], precision: Precis
     return sp.nsimplify(total)
 
 
-def in_flight_micro_batches(pl: Placement) -> sp.Expr:
-    """Micro-batches whose activations the first stage holds at its peak.
+def in_flight_micro_batches(pl: Placement, stage: str = "first") -> sp.Expr:
+    """Micro-batches whose activations a pipeline stage holds at its peak (in whole-stage units).
 
-    1F1B: min(p, m) (Narayanan et al. 2021, section 2.2); GPipe: m; interleaved:
-    min(p, m) x (1 + (p-1)/(p v)) (Korthikanti et al. 2022, section 4.2.3). No pipeline: 1.
+    First stage (the most loaded; also used for ``middle`` as an upper bound): 1F1B
+    min(p, m) (Narayanan et al. 2021, section 2.2); GPipe m; interleaved
+    min(p, m) x (1 + (p-1)/(p v)) (Korthikanti et al. 2022, section 4.2.3). Last stage: 1F1B
+    runs one forward then one backward, so 1; GPipe m; interleaved: Megatron-LM's
+    ``forward_backward_pipelining_with_interleaving`` warms up (p - rank - 1) * 2 + (v-1) * p
+    chunk-micro-batches, so rank p-1 holds min(m v, (v-1) p + 1) chunks of 1/v of its layers
+    (for rank 0 the same count gives Korthikanti's formula). No pipeline: 1.
     """
     p = pl.degree(Axis.PP)
-    m = sp.Integer(pl.options.micro_batches)
+    m = sp.sympify(pl.options.micro_batches)  # a symbol in the planner's derivations
     if Axis.PP not in pl.axes or p == 1:
         return sp.Integer(1)
+    last = stage == "last"
     match pl.options.schedule:
         case Schedule.GPIPE:
             return m
         case Schedule.ONE_F_ONE_B:
-            return sp.Min(p, m)
+            return sp.Integer(1) if last else sp.Min(p, m)
         case Schedule.INTERLEAVED:
             v = sp.Integer(pl.options.chunks)
+            if last:
+                return sp.Min(m * v, (v - 1) * p + 1) / v
             return sp.Min(p, m) * (1 + (p - 1) / (p * v))
         case _:
             raise AssertionError(pl.options.schedule)
@@ -142,7 +157,7 @@ def activation_memory(pl: Placement, model: Model, precision: Precision, stage: 
         # Korthikanti Table 2, full recomputation: each layer's input, 2sbh bytes, is kept.
         total += 2 * sp.Integer(model.seq * model.micro_batch * model.hidden) * _cp_factor(pl)
     scale = sp.Rational(precision.activations, 2)  # Korthikanti counts 16-bit activations
-    return sp.nsimplify(total * layers * in_flight_micro_batches(pl) * scale)
+    return sp.nsimplify(total * layers * in_flight_micro_batches(pl, stage) * scale)
 
 
 def _tensor_factor(pl: Placement, group: Group) -> sp.Expr:
@@ -165,18 +180,21 @@ def buffer_memory(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr], p
     ``S*`` gathered per use: the largest gather unit (one transformer layer's parameters, or
     a non-layer group) held unsharded at a time, without prefetch. ``S*`` held through
     backward (shard-grad-op): every unsharded parameter of the stage minus its shard. ``G``
-    sharded along a data axis: one layer's unsharded gradient before its reduce-scatter.
+    sharded along a data axis: one layer's unsharded gradient (at the wire width it is
+    reduced in) before its reduce-scatter. Together, 2 + 2 bytes per element of the largest
+    layer under ZeRO-3: DeepSpeed's ``largest_layer_memory = 4 * largest_layer_params``
+    (``estimate_zero3_model_states_mem_needs``, deepspeed/runtime/zero/stage3.py).
     Unknown (None) for a model given only by its parameter count, whose layers are unknown.
     """
     layer_count = model.layers if isinstance(model, Transformer) else None
     held: sp.Expr = sp.Integer(0)
     units: dict[str, sp.Expr] = {}
     for state in (State.PARAMETERS, State.GRADIENTS):
-        nbytes = precision.bytes_of(state)
+        nbytes = precision.wire_bytes_of(state)  # the gradient bucket holds the reduced width
         for g in pl.groups(state):
             for axis in pl.axes:
                 entry = pl.entry(state, g, axis)
-                if not _needs_buffer(state, entry):
+                if not _needs_buffer(pl, state, g, axis, entry):
                     continue
                 if layer_count is None:
                     return None
@@ -189,15 +207,23 @@ def buffer_memory(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr], p
                 unit = f"{state.value}:{'layer' if g in LAYER_GROUPS else g.name}"
                 piece = full / (sp.Integer(layer_count) / pp) if g in LAYER_GROUPS else full
                 units[unit] = units.get(unit, sp.Integer(0)) + piece
-    largest = {st: max((v for k, v in units.items() if k.startswith(st.value)), default=sp.Integer(0),
-                       key=lambda e: sp.nsimplify(e)) for st in (State.PARAMETERS, State.GRADIENTS)}
+    # sp.Max, not max(): with symbolic degrees the units may not be comparable (planner, issue 8).
+    largest = {st: sp.Max(sp.Integer(0), *(v for k, v in units.items() if k.startswith(st.value)))
+               for st in (State.PARAMETERS, State.GRADIENTS)}
     return sp.nsimplify(held + sum(largest.values(), sp.Integer(0)))
 
 
-def _needs_buffer(state: State, entry: Entry) -> bool:
-    if state is State.PARAMETERS:
-        return entry.mode is Mode.SHARDED_GATHER
-    return False
+def _needs_buffer(pl: Placement, state: State, group: Group, axis: Axis, entry: Entry) -> bool:
+    """``S*`` parameters need a gather buffer; gradients sharded along an axis whose data is
+    split (ZeRO-2/3, FSDP) need a full-size bucket of one unit before the reduce-scatter."""
+    match state:
+        case State.PARAMETERS:
+            return entry.mode is Mode.SHARDED_GATHER
+        case State.GRADIENTS:
+            return (entry.mode is Mode.SHARDED and axis.splits_data
+                    and not pl.computes_sharded(axis, group))
+        case _:
+            return False
 
 
 def memory(pl: Placement, model: Model, precision: Precision, sizes: Mapping[Group, sp.Expr],
@@ -298,7 +324,7 @@ def model_state_paper_units(traffic: tuple[Traffic, ...]) -> sp.Expr:
 def bubble_fraction(pl: Placement) -> sp.Expr:
     """Pipeline bubble: (p-1)/m for 1F1B and GPipe, (p-1)/(v m) interleaved (PTD-P 2.2)."""
     p = pl.degree(Axis.PP)
-    m = sp.Integer(pl.options.micro_batches)
+    m = sp.sympify(pl.options.micro_batches)  # a symbol in the planner's derivations
     if Axis.PP not in pl.axes:
         return sp.Integer(0)
     if pl.options.schedule is Schedule.INTERLEAVED:

@@ -12,8 +12,22 @@ from enum import StrEnum
 import sympy as sp
 
 from formal._vocab import (
-    ATTENTION, ATTN_SCORES, EMBEDDING, EXPERTS, FINAL_NORM, HEAD, LAYER_IO, LINEAR_INNER, MLP,
-    NORM, POSITION, ROUTER, ROW_BIAS, WEIGHTS, Group, State,
+    ATTENTION,
+    ATTN_SCORES,
+    EMBEDDING,
+    EXPERTS,
+    FINAL_NORM,
+    HEAD,
+    LAYER_IO,
+    LINEAR_INNER,
+    MLP,
+    NORM,
+    POSITION,
+    ROUTER,
+    ROW_BIAS,
+    WEIGHTS,
+    Group,
+    State,
 )
 from formal.errors import ModelError
 
@@ -222,15 +236,25 @@ PRECISIONS: dict[str, Precision] = {
     for p in (
         Precision("zero", 2, 2, 12, source="Rajbhandari et al., ZeRO (SC'20), section 3.1: K=12",
                   description="mixed fp16/fp32 Adam: fp16 params and grads, fp32 master+m+v"),
-        Precision("deepspeed", 2, 6, 12,
-                  source="DeepSpeed estimate_zero2_model_states_mem_needs (18 bytes = fp16 and fp32 grads + 12)",
-                  description="fp16 params, fp16+fp32 gradients, fp32 master+Adam"),
+        # DeepSpeed ZeRO-3 keeps fp16 parameters, one fp32 gradient partition
+        # (grad_partitions_flat_buffer, gradient_accumulation_dtype) and fp32 master+Adam:
+        # 18 bytes, sharded; the fp16 gradients exist only in reduction buckets and travel in
+        # fp16. Source: deepspeed/runtime/zero/stage3.py, estimate_zero3_model_states_mem_needs
+        # (gpu_mem = 4 * largest_layer_params + 18 * total_params / total_gpus).
+        Precision("deepspeed", 2, 4, 12, gradient_wire=2,
+                  source="DeepSpeed stage3.py estimate_zero3_model_states_mem_needs: 18 bytes = 2 + 4 + 12",
+                  description="fp16 params, fp32 gradient partition (fp16 on the wire), fp32 master+Adam"),
         Precision("megatron", 2, 4, 12, gradient_wire=4,
-                  source="Megatron-LM docs, distributed optimizer: 18 bytes, 6 + 12/d with it",
+                  source="Megatron Core docs, Distributed Optimizer: bf16 params, fp32 grads: 18, 6 + 12/d",
                   description="bf16 params, fp32 main grads, fp32 master+Adam"),
+        # The fp32 main gradient lives with the optimizer's partition (4 + 12 = 16 sharded bytes).
+        Precision("megatron-fp16", 2, 2, 16,
+                  source="Megatron Core docs, Distributed Optimizer: fp16 params, fp16 grads: 20, 4 + 16/d",
+                  description="fp16 params and grads; fp32 main grads, master and Adam with the optimizer"),
         Precision("fp32", 4, 4, 8, gradient_wire=4, description="pure fp32 Adam: params, grads, m, v"),
         Precision("sgd-momentum", 4, 4, 4, gradient_wire=4, description="fp32 SGD with momentum"),
-        Precision("fp32-sgd", 4, 4, 0, activations=4, gradient_wire=4, description="fp32 plain SGD (no optimizer state)"),
+        Precision("fp32-sgd", 4, 4, 0, activations=4, gradient_wire=4,
+                  description="fp32 plain SGD (no optimizer state)"),
     )
 }
 DEFAULT_PRECISION = PRECISIONS["zero"]

@@ -15,7 +15,12 @@ from enum import StrEnum
 import sympy as sp
 
 from formal._vocab import (
-    ACTIVATION_GROUPS, EMBEDDING, Axis, Group, Mode, State,
+    ACTIVATION_GROUPS,
+    EMBEDDING,
+    Axis,
+    Group,
+    Mode,
+    State,
 )
 
 Key = tuple[State, Group]

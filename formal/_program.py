@@ -15,11 +15,27 @@ import sympy as sp
 from formal._model import Model, Transformer
 from formal._placement import Entry, Placement, Recompute, Schedule
 from formal._vocab import (
-    EMBEDDING, EXPERTS, FINAL_NORM, FIRST_STAGE_GROUPS, LAST_STAGE_GROUPS, LAYER_GROUPS, LAYER_IO,
-    LINEAR_INNER, NORM, ROUTER, ROW_BIAS, Axis, Group, Mode, OpKind, Phase, Reduce, State,
+    EMBEDDING,
+    EXPERTS,
+    FINAL_NORM,
+    FIRST_STAGE_GROUPS,
+    LAST_STAGE_GROUPS,
+    LAYER_GROUPS,
+    LAYER_IO,
+    LINEAR_INNER,
+    NORM,
+    ROUTER,
+    ROW_BIAS,
+    Axis,
+    Group,
+    Mode,
+    OpKind,
+    Phase,
+    Reduce,
+    State,
 )
 
-P, O, G, A = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS, State.ACTIVATIONS
+P, O, G, A = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS, State.ACTIVATIONS  # noqa: E741 (the paper's P/O/G/A)
 
 # Parameter groups applied inside the sequence-parallel region: with sequence parallelism
 # their inputs are split along the sequence across tp, so their gradients are partial sums
@@ -52,8 +68,8 @@ class Op:
     group: Group
     axis: Axis | None
     phase: Phase
-    elements: sp.Expr = sp.Integer(0)
-    count: sp.Expr = sp.Integer(1)
+    elements: sp.Expr = sp.Integer(0)  # noqa: RUF009 (sympy integers are immutable)
+    count: sp.Expr = sp.Integer(1)  # noqa: RUF009
     reduce: Reduce | None = None
     participants: sp.Expr | None = None
     offset: int = 0
@@ -68,7 +84,8 @@ class Op:
             extra += f", offset {self.offset}"
         if self.scale is not None:
             extra += f", x{self.scale}"
-        return f"{self.phase.value}: {self.kind.value}({self.state.value}.{self.group.name}{where}{extra}) x{self.count}"
+        target = f"{self.state.value}.{self.group.name}{where}{extra}"
+        return f"{self.phase.value}: {self.kind.value}({target}) x{self.count}"
 
 
 @dataclass(frozen=True)
@@ -197,7 +214,7 @@ def derive_program(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr] |
        host-updated parameters back.
     """
     sizes = dict(sizes) if sizes is not None else group_sizes(model)
-    m = sp.Integer(pl.options.micro_batches)
+    m = sp.sympify(pl.options.micro_batches)  # a symbol in the planner's derivations
     origins = gradient_origins(pl)
     ops: list[Op] = []
     groups = pl.groups(P)
@@ -262,9 +279,16 @@ def _sync_gradients(pl: Placement, g: Group, size: sp.Expr, m: sp.Expr,
         entry = pl.entry(G, g, axis)
         elements = shard_elements(pl, G, g, size, axis)
         participants = sp.Integer(2) if axis is Axis.PP else None
+        o_entry = pl.entry(O, g, axis)
         if entry.mode.is_sharded:
             scatter.append(Op(OpKind.REDUCE_SCATTER, G, g, axis, Phase.GRAD_SYNC, elements, count, how,
                               offset=entry.offset))
+        elif o_entry.mode.is_sharded:
+            # ZeRO-1 / Megatron's distributed optimizer: the gradient buffer is full size (R), but
+            # only the optimizer's shard of it is ever read, so a reduce-scatter onto that shard
+            # suffices (ZeRO paper section 7.2.1: P_os moves 2 Psi, like DP).
+            scatter.append(Op(OpKind.REDUCE_SCATTER, G, g, axis, Phase.GRAD_SYNC, elements, count, how,
+                              offset=o_entry.offset, note="only the optimizer's shard is read"))
         else:
             reduce.append(Op(OpKind.ALL_REDUCE, G, g, axis, Phase.GRAD_SYNC, elements, count, how,
                              participants=participants))
@@ -320,10 +344,10 @@ class _ActivationOps:
         bsh = self._tensor(LAYER_IO, Axis.TP, sp.Integer(self.model.hidden))
         if self.pl.mode(A, LAYER_IO, Axis.TP).is_sharded:
             # Sequence parallelism: all-gather before, reduce-scatter after, each block
-            # (Korthikanti et al. 2022 section 4.2.2): same volume as the all-reduces.
-            full = bsh * t
-            return [Op(OpKind.ALL_GATHER, A, LAYER_IO, Axis.TP, phase, full, 2 * per_layer),
-                    Op(OpKind.REDUCE_SCATTER, A, LAYER_IO, Axis.TP, phase, full, 2 * per_layer, Reduce.SUM)]
+            # (Korthikanti et al. 2022 section 4.2.2): same volume as the all-reduces. ``bsh``
+            # skipped tp, so it is already the full (gathered) tensor, not a sequence shard.
+            return [Op(OpKind.ALL_GATHER, A, LAYER_IO, Axis.TP, phase, bsh, 2 * per_layer),
+                    Op(OpKind.REDUCE_SCATTER, A, LAYER_IO, Axis.TP, phase, bsh, 2 * per_layer, Reduce.SUM)]
         # Megatron: f/g operators, one all-reduce per attention and per MLP block each way.
         return [Op(OpKind.ALL_REDUCE, A, LAYER_IO, Axis.TP, phase, bsh, 2 * per_layer, Reduce.SUM)]
 

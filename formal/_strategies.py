@@ -13,15 +13,35 @@ import sympy as sp
 
 from formal._model import Model, Transformer
 from formal._placement import (
-    Entry, Key, Options, Placement, R, Recompute, S, SG, Strategy,
+    SG,
+    Entry,
+    Key,
+    Options,
+    Placement,
+    R,
+    Recompute,
+    S,
+    Strategy,
 )
 from formal._vocab import (
-    ACTIVATION_GROUPS, ATTENTION, ATTN_SCORES, EMBEDDING, EXPERTS, HEAD, LAYER_IO, LINEAR_INNER,
-    MLP, WEIGHTS, Axis, Group, Mode, State,
+    ACTIVATION_GROUPS,
+    ATTENTION,
+    ATTN_SCORES,
+    EMBEDDING,
+    EXPERTS,
+    HEAD,
+    LAYER_IO,
+    LINEAR_INNER,
+    MLP,
+    WEIGHTS,
+    Axis,
+    Group,
+    Mode,
+    State,
 )
 from formal.errors import CompositionError
 
-P, O, G, A = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS, State.ACTIVATIONS
+P, O, G, A = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS, State.ACTIVATIONS  # noqa: E741 (the paper's P/O/G/A)
 
 # Activations are split along every data axis (each replica holds its own samples/tokens).
 _ACT_SPLIT = ((A, None), S)
@@ -135,7 +155,7 @@ class Composition:
     """Strategies on distinct axes plus modifiers. ``str(c)`` is the composition language."""
 
     strategies: tuple[Strategy, ...]
-    options: Options = Options()
+    options: Options = Options()  # noqa: RUF009 (frozen, immutable)
     modifiers: tuple[str, ...] = ()  # the modifier terms as written (round-trip)
 
     def __str__(self) -> str:

@@ -1,0 +1,319 @@
+"""Exporters: a checked composition out as a framework's configuration, or as DTensor placements.
+
+Each exporter reads the composition's ``Layout`` (what the data axis shards comes from the
+placement, so ``fsdp`` and ``zero3`` export alike) and refuses, with one line, what the target
+cannot say. The DTensor view is read from the ``Placement`` and the step program's gradient
+origins; nothing here re-derives a placement.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from checker._layout import DataSharding, ExportError, Layout, layout_of
+from formal._model import Model, Transformer
+from formal._placement import Placement, Recompute, Schedule
+from formal._program import Origin, gradient_origins
+from formal._strategies import Composition
+from formal._vocab import ATTENTION, EMBEDDING, EXPERTS, HEAD, MLP, Axis, Group, Mode, State
+
+
+class Target(StrEnum):
+    TORCHTITAN = "torchtitan"
+    DEEPSPEED = "deepspeed"
+    MEGATRON = "megatron"
+    DTENSOR = "dtensor"
+
+
+@dataclass(frozen=True)
+class Exported:
+    target: Target
+    text: str  # the configuration as the framework reads it
+    notes: tuple[str, ...] = ()  # what the user must still do by hand
+
+
+def export(comp: Composition, model: Model, target: Target) -> Exported:
+    match target:
+        case Target.TORCHTITAN:
+            return export_torchtitan(comp, model)
+        case Target.DEEPSPEED:
+            return export_deepspeed(comp, model)
+        case Target.MEGATRON:
+            return export_megatron(comp, model)
+        case Target.DTENSOR:
+            return Exported(target, json.dumps(dtensor_placements(comp.placement(model)), indent=2))
+        case _:
+            raise AssertionError(target)
+
+
+def _refuse(layout: Layout, target: str, **bad: bool) -> None:
+    for what, present in bad.items():
+        if present:
+            raise ExportError(f"{layout.text()}: {target} cannot express {what.replace('_', ' ')}")
+
+
+def _micro(model: Model) -> int:
+    return model.micro_batch
+
+
+def _layers_per_chunk(layout: Layout, model: Model, target: str) -> int:
+    if not isinstance(model, Transformer):
+        raise ExportError(f"{layout.text()}: the interleaved schedule needs a model with layers (--model) "
+                          f"to write {target}'s layers per virtual stage")
+    stages = layout.pp * layout.options.chunks
+    if model.layers % stages:
+        raise ExportError(f"{layout.text()}: {model.name}'s {model.layers} layers do not split into "
+                          f"pp({layout.pp}) x v({layout.options.chunks}) = {stages} virtual stages")
+    return model.layers // stages
+
+
+# --- torchtitan -----------------------------------------------------------------------------
+
+def export_torchtitan(comp: Composition, model: Model) -> Exported:
+    """``[parallelism]``, ``[training]`` and ``[activation_checkpoint]`` of a torchtitan job TOML."""
+    layout = layout_of(comp, model)
+    o = layout.options
+    assert layout.dp is not None
+    _refuse(layout, "torchtitan",
+            ZeRO_1_or_2_sharding_without_parameters=layout.data in (DataSharding.OPTIMIZER, DataSharding.GRADIENTS),
+            tensor_parallelism_without_sequence_parallelism=layout.tp > 1 and not o.sequence_parallel,
+            offload_of_only_some_states=o.offload_optimizer != o.offload_parameters,
+            offload_without_FSDP=o.offload_optimizer and layout.data is DataSharding.NONE,
+            expert_parallelism_without_FSDP=layout.ep > 1 and layout.data is DataSharding.NONE,
+            expert_parallelism_with_context_parallelism=layout.ep > 1 and layout.cp > 1,
+            a_replicate_axis_without_FSDP=layout.dpr > 1 and layout.data is DataSharding.NONE)
+    if layout.data is DataSharding.NONE:
+        replicate, shard = layout.dp, 1
+    else:
+        replicate, shard = layout.dpr, layout.dp * layout.ep
+    par: dict[str, Any] = {
+        "data_parallel_replicate_degree": replicate,
+        "data_parallel_shard_degree": shard,
+        "fsdp_reshard_after_forward": "never" if layout.data is DataSharding.FULL_HELD else "always",
+        "tensor_parallel_degree": layout.tp,
+        "pipeline_parallel_degree": layout.pp,
+        "context_parallel_degree": layout.cp,
+        "expert_parallel_degree": layout.ep,
+    }
+    micro = _micro(model)
+    training: dict[str, Any] = {}
+    if layout.pp > 1:
+        match o.schedule:
+            case Schedule.ONE_F_ONE_B:
+                par["pipeline_parallel_schedule"] = "1F1B"
+            case Schedule.GPIPE:
+                par["pipeline_parallel_schedule"] = "GPipe"
+            case Schedule.INTERLEAVED:
+                par["pipeline_parallel_schedule"] = "Interleaved1F1B"
+                par["pipeline_parallel_layers_per_stage"] = _layers_per_chunk(layout, model, "torchtitan")
+            case _:
+                raise AssertionError(o.schedule)
+        par["pipeline_parallel_microbatch_size"] = micro
+        training["local_batch_size"] = micro * o.micro_batches
+    else:
+        _refuse(layout, "torchtitan", a_pipeline_schedule_without_pp=o.schedule is not Schedule.ONE_F_ONE_B)
+        training["local_batch_size"] = micro
+        if o.micro_batches > 1:  # gradient accumulation: global = local x dp x steps
+            training["global_batch_size"] = micro * layout.data_degree * o.micro_batches
+    if isinstance(model, Transformer):
+        training["seq_len"] = model.seq
+    if o.offload_optimizer:
+        training["enable_cpu_offload"] = True
+    match o.recompute:
+        case Recompute.NONE:
+            ac: dict[str, Any] = {"mode": "none"}
+        case Recompute.FULL:
+            ac = {"mode": "full"}
+        case Recompute.SELECTIVE:
+            ac = {"mode": "selective", "selective_ac_option": "op"}
+        case _:
+            raise AssertionError(o.recompute)
+    text = _toml({"parallelism": par, "training": training, "activation_checkpoint": ac})
+    notes = []
+    if layout.cp > 1 and layout.data is not DataSharding.NONE:
+        notes.append("torchtitan's FSDP also shards parameters over cp; the checked composition replicates them")
+    return Exported(Target.TORCHTITAN, text, tuple(notes))
+
+
+def _toml(sections: dict[str, dict[str, Any]]) -> str:
+    out: list[str] = []
+    for name, body in sections.items():
+        out.append(f"[{name}]")
+        for key, value in body.items():
+            out.append(f"{key} = {_toml_value(value)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string for plain text
+    raise AssertionError(value)
+
+
+# --- DeepSpeed ------------------------------------------------------------------------------
+
+_DS_STAGE = {DataSharding.NONE: 0, DataSharding.OPTIMIZER: 1, DataSharding.GRADIENTS: 2, DataSharding.FULL: 3}
+
+
+def export_deepspeed(comp: Composition, model: Model) -> Exported:
+    """A DeepSpeed JSON fragment: batch sizes, ``zero_optimization``, ``pipeline``, ``tensor_parallel``."""
+    layout = layout_of(comp, model)
+    o = layout.options
+    assert layout.dp is not None
+    stage = _DS_STAGE.get(layout.data)
+    _refuse(layout, "DeepSpeed",
+            parameters_held_through_backward=stage is None,
+            a_replicate_axis=layout.dpr > 1, context_parallelism=layout.cp > 1,
+            expert_parallelism_in_the_JSON=layout.ep > 1,
+            sequence_parallelism=o.sequence_parallel,
+            an_interleaved_or_GPipe_schedule=o.schedule is not Schedule.ONE_F_ONE_B,
+            ZeRO_2_or_3_with_pipeline_parallelism=layout.pp > 1 and (stage or 0) >= 2,
+            AutoTP_with_ZeRO_3=layout.tp > 1 and stage == 3,
+            optimizer_offload_at_stage_0=o.offload_optimizer and stage == 0,
+            parameter_offload_below_stage_3=o.offload_parameters and stage != 3,
+            selective_recomputation=o.recompute is Recompute.SELECTIVE)
+    assert stage is not None
+    micro = _micro(model)
+    zero: dict[str, Any] = {"stage": stage}
+    if o.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if o.offload_parameters:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    doc: dict[str, Any] = {
+        "train_batch_size": micro * o.micro_batches * layout.dp,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": o.micro_batches,
+        "zero_optimization": zero,
+        "bf16": {"enabled": True},
+    }
+    notes: list[str] = []
+    if layout.pp > 1:
+        doc["pipeline"] = {"stages": layout.pp}
+        if o.recompute is Recompute.FULL:
+            doc["pipeline"]["activation_checkpoint_interval"] = 1
+        notes.append(f"build the model as deepspeed.pipe.PipelineModule(num_stages={layout.pp})")
+    elif o.recompute is Recompute.FULL:
+        notes.append("full recomputation: wrap each layer in deepspeed.checkpointing.checkpoint (model code)")
+    if layout.tp > 1:
+        doc["tensor_parallel"] = {"autotp_size": layout.tp}
+    return Exported(Target.DEEPSPEED, json.dumps(doc, indent=2), tuple(notes))
+
+
+# --- Megatron-LM ----------------------------------------------------------------------------
+
+def export_megatron(comp: Composition, model: Model) -> Exported:
+    """Megatron-LM command-line arguments (one per line, ready for a launch script)."""
+    layout = layout_of(comp, model)
+    o = layout.options
+    assert layout.dp is not None
+    _refuse(layout, "Megatron-LM",
+            ZeRO_2_or_3_or_FSDP_in_its_DDP=layout.data not in (DataSharding.NONE, DataSharding.OPTIMIZER),
+            a_replicate_axis=layout.dpr > 1, offload=o.offload_optimizer or o.offload_parameters,
+            a_GPipe_schedule=o.schedule is Schedule.GPIPE)
+    micro = _micro(model)
+    args: list[tuple[str, str | None]] = []
+    if isinstance(model, Transformer):
+        args += [("--num-layers", str(model.layers)), ("--hidden-size", str(model.hidden)),
+                 ("--num-attention-heads", str(model.heads)), ("--seq-length", str(model.seq))]
+    args += [("--tensor-model-parallel-size", str(layout.tp)), ("--pipeline-model-parallel-size", str(layout.pp))]
+    if o.schedule is Schedule.INTERLEAVED:
+        args.append(("--num-layers-per-virtual-pipeline-stage", str(_layers_per_chunk(layout, model, "Megatron"))))
+    if layout.cp > 1:
+        args.append(("--context-parallel-size", str(layout.cp)))
+    if layout.ep > 1:
+        args.append(("--expert-model-parallel-size", str(layout.ep)))
+    if o.sequence_parallel:
+        args.append(("--sequence-parallel", None))
+    if layout.data is DataSharding.OPTIMIZER:
+        args.append(("--use-distributed-optimizer", None))
+    match o.recompute:
+        case Recompute.NONE:
+            pass
+        case Recompute.FULL:
+            args += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
+                     ("--recompute-num-layers", "1")]
+        case Recompute.SELECTIVE:
+            args.append(("--recompute-granularity", "selective"))
+        case _:
+            raise AssertionError(o.recompute)
+    dp_megatron = layout.dp * layout.ep  # Megatron's data-parallel group contains the expert ranks
+    args += [("--micro-batch-size", str(micro)),
+             ("--global-batch-size", str(micro * dp_megatron * o.micro_batches)), ("--bf16", None)]
+    text = " \\\n".join(name if value is None else f"{name} {value}" for name, value in args) + "\n"
+    devices = dp_megatron * layout.tp * layout.pp * layout.cp
+    return Exported(Target.MEGATRON, text, (f"launch on {devices} devices (torchrun ... pretrain_gpt.py ARGS)",))
+
+
+# --- DTensor --------------------------------------------------------------------------------
+
+# Which tensor dimension a shard cuts along tp (Megatron / torch.distributed.tensor.parallel):
+# column-parallel weights (QKV, FFN in) are Shard(0) of [out, in], row-parallel ones (attention
+# output, FFN out) Shard(1); the vocabulary-parallel embedding and head are Shard(0) of [vocab, h].
+_TP_DIMS: dict[Group, str] = {
+    ATTENTION: "Shard(0) wq/wk/wv, Shard(1) wo",
+    MLP: "Shard(0) w1/w3, Shard(1) w2",
+    EXPERTS: "Shard(1) w1/w3, Shard(2) w2",
+    EMBEDDING: "Shard(0)",
+    HEAD: "Shard(0)",
+}
+
+
+def _shard(axis: Axis, group: Group) -> str:
+    if axis is Axis.TP:
+        return _TP_DIMS.get(group, "Shard(0)")
+    return "Shard(0)"  # FSDP2 and expert parallelism shard dim 0 (rows, or the expert index)
+
+
+def _placement_name(entry_mode: Mode, axis: Axis, group: Group) -> str:
+    match entry_mode:
+        case Mode.REPLICATED:
+            return "Replicate()"
+        case Mode.SHARDED:
+            return _shard(axis, group)
+        case Mode.SHARDED_GATHER:
+            return f"{_shard(axis, group)} -> all-gather to Replicate() per use"
+        case Mode.MATERIALIZED | Mode.OFFLOADED:
+            return entry_mode.long_name
+        case _:
+            raise AssertionError(entry_mode)
+
+
+def dtensor_placements(pl: Placement) -> dict[str, Any]:
+    """Per parameter group, the DTensor placement on each mesh dimension (pp is not a DTensor dim).
+
+    ``parameters``/``optimizer``: the resting layout. ``gradients_after_backward``: ``Partial``
+    where the step program's gradient origin is partial (mean along data axes, sum otherwise).
+    ``gradients``: after the gradient synchronisation. Offloaded states say ``host``.
+    """
+    mesh = [axis for axis in pl.axes if axis is not Axis.PP]
+    origins = gradient_origins(pl)
+    groups: dict[str, Any] = {}
+    for group in pl.groups(State.PARAMETERS):
+        row: dict[str, Any] = {}
+        for state, key in ((State.PARAMETERS, "parameters"), (State.OPTIMIZER, "optimizer"),
+                           (State.GRADIENTS, "gradients")):
+            cells = [_placement_name(pl.mode(state, group, axis), axis, group) for axis in mesh]
+            if pl.local_mode(state, group) is Mode.OFFLOADED:
+                cells = [f"{c} (host)" for c in cells]
+            row[key] = cells
+        row["gradients_after_backward"] = [
+            ("Partial(avg)" if axis.splits_data else "Partial(sum)")
+            if origins[(group, axis)] is Origin.PARTIAL
+            else _placement_name(pl.mode(State.GRADIENTS, group, axis), axis, group)
+            for axis in mesh
+        ]
+        if Axis.PP in pl.axes:
+            row["pp"] = "stage-local module (pipeline stages are separate modules, not a DTensor mesh dim)"
+            if group in pl.tied:
+                row["pp"] = "on the first and last stage; gradients summed across them"
+        groups[group.name] = row
+    return {"mesh_dims": [a.value for a in mesh], "mesh_shape": [int(pl.degree(a)) for a in mesh],
+            "groups": groups}

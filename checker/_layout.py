@@ -1,0 +1,153 @@
+"""The framework-neutral layout that importers produce and exporters read.
+
+A ``Layout`` is a composition in the shape frameworks configure it: one data-parallel strategy
+(what it shards is read from the placement, not from its name), degrees per axis and the
+axis-free options. ``composition_text`` writes it in one canonical order, so that importing
+what we export gives back the same text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from checker._parse import _default_micro_batches
+from formal._model import Model
+from formal._placement import Options, Recompute, Schedule
+from formal._strategies import Composition
+from formal._strategies import pp as pipeline
+from formal._vocab import Axis, Mode, State
+from formal.errors import InputError
+
+
+class ExportError(InputError):
+    """Raised when a composition has no spelling in the target framework's configuration."""
+
+
+class DataSharding(StrEnum):
+    """What the data-parallel axis shards, read from the placement's P, O, G modes along dp."""
+
+    NONE = "replicated"  # DDP: R R R
+    OPTIMIZER = "optimizer"  # ZeRO-1: R S R
+    GRADIENTS = "optimizer+gradients"  # ZeRO-2: R S S
+    FULL = "full"  # ZeRO-3 / FSDP full shard: S* S S, gathered per use
+    FULL_HELD = "full, held through backward"  # FSDP SHARD_GRAD_OP: S*(held) S S
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees (1 = axis absent) and options; ``data_name`` is the strategy as written."""
+
+    data_name: str
+    data: DataSharding
+    dp: int | None  # None: the devices left over (the composition gives no degree)
+    dpr: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    options: Options = field(default_factory=Options)
+
+    def strategy_terms(self) -> list[str]:
+        dp = "" if self.dp is None else str(self.dp)
+        terms = [f"tp{self.tp}"] if self.tp > 1 else []
+        terms.append(f"{self.data_name}{dp}")
+        terms += [f"{name}{d}" for name, d in (("dpr", self.dpr), ("pp", self.pp), ("cp", self.cp),
+                                                ("ep", self.ep)) if d > 1]
+        return terms
+
+    def modifier_terms(self) -> list[str]:
+        o = self.options
+        out: list[str] = []
+        if o.sequence_parallel:
+            out.append("sp")
+        if o.micro_batches != _default_micro_batches_for(self.pp):
+            out.append(f"m{o.micro_batches}")
+        if o.schedule is Schedule.INTERLEAVED:
+            out.append(f"v{o.chunks}")
+        elif o.schedule is Schedule.GPIPE:
+            out.append("gpipe")
+        if o.offload_optimizer:
+            out.append("offload")
+        if o.offload_parameters:
+            out.append("offload-params")
+        match o.recompute:
+            case Recompute.NONE:
+                pass
+            case Recompute.FULL:
+                out.append("recompute")
+            case Recompute.SELECTIVE:
+                out.append("selective")
+            case _:
+                raise AssertionError(o.recompute)
+        return out
+
+    def text(self) -> str:
+        return "x".join(self.strategy_terms() + self.modifier_terms())
+
+    @property
+    def data_degree(self) -> int:
+        """Replicas of the batch the data axes see together (dp x dpr; ep splits data too)."""
+        assert self.dp is not None, "resolve the leftover degree first"
+        return self.dp * self.dpr * self.ep
+
+
+def _default_micro_batches_for(degree: int) -> int:
+    """What the composition language assumes without ``m<N>`` (one rule, in ``_parse``)."""
+    return _default_micro_batches([pipeline().with_degree(degree)])
+
+
+def data_sharding(comp: Composition, model: Model) -> DataSharding:
+    """Classify the dp axis by its placement (so ``fsdp`` and ``zero3`` are the same thing)."""
+    pl = comp.placement(model)
+    if Axis.DP not in pl.axes:
+        return DataSharding.NONE
+    kinds = set()
+    for group in pl.groups(State.PARAMETERS):
+        p, o, g = (pl.entry(st, group, Axis.DP) for st in (State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS))
+        kinds.add(_classify(p.mode, p.keep_gathered, o.mode, g.mode))
+    if len(kinds) != 1 or None in kinds:
+        raise ExportError(f"{comp}: the data-parallel placement is not one of DDP, ZeRO-1/2/3 or FSDP")
+    kind = kinds.pop()
+    assert kind is not None
+    return kind
+
+
+def _classify(p: Mode, held: bool, o: Mode, g: Mode) -> DataSharding | None:
+    match (p, o, g):
+        case (Mode.REPLICATED, Mode.REPLICATED, Mode.REPLICATED):
+            return DataSharding.NONE
+        case (Mode.REPLICATED, Mode.SHARDED, Mode.REPLICATED):
+            return DataSharding.OPTIMIZER
+        case (Mode.REPLICATED, Mode.SHARDED, Mode.SHARDED):
+            return DataSharding.GRADIENTS
+        case (Mode.SHARDED_GATHER, Mode.SHARDED, Mode.SHARDED):
+            return DataSharding.FULL_HELD if held else DataSharding.FULL
+        case _:
+            return None
+
+
+def layout_of(comp: Composition, model: Model) -> Layout:
+    """The layout of a composition; ``ExportError`` when it is not one data strategy plus axes."""
+    seen: dict[Axis, str] = {}
+    for s in comp.strategies:
+        if s.axis in seen:
+            raise ExportError(f"{comp}: {seen[s.axis]} and {s} both act on the {s.axis.value} axis")
+        seen[s.axis] = str(s)
+    dpr = comp.strategy_on(Axis.DPR)
+    if dpr is not None and dpr.name != "dpr":
+        raise ExportError(f"{comp}: {dpr} on the replicate axis is not expressible (only dpr)")
+    data = comp.strategy_on(Axis.DP)
+    mesh = comp.mesh()
+    return Layout(
+        data_name=data.name if data is not None else "dp",
+        data=data_sharding(comp, model),
+        dp=mesh.get(Axis.DP, 1),
+        dpr=mesh.get(Axis.DPR, 1), tp=mesh.get(Axis.TP, 1), pp=mesh.get(Axis.PP, 1),
+        cp=mesh.get(Axis.CP, 1), ep=mesh.get(Axis.EP, 1), options=comp.options,
+    )
+
+
+def canonical(comp: Composition, model: Model) -> str:
+    """The composition in canonical order: tp, data, dpr, pp, cp, ep, then the modifiers."""
+    return layout_of(comp, model).text()

@@ -1,0 +1,955 @@
+"""z3 decides gradient integrity, state consistency and the composition rules (semantics.md 3-4).
+
+``decide(composition, program, model)`` returns a three-valued ``Verdict``. Every query goes
+through ``_solve`` (the one wrapper, which keeps ``reason_unknown()``), every obligation gets a
+fresh solver, and every constraint is tracked under a readable name such as
+``reduction_closure[G.norm, tp]`` or ``refresh[P.attention, dp]``: unsat cores come back as those
+names, and sat models are decoded into witnesses (which state, group, axis, device and chunk, the
+value read and the single-device value).
+
+Three families of obligations:
+
+* **Composition rules** (section 4), one obligation: the composition's degrees and the model's
+  sizes are tracked facts (``value[heads]``), the rules tracked assumptions (``divides[heads,
+  tp]``, ``orthogonality[dp]``, ``sp_needs_tp``...). Unsat means some rule fails; its core names
+  it, and each rule of the core is re-checked alone so that every broken rule is reported.
+* **Gradient integrity**, one obligation per parameter group and axis: the program's gradient
+  ops on that axis (all-reduce, reduce-scatter, scale; in program order, up to the optimizer
+  step) are executed symbolically over integer contributions, starting from the ``Origin`` the
+  program records. The obligation asks z3 for contributions on which some device's gradient
+  differs from the single-device one (the mean of the contributions along data axes, their sum
+  otherwise: a tied embedding on ``pp``, sequence-parallel norms on ``tp``). Unsat: proved.
+* **State consistency**, one obligation per group and axis (for P, O and G): the program runs
+  for two consecutive steps over chunks of the tensor with per-device (and per-host) holdings
+  whose values are z3 terms (initial values, per-step gradients, and the optimizer update as
+  uninterpreted functions of the (p, o, g) it read). Every read (a forward/backward use, the
+  optimizer reading P, O and G, and the coverage of P and O at each step boundary) is compared
+  with the single-device value at that point. Two steps make the check judge reads, not
+  snapshots: a replica left stale after step 0 but refreshed before its next read is fine.
+
+Why per axis. Collectives act on one axis at a time and placements are given per axis, so a
+group's gradient is the tensor product of per-axis linear maps over the contributions, and a
+chunk's holders along one axis do not depend on how other axes split it; a program is correct
+iff it is correct along every axis. Gradient integrity is exact for any degree: devices along an
+axis are symmetric, so up to 8 devices are explicit and the others are folded into one aggregate
+(their contributions' sum and their values' sum), which every collective maps linearly. State
+consistency uses the real degree up to 8 (exact); beyond 8 it uses 8 devices and relabels the
+distinct offsets used along the axis to 0, 1, 2, ... (ops are rotation-equivariant, and a read
+is misaligned iff two partitions' offsets differ, which relabelling preserves).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import sympy as sp
+import z3
+
+from formal._model import Model, Transformer
+from formal._placement import Entry
+from formal._program import Op, Origin, StepProgram
+from formal._strategies import Composition
+from formal._verdict import Condition, Obligation, Status, Verdict, Violation
+from formal._vocab import Axis, Group, Mode, OpKind, Phase, Reduce, State
+from formal.errors import SolverError
+
+P, O, G = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS  # noqa: E741 (the paper's P/O/G)
+
+DEFAULT_TIMEOUT_MS = 10_000
+MAX_EXPLICIT_DEVICES = 8  # devices modelled one by one along an axis (see the module docstring)
+
+DEEPSPEED_PP_NOTE = (
+    "DeepSpeed refuses ZeRO-2/3 with pipeline parallelism (DeepSpeed issues #1629, #4164); "
+    "torchtitan allows FSDP with PP. This is a cost, not a correctness, rule."
+)
+
+
+# --------------------------------------------------------------------------- the z3 wrapper
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """What one ``check`` said: ``sat``, ``unsat`` or ``unknown`` (with z3's reason)."""
+
+    result: str
+    reason: str
+    core: tuple[str, ...]
+    model: z3.ModelRef | None
+    seconds: float
+
+
+class _Solver:
+    """A fresh z3 solver for one obligation; every constraint is tracked under a readable name.
+
+    ``track(name, c)`` asserts ``literal => c`` and returns the literal; checks assume the
+    literals (all of them unless told otherwise), so unsat cores are sets of names.
+    """
+
+    def __init__(self, timeout_ms: int) -> None:
+        self.solver = z3.Solver()
+        self.solver.set("timeout", max(1, int(timeout_ms)))
+        self.literals: list[z3.BoolRef] = []
+        self._seen: dict[str, int] = {}
+
+    def track(self, name: str, constraint: z3.BoolRef | bool) -> z3.BoolRef:
+        n = self._seen.get(name, 0) + 1
+        self._seen[name] = n
+        label = name if n == 1 else f"{name}#{n}"
+        literal = z3.Bool(label)
+        self.solver.add(z3.Implies(literal, constraint))
+        self.literals.append(literal)
+        return literal
+
+    def check(self, assumptions: Sequence[z3.BoolRef] | None = None) -> _Answer:
+        return _solve(self, self.literals if assumptions is None else assumptions)
+
+
+def _solve(tracked: _Solver, assumptions: Sequence[z3.BoolRef]) -> _Answer:
+    """The one place z3 is asked anything. ``unknown`` keeps ``reason_unknown()``."""
+    start = time.perf_counter()
+    try:
+        result = tracked.solver.check(*assumptions)
+    except z3.Z3Exception as err:
+        raise SolverError(f"z3 failed: {err}") from err
+    seconds = time.perf_counter() - start
+    if result == z3.sat:
+        return _Answer("sat", "", (), tracked.solver.model(), seconds)
+    if result == z3.unsat:
+        core = tuple(c.decl().name() for c in tracked.solver.unsat_core())
+        return _Answer("unsat", "", core, None, seconds)
+    return _Answer("unknown", tracked.solver.reason_unknown() or "unknown", (), None, seconds)
+
+
+def _number(value: z3.ExprRef) -> int | str:
+    """A z3 numeral as an int, or an exact fraction ``"3/2"``."""
+    if z3.is_int_value(value):
+        return int(value.as_long())
+    if z3.is_rational_value(value):
+        frac = Fraction(int(value.numerator_as_long()), int(value.denominator_as_long()))
+        return int(frac) if frac.denominator == 1 else f"{frac.numerator}/{frac.denominator}"
+    if z3.is_algebraic_value(value):
+        return str(value.approx(12))
+    return str(value)
+
+
+def _real(x: Fraction | int) -> z3.ArithRef:
+    f = Fraction(x)
+    return z3.RealVal(f"{f.numerator}/{f.denominator}")
+
+
+def _fraction(x: sp.Expr | None) -> Fraction:
+    if x is None:
+        return Fraction(1)
+    value = sp.nsimplify(x)
+    if not value.is_Rational:
+        raise SolverError(f"scale {x}: z3 needs a rational constant")
+    return Fraction(int(value.p), int(value.q))
+
+
+def _int_degree(pl_degree: sp.Expr) -> int:
+    value = sp.nsimplify(pl_degree)
+    if not value.is_Integer:
+        raise SolverError(f"degree {pl_degree}: decide needs a concrete placement")
+    return int(value)
+
+
+def _status(answer: _Answer, *, violated_when: str) -> Status:
+    if answer.result == "unknown":
+        return Status.UNKNOWN
+    return Status.REFUTED if answer.result == violated_when else Status.PROVED
+
+
+# --------------------------------------------------------------------------- composition rules
+
+
+@dataclass(frozen=True)
+class _Rule:
+    name: str
+    constraint: z3.BoolRef
+    explanation: str
+    witness: dict[str, Any]
+
+
+def _composition_rules(composition: Composition, model: Model, devices: int | None,
+                       solver: _Solver) -> tuple[list[z3.BoolRef], list[tuple[z3.BoolRef, _Rule]]]:
+    """Tracked facts (degrees, sizes) and tracked rules (section 4) over integer variables."""
+    facts: list[z3.BoolRef] = []
+
+    def fact(name: str, value: int) -> z3.ArithRef:
+        var = z3.Int(name)
+        facts.append(solver.track(f"value[{name}]", var == value))
+        return var
+
+    def flag(name: str, value: bool) -> z3.BoolRef:
+        var = z3.Bool(name)
+        facts.append(solver.track(f"value[{name}]", var == value))
+        return var
+
+    mesh = composition.mesh()
+    degree = {axis: fact(axis.value, d) for axis, d in mesh.items()}
+    rules: list[_Rule] = []
+    for axis in mesh:
+        terms = [s for s in composition.strategies if s.axis is axis]
+        count = fact(f"strategies_on_{axis.value}", len(terms))
+        rules.append(_Rule(
+            f"orthogonality[{axis.value}]", count <= 1,
+            f"axis {axis.value} carries {len(terms)} strategies ({', '.join(map(str, terms))}); "
+            "each axis carries one strategy",
+            {"axis": axis.value, "strategies": [str(t) for t in terms]}))
+    if devices is not None:
+        total = fact("devices", devices)
+        product = " * ".join(f"{a.value}({d})" for a, d in mesh.items())
+        rules.append(_Rule(
+            "device_count", z3.Product(*degree.values()) == total if degree else total == 1,
+            f"{product} = {composition.devices} != devices({devices})",
+            {"degrees": {a.value: d for a, d in mesh.items()}, "product": composition.devices,
+             "devices": devices}))
+
+    def divides(size_name: str, size: int, axes: tuple[Axis, ...], why: str) -> None:
+        present = tuple(a for a in axes if a in degree)
+        if not present:
+            return
+        var = fact(size_name, size)
+        d = 1
+        for a in present:
+            d *= mesh[a]
+        divisor = z3.Product(*[degree[a] for a in present]) if len(present) > 1 else degree[present[0]]
+        label = "*".join(a.value for a in present)
+        rules.append(_Rule(
+            f"divides[{size_name}, {present[-1].value}]", var % divisor == 0,
+            f"{size_name} {size} is not divisible by {label} {d} ({size} = {size // d} x {d} + {size % d}); "
+            f"{why}",
+            {size_name: size, label: d, "remainder": size % d}))
+
+    options = composition.options
+    interleaved = options.chunks if options.chunks > 1 else 1
+    if isinstance(model, Transformer):
+        divides("hidden", model.hidden, (Axis.TP,), "tensor parallelism splits the hidden dimension")
+        divides("heads", model.heads, (Axis.TP,), "tensor parallelism splits attention heads")
+        if model.kv_heads_ != model.heads:
+            divides("kv_heads", model.kv_heads_, (Axis.TP,), "each tp rank needs whole key/value heads")
+        divides("ffn", model.ffn_, (Axis.TP,), "tensor parallelism splits the FFN dimension")
+        divides("vocab", model.vocab, (Axis.TP,),
+                "the vocabulary-parallel embedding splits the vocabulary (Megatron-LM #1754)")
+        if Axis.PP in degree:
+            var = fact("layers", model.layers)
+            stages = mesh[Axis.PP] * interleaved
+            chunks = fact("chunks", interleaved)
+            rules.append(_Rule(
+                "divides[layers, pp]", var % (degree[Axis.PP] * chunks) == 0,
+                f"layers {model.layers} are not divisible by pp {mesh[Axis.PP]} x chunks {interleaved} "
+                f"({model.layers} = {model.layers // stages} x {stages} + {model.layers % stages}); "
+                "stages hold whole layers",
+                {"layers": model.layers, "pp": mesh[Axis.PP], "chunks": interleaved,
+                 "remainder": model.layers % stages}))
+        divides("seq", model.seq, (Axis.CP,), "context parallelism splits the sequence")
+        if options.sequence_parallel:
+            divides("seq", model.seq, (Axis.CP, Axis.TP), "sequence parallelism splits the sequence across tp")
+        if model.is_moe:
+            divides("experts", model.experts, (Axis.EP,), "expert parallelism places whole experts")
+    has = {axis: flag(f"has_{axis.value}", axis in mesh) for axis in (Axis.TP, Axis.PP, Axis.EP, Axis.CP)}
+    if options.sequence_parallel:
+        sp_on = flag("sequence_parallel", True)
+        rules.append(_Rule("sp_needs_tp", z3.Implies(sp_on, has[Axis.TP]),
+                           "sequence parallelism splits activations across the tp group, and there is no tp axis",
+                           {"sequence_parallel": True, "tp": False}))
+    if Axis.EP in mesh:
+        moe = flag("moe", model.is_moe)
+        rules.append(_Rule("ep_needs_moe", z3.Implies(has[Axis.EP], moe),
+                           "expert parallelism needs a mixture-of-experts model, and this model is dense",
+                           {"ep": mesh[Axis.EP], "experts": getattr(model, "experts", 0)}))
+    if Axis.CP in mesh:
+        attention = flag("attention", isinstance(model, Transformer))
+        rules.append(_Rule("cp_needs_attention", z3.Implies(has[Axis.CP], attention),
+                           "context parallelism exchanges keys and values in attention, and a bare "
+                           "parameter count has no attention to split",
+                           {"cp": mesh[Axis.CP], "model": type(model).__name__}))
+    if interleaved > 1:
+        chunks_var = fact("interleaved_chunks", interleaved)
+        rules.append(_Rule("interleaved_needs_pp", z3.Implies(chunks_var > 1, has[Axis.PP]),
+                           f"an interleaved schedule (v{interleaved}) splits pipeline stages, and there is no pp axis",
+                           {"chunks": interleaved, "pp": False}))
+    return facts, [(solver.track(r.name, r.constraint), r) for r in rules]
+
+
+def _decide_composition(composition: Composition, model: Model, devices: int | None,
+                        timeout_ms: int) -> tuple[Obligation, list[Violation]]:
+    solver = _Solver(timeout_ms)
+    facts, rules = _composition_rules(composition, model, devices, solver)
+    by_literal = {lit.decl().name(): (lit, rule) for lit, rule in rules}
+    remaining = [lit for lit, _ in rules]
+    violations: list[Violation] = []
+    cores: list[str] = []
+    seconds = 0.0
+    status = Status.PROVED
+    reason = ""
+    while True:
+        answer = solver.check(facts + remaining)
+        seconds += answer.seconds
+        if answer.result == "sat":
+            break
+        if answer.result == "unknown":
+            status, reason = Status.UNKNOWN, answer.reason
+            break
+        in_core = [by_literal[name][0] for name in answer.core if name in by_literal]
+        broken = []
+        for lit in in_core:  # a core need not be minimal: each rule of it is re-checked alone
+            alone = solver.check([*facts, lit])
+            seconds += alone.seconds
+            if alone.result == "unsat":
+                broken.append(lit)
+        broken = broken or in_core
+        if not broken:  # the facts alone conflict: impossible for concrete values
+            raise SolverError(f"composition facts are inconsistent: {answer.core}")
+        cores.extend(answer.core)
+        for lit in broken:
+            rule = by_literal[lit.decl().name()][1]
+            axis = rule.name.split(", ")[-1].rstrip("]") if "[" in rule.name else None
+            if rule.name.startswith("orthogonality["):
+                axis = rule.name[len("orthogonality["):-1]
+            violations.append(Violation(rule.name, Condition.COMPOSITION, None, None,
+                                        axis if axis in {a.value for a in Axis} else None,
+                                        rule.explanation, {**rule.witness, "core": list(answer.core)}))
+            remaining.remove(lit)
+        status = Status.REFUTED
+    if violations and status is Status.UNKNOWN:
+        status = Status.REFUTED
+    return Obligation("composition_rules", Condition.COMPOSITION, status, reason, seconds,
+                      tuple(dict.fromkeys(cores))), violations
+
+
+# --------------------------------------------------------------------------- gradient integrity
+
+
+def _scale_home(axes: Sequence[Axis]) -> Axis:
+    """The axis an axis-free SCALE op is charged to: the first data axis, else the first axis."""
+    return next((a for a in axes if a.splits_data), axes[0])
+
+
+def _gradient_ops(program: StepProgram, group: Group, axis: Axis) -> list[Op]:
+    """G ops of ``group`` on ``axis`` that run before the group's optimizer step reads G."""
+    home = _scale_home(program.placement.axes)
+    out: list[Op] = []
+    for op in program.ops:
+        if op.kind is OpKind.OPTIMIZER_STEP and op.group == group:
+            break
+        if op.state is not G or op.group != group:
+            continue
+        if op.kind.is_reduction and op.axis is axis:
+            out.append(op)
+        elif op.kind is OpKind.SCALE and (op.axis is axis or (op.axis is None and axis is home)):
+            out.append(op)
+    return out
+
+
+def _op_label(n: int, op: Op) -> str:
+    where = op.axis.value if op.axis is not None else "all"
+    extra = f", {(op.reduce or Reduce.SUM).value}" if op.kind.is_reduction else f", x{op.scale}"
+    return f"op{n}:{op.kind.value}({op.state.value}.{op.group.name}, {where}{extra})"
+
+
+def _decide_integrity(program: StepProgram, group: Group, axis: Axis,
+                      timeout_ms: int) -> tuple[Obligation, Violation | None]:
+    pl = program.placement
+    name = f"G.{group.name}, {axis.value}"
+    degree = _int_degree(pl.degree(axis))
+    if axis is Axis.PP and group in pl.tied:
+        degree = min(degree, 2)  # a tied embedding lives on the first and the last stage
+    origin = program.origin(group, axis)
+    sharded = pl.mode(G, group, axis).is_sharded
+    k = min(degree, MAX_EXPLICIT_DEVICES)
+    rest = degree - k  # devices folded into one aggregate
+    solver = _Solver(timeout_ms)
+    contributions = [z3.Int(f"c{i}") for i in range(k)]
+    rest_c = z3.Int("c_rest") if rest else z3.IntVal(0)
+    total_c = z3.ToReal(z3.Sum(*contributions) + rest_c) if k > 1 or rest else z3.ToReal(contributions[0])
+    owners = range(k)
+    values = [z3.Real(f"v0_{i}") for i in range(k)]
+    rest_v = z3.Real("v0_rest")
+    match origin:
+        case Origin.PARTIAL:
+            reference = total_c / degree if axis.splits_data else total_c
+            init = [values[i] == z3.ToReal(contributions[i]) for i in range(k)] + [rest_v == z3.ToReal(rest_c)]
+        case Origin.SUMMED:
+            reference = total_c / degree if axis.splits_data else total_c
+            init = [v == total_c for v in values] + [rest_v == rest * total_c]
+        case Origin.COMPLETE:
+            reference = z3.ToReal(z3.Int("r"))
+            if sharded:
+                # Other devices hold other elements (their own shards): unrelated values.
+                owners = range(1)
+                others = [z3.ToReal(z3.Int(f"u{i}")) for i in range(1, k)]
+                init = [values[0] == reference] + [values[i] == others[i - 1] for i in range(1, k)]
+                init.append(rest_v == z3.ToReal(z3.Int("u_rest")))
+            else:
+                init = [v == reference for v in values] + [rest_v == rest * reference]
+        case _:
+            raise AssertionError(origin)
+    solver.track(f"origin[{name}]={origin.value}", z3.And(*init))
+    ops = _gradient_ops(program, group, axis)
+    for n, op in enumerate(ops, start=1):
+        new = [z3.Real(f"v{n}_{i}") for i in range(k)]
+        new_rest = z3.Real(f"v{n}_rest")
+        match op.kind:
+            case OpKind.ALL_REDUCE | OpKind.REDUCE_SCATTER:
+                combined = z3.Sum(*values) + rest_v if k > 1 or rest else values[0] + rest_v
+                if op.reduce is Reduce.MEAN:
+                    combined = combined / degree
+                step = [v == combined for v in new] + [new_rest == rest * combined]
+            case OpKind.SCALE:
+                factor = _real(_fraction(op.scale))
+                step = [new[i] == values[i] * factor for i in range(k)] + [new_rest == rest_v * factor]
+            case _:
+                raise AssertionError(op.kind)
+        solver.track(_op_label(n, op), z3.And(*step))
+        values, rest_v = new, new_rest
+    solver.track(f"integrity[{name}]", z3.Or(*[values[i] != reference for i in owners]))
+    answer = solver.check()
+    status = _status(answer, violated_when="sat")
+    obligation = Obligation(f"gradient_integrity[{name}]", Condition.GRADIENT_INTEGRITY, status,
+                            answer.reason, answer.seconds, answer.core)
+    if answer.model is None:
+        return obligation, None
+    model = answer.model
+    ref_value = _number(model.eval(reference, model_completion=True))
+    held = {str(i): _number(model.eval(values[i], model_completion=True)) for i in owners}
+    rule, defect = _classify_integrity(origin, ops, axis, degree)
+    witness: dict[str, Any] = {
+        "defect": defect, "origin": origin.value, "degree": degree, "modelled_devices": k,
+        "contributions": {str(i): _number(model.eval(contributions[i], model_completion=True)) for i in range(k)},
+        "devices": held, "single_device": ref_value,
+        "disagreeing_devices": [i for i in held if held[i] != ref_value],
+        "ops": [str(op) for op in ops],
+    }
+    if rest:
+        witness["contributions"]["rest"] = _number(model.eval(rest_c, model_completion=True))
+    if origin is Origin.COMPLETE:
+        witness["contributions"] = {"complete": ref_value}
+    first_bad = witness["disagreeing_devices"][0] if witness["disagreeing_devices"] else "0"
+    explanation = (f"G.{group.name} along {axis.value}: {defect}; device {first_bad} holds "
+                   f"{held.get(first_bad)} where single-device training has {ref_value}")
+    return obligation, Violation(f"{rule}[{name}]", Condition.GRADIENT_INTEGRITY, G.value, group.name,
+                                 axis.value, explanation, witness)
+
+
+def _classify_integrity(origin: Origin, ops: list[Op], axis: Axis, degree: int) -> tuple[str, str]:
+    reductions = [op for op in ops if op.kind.is_reduction]
+    if origin is Origin.PARTIAL and not reductions:
+        return ("reduction_closure", f"missing reduction: each of the {degree} devices holds a partial "
+                f"sum along {axis.value} and nothing reduces it")
+    if origin is not Origin.PARTIAL and reductions:
+        return ("reduction_closure", f"reduction along {axis.value}, whose contributions were already "
+                f"{origin.value} after backward")
+    if len(reductions) > 1:
+        return ("reduction_closure", f"duplicated reduction: reduced {len(reductions)} times along {axis.value}")
+    want = "mean" if axis.splits_data else "sum"
+    return ("normalisation", f"normalisation: the contributions along {axis.value} must be combined by their "
+            f"{want} exactly once, and the program's reductions and scales do not give that")
+
+
+# --------------------------------------------------------------------------- state consistency
+
+
+_SHAPES: dict[tuple[Any, ...], int] = {}  # term shapes seen so far, interned as ints
+
+
+@dataclass(frozen=True)
+class _T:
+    """A value in the consistency model: an atom or an update of the (p, o, g) it read.
+
+    Heads: ``P0``/``O0`` initial chunk values, ``g`` a step's gradient of a chunk, ``junk``
+    whatever memory holds where nothing was written, ``upd_p``/``upd_o`` the element-wise
+    optimizer (uninterpreted: any optimizer).
+    """
+
+    head: str
+    chunk: int = -1
+    tag: int = 0
+    args: tuple[_T, ...] = ()
+    digest: int = field(default=0, init=False, repr=False, compare=False)
+    shape: int = field(default=0, init=False, repr=False, compare=False)
+    leaves: tuple[tuple[str, int], ...] = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Terms nest and are compared often: hash once. ``shape`` (the term with its chunks and
+        # junk tags erased, interned as an int) and ``leaves`` (its chunks and junk tags in
+        # order) let checks that differ only by a renaming of chunks be recognised cheaply.
+        object.__setattr__(self, "digest", hash((self.head, self.chunk, self.tag, self.args)))
+        if self.args:
+            shape: tuple[Any, ...] = (self.head, tuple(a.shape for a in self.args))
+            leaves = tuple(leaf for a in self.args for leaf in a.leaves)
+        else:
+            shape = (self.head, self.tag if self.head == "g" else 0)
+            leaves = (("junk", self.tag) if self.head == "junk" else ("chunk", self.chunk),)
+        object.__setattr__(self, "shape", _SHAPES.setdefault(shape, len(_SHAPES)))
+        object.__setattr__(self, "leaves", leaves)
+
+    def __hash__(self) -> int:
+        return self.digest
+
+    def __str__(self) -> str:
+        match self.head:
+            case "P0" | "O0":
+                return f"{self.head}[{self.chunk}]"
+            case "g":
+                return f"g{self.tag}[{self.chunk}]"
+            case "junk":
+                return f"junk{self.tag}"
+            case "upd_p" | "upd_o":
+                return f"{self.head}({', '.join(map(str, self.args))})"
+            case _:
+                raise AssertionError(self.head)
+
+    def subterms(self) -> Iterator[_T]:
+        yield self
+        for a in self.args:
+            yield from a.subterms()
+
+    def chunks(self) -> frozenset[int]:
+        return frozenset(t.chunk for t in self.subterms() if t.head in ("P0", "O0", "g"))
+
+    @property
+    def updates(self) -> int:
+        return 0 if not self.args else 1 + max(a.updates for a in self.args)
+
+
+class _Z3Terms:
+    """Translation of ``_T`` values into z3 (Reals and two uninterpreted functions)."""
+
+    def __init__(self) -> None:
+        real = z3.RealSort()
+        self.upd = {"upd_p": z3.Function("upd_p", real, real, real, real),
+                    "upd_o": z3.Function("upd_o", real, real, real, real)}
+        self.cache: dict[_T, z3.ArithRef] = {}
+
+    def __call__(self, t: _T) -> z3.ArithRef:
+        hit = self.cache.get(t)
+        if hit is not None:
+            return hit
+        match t.head:
+            case "upd_p" | "upd_o":
+                out = self.upd[t.head](*[self(a) for a in t.args])
+            case "P0" | "O0" | "g" | "junk":
+                out = z3.Real(str(t))
+            case _:
+                raise AssertionError(t.head)
+        self.cache[t] = out
+        return out
+
+
+@dataclass(frozen=True)
+class _Check:
+    """One read (or one coverage condition) to compare with single-device training."""
+
+    state: State
+    rule: str  # the rule its failure breaks, e.g. "refresh"
+    label: str  # the tracked name, e.g. "refresh[P.attention, dp]"
+    values: tuple[_T, ...]  # a read: one value; coverage: every holder's value (none: lost)
+    expected: _T
+    where: tuple[tuple[str, Any], ...]
+
+
+Holder = tuple[bool, int, State]  # (on the host, device along the axis, state)
+
+
+@dataclass
+class _AxisRun:
+    """Two steps of a program along one axis for one group: holdings, reads, coverage."""
+
+    program: StepProgram
+    group: Group
+    axis: Axis
+    checks: list[_Check] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        pl = self.program.placement
+        self.degree = _int_degree(pl.degree(self.axis))
+        self.entry = {st: pl.entry(st, self.group, self.axis) for st in (P, O, G)}
+        self.local = {st: pl.local_mode(st, self.group) for st in (P, O, G)}
+        self.ops = [op for op in self.program.ops
+                    if op.group == self.group and op.state in (P, O, G) and op.axis in (None, self.axis)]
+        raw = sorted({e.offset % self.degree for e in self.entry.values()}
+                     | {op.offset % self.degree for op in self.ops} | {0})
+        if self.degree <= MAX_EXPLICIT_DEVICES:
+            self.d = self.degree
+            self.offsets = {o: o for o in raw}
+        else:
+            self.d = max(MAX_EXPLICIT_DEVICES, len(raw))
+            self.offsets = {o: i for i, o in enumerate(raw)}
+        self.hold: dict[Holder, dict[int, _T]] = {
+            (host, i, st): {} for host in (False, True) for i in range(self.d) for st in (P, O, G)}
+        self.ref: dict[State, list[_T]] = {st: [_T(f"{st.value}0", k) for k in range(self.d)] for st in (P, O)}
+        self.junk = 0
+        self.names = {"P": f"P.{self.group.name}, {self.axis.value}", "O": f"O.{self.group.name}, {self.axis.value}",
+                      "G": f"G.{self.group.name}, {self.axis.value}"}
+
+    # -- partitions and holdings
+    def off(self, offset: int) -> int:
+        return self.offsets.get(offset % self.degree, 0)
+
+    def partition(self, entry: Entry, device: int) -> list[int]:
+        match entry.mode:
+            case Mode.REPLICATED | Mode.OFFLOADED:
+                return list(range(self.d))
+            case Mode.SHARDED | Mode.SHARDED_GATHER:
+                return [(device - self.off(entry.offset)) % self.d]
+            case Mode.MATERIALIZED:
+                return []
+            case _:
+                raise AssertionError(entry.mode)
+
+    def on_host(self, state: State) -> bool:
+        return self.local[state] is Mode.OFFLOADED or self.entry[state].mode is Mode.OFFLOADED
+
+    def fresh_junk(self) -> _T:
+        self.junk += 1
+        return _T("junk", tag=self.junk)
+
+    def initialise(self) -> None:
+        for st in (P, O):
+            host = self.on_host(st)
+            for i in range(self.d):
+                for k in self.partition(self.entry[st], i):
+                    self.hold[(host, i, st)][k] = self.ref[st][k]
+        if self.on_host(O) and not self.on_host(P):
+            # ZeRO-Offload: the fp32 master parameters live with the optimizer state on the host.
+            for i in range(self.d):
+                for k in self.partition(self.entry[O], i):
+                    self.hold[(True, i, P)][k] = self.ref[P][k]
+
+    def contribute(self, holder: Holder, chunk: int) -> _T:
+        """What a holder supplies for ``chunk``: its copy, else its one shard (misaligned), else junk."""
+        held = self.hold[holder]
+        if chunk in held:
+            return held[chunk]
+        if len(held) == 1:
+            return next(iter(held.values()))
+        return self.fresh_junk()
+
+    # -- checks
+    def check(self, state: State, rule: str, values: tuple[_T, ...], expected: _T, **where: Any) -> None:
+        if rule in ("alignment_og", "alignment_op"):
+            label = f"alignment[O/{'G' if rule == 'alignment_og' else 'P'}.{self.group.name}, {self.axis.value}]"
+            rule = "alignment"
+        elif rule == "fetch_before_use":
+            label = f"fetch_before_use[P.{self.group.name}]"
+        else:
+            label = f"{rule}[{self.names[state.value]}]"
+        self.checks.append(_Check(state, rule, label, values, expected, tuple(where.items())))
+
+    def compute_rule(self, full: bool) -> str:
+        entry = self.entry[P]
+        if self.local[P] is Mode.OFFLOADED:
+            return "fetch_before_use"
+        if entry.mode.is_sharded and full:
+            return "gather_before_use"
+        if entry.mode is Mode.REPLICATED and (self.entry[O].mode.is_sharded or self.on_host(O)):
+            return "refresh"
+        return "agreement"
+
+    # -- ops
+    def run(self) -> None:
+        self.initialise()
+        for step in (0, 1):
+            gradient = [_T("g", k, step) for k in range(self.d)]
+            updated = False
+            for n, op in enumerate(self.ops):
+                where = {"step": step, "op": n, "phase": op.phase.value, "kind": op.kind.value}
+                match op.kind:
+                    case OpKind.ALL_GATHER:
+                        self.gather(op)
+                    case OpKind.REDUCE_SCATTER:
+                        self.reduce_scatter(op)
+                    case OpKind.ALL_REDUCE:
+                        self.all_reduce(op)
+                    case OpKind.BROADCAST:
+                        for i in range(1, self.d):
+                            self.hold[(False, i, op.state)] = dict(self.hold[(False, 0, op.state)])
+                    case OpKind.HOST_TO_DEVICE:
+                        for i in range(self.d):
+                            self.hold[(False, i, op.state)].update(self.hold[(True, i, op.state)])
+                    case OpKind.DEVICE_TO_HOST:
+                        for i in range(self.d):
+                            self.hold[(True, i, op.state)].update(self.hold[(False, i, op.state)])
+                    case OpKind.COMPUTE:
+                        self.compute(op, gradient, where)
+                    case OpKind.OPTIMIZER_STEP:
+                        self.optimizer_step(gradient, where, update_reference=not updated)
+                        updated = True
+                    case OpKind.SCALE | OpKind.SEND_RECV | OpKind.ALL_TO_ALL:
+                        pass  # values, not placements: gradient integrity judges them
+                    case _:
+                        raise AssertionError(op.kind)
+            if not updated:
+                self.update_reference(gradient)
+            for st in (P, O):
+                for k in range(self.d):
+                    holders = tuple(dict.fromkeys(h[k] for (_, _, s), h in self.hold.items() if s is st and k in h))
+                    self.check(st, "coverage", holders, self.ref[st][k], step=step, chunk=k, at="end of step")
+            for key in self.hold:
+                if key[2] is G:
+                    self.hold[key] = {}  # gradients live for one step
+
+    def gather(self, op: Op) -> None:
+        o = self.off(op.offset)
+        values = {k: self.contribute((False, (k + o) % self.d, op.state), k) for k in range(self.d)}
+        for i in range(self.d):
+            self.hold[(False, i, op.state)] = dict(values)
+
+    def combined(self, state: State, chunk: int) -> _T:
+        """A reduction's result for a chunk: the gradient if every device holds it, else junk."""
+        held = [self.hold[(False, i, state)].get(chunk) for i in range(self.d)]
+        first = held[0]
+        if state is G and first is not None and all(h == first for h in held):
+            return first
+        return self.fresh_junk()
+
+    def reduce_scatter(self, op: Op) -> None:
+        o = self.off(op.offset)
+        mine = {i: (i - o) % self.d for i in range(self.d)}
+        values = {i: self.combined(op.state, mine[i]) for i in range(self.d)}
+        for i in range(self.d):
+            self.hold[(False, i, op.state)] = {mine[i]: values[i]}
+
+    def all_reduce(self, op: Op) -> None:
+        chunks = {k for i in range(self.d) for k in self.hold[(False, i, op.state)]}
+        values = {k: self.combined(op.state, k) for k in chunks}
+        for i in range(self.d):
+            held = self.hold[(False, i, op.state)]
+            for k in list(held):
+                held[k] = values[k]
+
+    def compute(self, op: Op, gradient: list[_T], where: dict[str, Any]) -> None:
+        entry = self.entry[P]
+        full = self.axis in op.full or entry.mode in (Mode.REPLICATED, Mode.OFFLOADED)
+        rule = self.compute_rule(full)
+        for i in range(self.d):
+            held = self.hold[(False, i, P)]
+            needed = list(range(self.d)) if full else [i]  # a sharded computation uses shard i
+            for k in needed:
+                if k in held:
+                    value = held[k]
+                elif not full and len(held) == 1:
+                    value = next(iter(held.values()))
+                else:
+                    value = self.fresh_junk()
+                self.check(P, rule, (value,), self.ref[P][k], **where, device=i, chunk=k, holder="device")
+            if op.phase is Phase.BACKWARD:
+                self.hold[(False, i, G)] = {k: gradient[k] for k in needed}
+            keep = entry.keep_gathered and op.phase is Phase.FORWARD
+            if self.local[P] is Mode.OFFLOADED and not keep:
+                self.hold[(False, i, P)] = {}
+            elif entry.mode is Mode.SHARDED_GATHER and not keep:
+                own = self.partition(entry, i)
+                self.hold[(False, i, P)] = {k: v for k, v in held.items() if k in own}
+
+    def read_for_update(self, updater: Holder, chunk: int) -> _T:
+        """What an update reads for ``chunk``: its copy, else its one shard (misaligned), else junk."""
+        host, device, state = updater
+        held = self.hold[updater]
+        if chunk in held:
+            return held[chunk]
+        if not host and chunk in self.hold[(True, device, state)]:
+            return self.hold[(True, device, state)][chunk]  # offloaded parameters, read in place
+        if len(held) == 1:
+            return next(iter(held.values()))
+        return self.fresh_junk()
+
+    def optimizer_step(self, gradient: list[_T], where: dict[str, Any], *, update_reference: bool) -> None:
+        host = self.on_host(O)
+        writes: list[tuple[Holder, int, _T]] = []
+        for i in range(self.d):
+            at = "host" if host else "device"
+            for k in sorted(self.hold[(host, i, O)]):
+                o_value = self.hold[(host, i, O)][k]
+                g_value = self.read_for_update((host, i, G), k)
+                p_value = self.read_for_update((host, i, P), k)
+                ctx = {**where, "device": i, "chunk": k, "holder": at}
+                self.check(O, "agreement", (o_value,), self.ref[O][k], **ctx)
+                self.check(G, "alignment_og", (g_value,), gradient[k], **ctx)
+                self.check(P, "alignment_op", (p_value,), self.ref[P][k], **ctx)
+                args = (p_value, o_value, g_value)
+                writes.append(((host, i, O), k, _T("upd_o", k, args=args)))
+                target = self.write_target((host, i, P), k)
+                if target is not None:
+                    writes.append((target[0], target[1], _T("upd_p", k, args=args)))
+        if update_reference:
+            self.update_reference(gradient)
+        for holder, k, value in writes:
+            self.hold[holder][k] = value
+
+    def write_target(self, updater: Holder, chunk: int) -> tuple[Holder, int] | None:
+        host, device, state = updater
+        if chunk in self.hold[updater]:
+            return updater, chunk
+        if not host and chunk in self.hold[(True, device, state)]:
+            return (True, device, state), chunk
+        if len(self.hold[updater]) == 1:
+            return updater, next(iter(self.hold[updater]))  # misaligned: overwrites another chunk
+        return None
+
+    def update_reference(self, gradient: list[_T]) -> None:
+        for k in range(self.d):
+            args = (self.ref[P][k], self.ref[O][k], gradient[k])
+            self.ref[P][k] = _T("upd_p", k, args=args)
+            self.ref[O][k] = _T("upd_o", k, args=args)
+
+
+def _classify_read(check: _Check, value: _T) -> tuple[str, str]:
+    """The rule a differing read breaks (and its label), from the provenance of the value."""
+    expected = check.expected
+    target = check.label[check.label.index("["):]
+    if check.rule == "coverage":
+        return check.rule, check.label
+    if value.head == "junk":
+        if check.rule in ("gather_before_use", "fetch_before_use", "alignment", "coverage"):
+            return check.rule, check.label
+        return "coverage", f"coverage{target}"
+    if value.chunks() != expected.chunks():
+        if check.rule == "alignment":
+            return check.rule, check.label
+        return "alignment", f"alignment{target}"
+    if any(value == t for t in expected.subterms()):
+        return "refresh", f"refresh{target}" if check.rule != "alignment" else check.label
+    return ("agreement", f"agreement{target}") if check.rule != "alignment" else (check.rule, check.label)
+
+
+_EXPLAIN = {
+    "coverage": "no device or host holds the single-device value",
+    "agreement": "a copy read differs from the single-device value",
+    "alignment": "the update reads another element's state (shards cut differently)",
+    "gather_before_use": "a sharded parameter is read in full without being gathered",
+    "fetch_before_use": "an offloaded parameter is read without being copied to the device",
+    "refresh": "a stale copy (from before an update) is read",
+}
+
+
+def _decide_consistency(run: _AxisRun, timeout_ms: int) -> tuple[Obligation, list[Violation]]:
+    """One obligation for P, O and G of a group along an axis; each check keeps its state's name."""
+    name = f"{run.group.name}, {run.axis.value}"
+    solver = _Solver(timeout_ms)
+    terms = _Z3Terms()
+    indicators: list[tuple[z3.BoolRef, _Check, tuple[_T, ...]]] = []
+    seen: set[tuple[str, tuple[int, ...], int, tuple[int, ...]]] = set()
+    exact: set[tuple[str, tuple[_T, ...], _T]] = set()
+    for check in run.checks:
+        if (check.label, check.values, check.expected) in exact:
+            continue  # the same read on another device
+        exact.add((check.label, check.values, check.expected))
+        # Satisfiability of one disjunct is invariant under renaming its chunks: checks that
+        # differ only by chunk index (the devices of a symmetric program) are asked once.
+        names: dict[tuple[str, int], int] = {}
+        renaming = tuple(names.setdefault(leaf, len(names))
+                         for t in (*check.values, check.expected) for leaf in t.leaves)
+        key = (check.label, tuple(v.shape for v in check.values), check.expected.shape, renaming)
+        if key in seen:
+            continue
+        seen.add(key)
+        indicator = z3.Bool(f"fails{len(indicators)}")
+        expected = terms(check.expected)
+        differs = z3.And(*[terms(v) != expected for v in check.values]) if check.values else z3.BoolVal(True)
+        solver.track(check.label, indicator == differs)
+        indicators.append((indicator, check, check.values))
+    solver.track(f"state_consistency[{name}]", z3.Or(*[i for i, _, _ in indicators]) if indicators else False)
+    answer = solver.check()
+    status = _status(answer, violated_when="sat")
+    obligation = Obligation(f"state_consistency[{name}]", Condition.STATE_CONSISTENCY, status,
+                            answer.reason, answer.seconds, answer.core)
+    if answer.model is None:
+        return obligation, []
+    model = answer.model
+    found: dict[str, tuple[str, dict[str, Any], int]] = {}
+    for indicator, check, values in indicators:
+        if not z3.is_true(model.eval(indicator, model_completion=True)):
+            continue
+        first = values[0] if values else None
+        rule, label = _classify_read(check, first) if first is not None else ("coverage", check.label)
+        if label in found:
+            r, w, count = found[label]
+            found[label] = (r, w, count + 1)
+            continue
+        where = dict(check.where)
+        witness: dict[str, Any] = {
+            **where, "state": check.state.value, "degree": run.degree, "modelled_devices": run.d,
+            "single_device": str(check.expected),
+            "single_device_value": _number(model.eval(terms(check.expected), model_completion=True)),
+        }
+        if check.rule == "coverage":
+            witness["holders"] = [str(v) for v in values]
+        else:
+            witness["read"] = str(first)
+            witness["read_value"] = _number(model.eval(terms(first), model_completion=True)) if first else None
+        found[label] = (rule, witness, 1)
+    violations = []
+    for label, (rule, witness, count) in found.items():
+        state = witness["state"]
+        witness["failing_reads"] = count
+        where_text = (f"step {witness['step']}, {witness.get('phase', 'end of step')}, device {witness['device']}"
+                      if "device" in witness else f"end of step {witness['step']}")
+        explanation = (f"{_EXPLAIN[rule]}: {state}.{run.group.name} chunk {witness['chunk']} along "
+                       f"{run.axis.value} ({where_text}) reads {witness.get('read', 'nothing current')} "
+                       f"where single-device training has {witness['single_device']}")
+        axis = None if rule == "fetch_before_use" else run.axis.value
+        violations.append(Violation(label, Condition.STATE_CONSISTENCY, state, run.group.name, axis,
+                                    explanation, witness))
+    return obligation, violations
+
+
+# --------------------------------------------------------------------------- the verdict
+
+
+def _notes(composition: Composition, program: StepProgram) -> list[str]:
+    pl = program.placement
+    notes: list[str] = []
+    m = pl.options.micro_batches
+    if Axis.PP in pl.axes and _int_degree(pl.degree(Axis.PP)) > 1 and isinstance(m, int) and m > 1:
+        sharded = sorted({a.value for g in pl.groups(P) for a in pl.axes
+                          if a.splits_data and pl.mode(G, g, a) is Mode.SHARDED
+                          and program.origin(g, a) is Origin.PARTIAL})
+        if sharded:
+            notes.append(f"gradients sharded along {', '.join(sharded)} under a pipeline with m={m} micro-batches: "
+                         f"valid, but they are reduce-scattered once per micro-batch ({m}x the traffic of one "
+                         f"reduction) or need unsharded accumulators. {DEEPSPEED_PP_NOTE}")
+    if program.derived is False or pl.user_program:
+        notes.append("the step program was given, not derived: the verdict judges that program")
+    return notes
+
+
+def decide(composition: Composition, program: StepProgram, model: Model, *,
+           timeout_ms: int = DEFAULT_TIMEOUT_MS, devices: int | None = None) -> Verdict:
+    """Decide the composition rules, gradient integrity and state consistency of ``program``.
+
+    ``devices``: the device count the degrees must multiply to (the ``device_count`` rule),
+    when the user gave one. ``timeout_ms`` bounds each z3 query; a timeout is ``UNKNOWN``.
+    """
+    obligations: list[Obligation] = []
+    violations: list[Violation] = []
+    ob, found = _decide_composition(composition, model, devices, timeout_ms)
+    obligations.append(ob)
+    violations += found
+    pl = program.placement
+    for group in pl.groups(P):
+        for axis in pl.axes:
+            ob, violation = _decide_integrity(program, group, axis, timeout_ms)
+            obligations.append(ob)
+            if violation is not None:
+                violations.append(violation)
+    labels: set[str] = set()
+    for group in pl.groups(P):
+        for axis in pl.axes:
+            run = _AxisRun(program, group, axis)
+            run.run()
+            ob, found = _decide_consistency(run, timeout_ms)
+            obligations.append(ob)
+            for v in found:  # an axis-free rule (fetch before use) is found along every axis
+                if v.rule not in labels:
+                    labels.add(v.rule)
+                    violations.append(v)
+    return Verdict(tuple(obligations), tuple(violations), tuple(_notes(composition, program)))
+
+
+__all__ = ["DEFAULT_TIMEOUT_MS", "MAX_EXPLICIT_DEVICES", "decide"]

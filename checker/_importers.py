@@ -22,7 +22,7 @@ from typing import Any
 from checker._layout import DataSharding, Layout
 from formal._model import Model, Transformer
 from formal._placement import Options, Recompute, Schedule
-from formal._presets import DEFAULT_DEVICES
+from formal._presets import DEFAULT_DEVICES, PRESETS
 from formal.errors import InputError
 
 
@@ -325,6 +325,10 @@ def import_torchtitan(raw: Any, *, devices: int | None, model: Model | None = No
     replicate, tp, pp = degree("data_parallel_replicate_degree"), degree("tensor_parallel_degree"), \
         degree("pipeline_parallel_degree")
     cp, ep = degree("context_parallel_degree"), degree("expert_parallel_degree")
+    mdl = raw.get("model", {})
+    preset = _TT_MODELS.get((str(mdl.get("name", "")), str(mdl.get("flavor", ""))))
+    if model is None and preset is not None:
+        model = PRESETS[preset]
     shard = _pos_int(par.get("data_parallel_shard_degree", -1), where, "parallelism.data_parallel_shard_degree", (-1,))
     etp = par.get("expert_tensor_parallel_degree", 1)
     if ep > 1 and etp not in (1, tp):
@@ -383,8 +387,6 @@ def import_torchtitan(raw: Any, *, devices: int | None, model: Model | None = No
     if tp > 1:
         notes.append("tensor parallelism: torchtitan always applies sequence parallelism (SequenceParallel on norms)")
     layout = Layout(name, sharding, dp, dpr=dpr, tp=tp, pp=pp, cp=cp, ep=ep, options=options)
-    mdl = raw.get("model", {})
-    preset = _TT_MODELS.get((str(mdl.get("name", "")), str(mdl.get("flavor", ""))))
     notes.append("precision: torchtitan keeps fp32 sharded parameters, gradients and AdamW state ('fp32' recipe)")
     return Imported(Framework.TORCHTITAN, layout, world, micro, seq, "fp32", preset, tuple(notes))
 
@@ -517,12 +519,16 @@ _MEG_REFUSED = {
 }
 
 
-def megatron_tokens(text: str) -> list[str]:
-    """Arguments of a launch line or script: shell words after ``*.py`` (or from the first ``--``)."""
+def _shell_words(text: str) -> list[str]:
     try:  # a backslash-newline continues the line, as in the shell
-        words = shlex.split(text.replace("\\\n", " "), comments=True)
+        return shlex.split(text.replace("\\\n", " "), comments=True)
     except ValueError as err:
         raise ConfigError(f"megatron arguments: {err}") from None
+
+
+def megatron_tokens(text: str) -> list[str]:
+    """Arguments of a launch line or script: shell words after ``*.py`` (or from the first ``--``)."""
+    words = _shell_words(text)
     for i, w in enumerate(words):
         if w.endswith(".py"):
             return words[i + 1:]
@@ -530,6 +536,23 @@ def megatron_tokens(text: str) -> list[str]:
         if w.startswith("--"):
             return words[i:]
     return []
+
+
+def launcher_world_size(text: str) -> int | None:
+    """``torchrun --nproc_per_node N --nnodes M ... pretrain_gpt.py``: N x M, when both are numbers."""
+    words = _shell_words(text)
+    end = next((i for i, w in enumerate(words) if w.endswith(".py")), 0)
+    found: dict[str, int] = {}
+    for i, w in enumerate(words[:end]):
+        name, eq, inline = w.partition("=")
+        key = name.replace("-", "_")
+        if key in ("__nproc_per_node", "__nnodes"):
+            value = inline if eq else (words[i + 1] if i + 1 < end else "")
+            if value.isdigit():
+                found[key] = int(value)
+    if "__nproc_per_node" in found:
+        return found["__nproc_per_node"] * found.get("__nnodes", 1)
+    return None
 
 
 def import_megatron(args: list[str], *, devices: int | None, model: Model | None = None,
@@ -607,10 +630,29 @@ def import_megatron(args: list[str], *, devices: int | None, model: Model | None
     options = Options(sequence_parallel="--sequence-parallel" in flags, recompute=recompute,
                       schedule=schedule, chunks=chunks, micro_batches=m)
     distopt = "--use-distributed-optimizer" in flags
+    if distopt and ep > 1:
+        notes.append(f"--use-distributed-optimizer with experts: Megatron shards dense optimizer state over the "
+                     f"whole data-parallel group ({dp_meg}); the composition shards it over dp ({dp_meg // ep}) "
+                     "and replicates it along ep (an upper bound)")
     layout = Layout("distopt" if distopt else "dp", DataSharding.OPTIMIZER if distopt else DataSharding.NONE,
                     dp_meg // ep, tp=tp, pp=pp, cp=cp, ep=ep, options=options)
     seq = num("--seq-length", 0) or None
-    return Imported(Framework.MEGATRON, layout, total, micro, seq, "megatron", None, tuple(notes))
+    preset = None if model is not None else _meg_preset(values, flags, num)
+    return Imported(Framework.MEGATRON, layout, total, micro, seq, "megatron", preset, tuple(notes))
+
+
+def _meg_preset(values: dict[str, str], flags: set[str], num: Callable[[str, int], int]) -> str | None:
+    """The one preset whose dimensions the model arguments state, if exactly one matches."""
+    if not {"--num-layers", "--hidden-size", "--num-attention-heads"} <= set(values):
+        return None
+    hidden, heads = num("--hidden-size", 1), num("--num-attention-heads", 1)
+    wanted = {"layers": num("--num-layers", 1), "hidden": hidden, "heads": heads,
+              "ffn_": num("--ffn-hidden-size", 4 * hidden), "experts": num("--num-experts", 0) if
+              "--num-experts" in values else 0,
+              "kv_heads_": num("--num-query-groups", heads) if "--group-query-attention" in flags else heads}
+    found = [name for name, m in PRESETS.items() if isinstance(m, Transformer)
+             and all(getattr(m, k) == v for k, v in wanted.items())]
+    return found[0] if len(found) == 1 else None
 
 
 def _meg_layers(values: dict[str, str], model: Model | None, where: str) -> int:
@@ -698,6 +740,10 @@ def load_config(path: Path, *, devices: int | None, model: Model | None = None,
                 raise ConfigError(f"{where}: not TOML ({err})") from None
             return import_torchtitan(table, devices=devices, model=model, where=where)
         case Framework.MEGATRON:
-            return import_megatron(megatron_tokens(text), devices=devices, model=model, where=where)
+            launched = launcher_world_size(text)
+            if devices is not None and launched is not None and devices != launched:
+                raise ConfigError(f"{where}: --devices {devices} != the launcher's nproc_per_node x nnodes "
+                                  f"= {launched}")
+            return import_megatron(megatron_tokens(text), devices=devices or launched, model=model, where=where)
         case _:
             raise AssertionError(kind)

@@ -1,0 +1,358 @@
+"""Subcommands that meet users where they are: ``explain``, ``compare``, ``sweep``, ``export``.
+
+Plus the two hooks ``check`` uses: ``resolve_from`` (``--from CONFIG``) and ``write_report``
+(``--report out.html``). Every table prints with rich, or as CSV (``--csv``) or JSON (``--json``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from checker._analysis import Analysis
+from checker._charts import chart_format, memory_chart, sweep_chart
+from checker._exporters import Target, dtensor_placements, export
+from checker._frameworks import CONFUSED, all_rows, explain_row, placement_difference, placement_table
+from checker._html import write_report
+from checker._importers import Imported, load_config
+from checker._layout import canonical
+from checker._parse import parse
+from checker._report import to_json
+from formal._model import PRECISIONS, Model
+from formal._presets import DEFAULT_DEVICES
+from formal._strategies import LIBRARY
+from formal.errors import InputError, PlacementError
+
+EXIT_USAGE = 2
+
+__all__ = ["compare", "explain", "export_command", "resolve_from", "sweep", "write_report"]
+
+
+def _fail(err: PlacementError) -> None:
+    click.echo(f"error: {err}", err=True)
+    sys.exit(EXIT_USAGE)
+
+
+def _cli() -> Any:
+    from checker import cli  # the command module registers us; import it lazily to avoid a cycle
+
+    return cli
+
+
+# --- check --from ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Resolved:
+    composition: str
+    devices: int | None
+    model: str | None
+    precision: str
+    micro_batch: int | None
+    seq: int | None
+    imported: dict[str, Any] | None
+
+
+def resolve_from(from_path: str | None, composition: str | None, devices: int | None, model: str | None,
+                 params: str | None, precision: str, micro_batch: int | None, seq: int | None) -> Resolved:
+    """``check --from CONFIG``: the config's composition, unless COMPOSITION is given too (error).
+
+    The config's batch, sequence and precision fill options the user left at their defaults; an
+    explicit option wins. What the importer could not map goes to stderr and the JSON report.
+    """
+    if from_path is None:
+        if composition is None:
+            raise InputError("give a COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG")
+        return Resolved(composition, devices, model, precision, micro_batch, seq, None)
+    if composition is not None:
+        raise InputError(f"{composition} and --from {from_path}: give one, not both")
+    chosen = _cli().load_model(model, params, None, None) if (model or params) else None
+    imported = load_config(Path(from_path), devices=devices, model=chosen)
+    ctx = click.get_current_context(silent=True)
+    precision_default = ctx is None or ctx.get_parameter_source("precision") is click.core.ParameterSource.DEFAULT
+    _print_import(imported)
+    return Resolved(
+        composition=imported.composition,
+        devices=imported.devices if devices is None else devices,
+        model=model if (model or params) else imported.model,
+        precision=imported.precision if (precision_default and imported.precision) else precision,
+        micro_batch=micro_batch if micro_batch is not None else imported.micro_batch,
+        seq=seq if seq is not None else imported.seq,
+        imported=imported.as_json(),
+    )
+
+
+def _print_import(imported: Imported) -> None:
+    click.echo(f"imported {imported.framework.value}: {imported.composition}", err=True)
+    for note in imported.notes:
+        click.echo(f"  not mapped / assumed: {note}", err=True)
+
+
+# --- table output ---------------------------------------------------------------------------
+
+def emit(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: str, as_csv: bool, as_json: bool,
+         fmt: Callable[[str, Any], str] | None = None) -> None:
+    """One table three ways: rich (default), CSV (raw values) or JSON (a list of objects)."""
+    if as_json:
+        click.echo(json.dumps(list(rows), indent=2, default=str))
+        return
+    if as_csv:
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _csv_cell(row.get(k)) for k in columns})
+        click.echo(buffer.getvalue(), nl=False)
+        return
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(*[(fmt(c, row.get(c)) if fmt else _text(row.get(c))) for c in columns])
+    Console(width=max(Console().width, 160)).print(table)
+
+
+def _csv_cell(value: Any) -> str:
+    if isinstance(value, dict):
+        return "; ".join(f"{k}={v}" for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return "; ".join(str(v) for v in value)
+    return "" if value is None else str(value)
+
+
+def _text(value: Any) -> str:
+    return _csv_cell(value)
+
+
+def _gb_fmt(column: str, value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and column.endswith("bytes"):
+        return f"{value / 1e9:,.2f} GB"
+    return _text(value)
+
+
+_model_options = [
+    click.option("--devices", type=int, default=None, help=f"Device count (default {DEFAULT_DEVICES})."),
+    click.option("--model", default=None, help="Preset name or Hugging Face config.json."),
+    click.option("--params", default=None, help="A bare parameter count instead of a model (7.5e9, 70B)."),
+    click.option("--precision", default="zero", show_default=True, help="Bytes per element: " + ", ".join(PRECISIONS)),
+    click.option("--device-memory", default=None, help="Per-device memory, e.g. 80GB."),
+    click.option("--micro-batch", type=int, default=None, help="Micro-batch size per replica."),
+    click.option("--seq", type=int, default=None, help="Sequence length."),
+]
+_table_options = [
+    click.option("--csv", "as_csv", is_flag=True, help="Print the table as CSV."),
+    click.option("--json", "as_json", is_flag=True, help="Print the table as JSON."),
+]
+
+
+def _with(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
+    def wrap(f: Any) -> Any:
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return wrap
+
+
+def _analyze(composition: str, kw: dict[str, Any]) -> Analysis:
+    analysis: Analysis = _cli().build(composition, kw["devices"], kw["model"], kw["params"], kw["precision"],
+                                      kw["device_memory"], kw["micro_batch"], kw["seq"])
+    return analysis
+
+
+# --- compare and sweep ----------------------------------------------------------------------
+
+SUMMARY_COLUMNS = ("composition", "devices", "parameters_bytes", "gradients_bytes", "optimizer_bytes",
+                   "activations_bytes", "buffers_bytes", "total_bytes", "fits", "network_bytes",
+                   "model_state_psi", "bubble")
+
+
+def summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """One row of a JSON report: bytes per device by state, traffic, bubble."""
+    per = doc["memory"]["per_device"]
+    return {
+        "composition": doc["composition"], "devices": doc["devices"],
+        **{f"{k}_bytes": per[k] for k in ("parameters", "gradients", "optimizer", "activations", "buffers")},
+        "total_bytes": per["total"], "fits": doc["memory"]["fits"],
+        "network_bytes": doc["communication"]["per_device_per_step"],
+        "model_state_psi": doc["communication"]["model_state_psi_units"],
+        "bubble": doc["pipeline"]["bubble_fraction"],
+    }
+
+
+def _write_chart(path: Path, data: bytes) -> None:
+    try:
+        path.write_bytes(data)
+    except OSError as err:
+        raise InputError(f"--chart {path}: cannot write ({err.strerror})") from None
+    click.echo(f"chart written to {path}", err=True)
+
+
+@click.command("compare")
+@click.argument("compositions", nargs=-1, required=True)
+@_with(_model_options + _table_options)
+@click.option("--chart", default=None, help="Write a stacked memory chart (.png or .svg).")
+def compare(compositions: tuple[str, ...], chart: str | None, as_csv: bool, as_json: bool, **kw: Any) -> None:
+    """Compare COMPOSITIONS side by side, e.g. compare dp8 zero1 zero2 zero3 fsdp8."""
+    try:
+        fmt = chart_format(Path(chart)) if chart else None
+        docs = [to_json(_analyze(c, kw)) for c in compositions]
+        rows = [{**summary(d), "composition": typed} for d, typed in zip(docs, compositions, strict=True)]
+        if chart and fmt:
+            device_memory = docs[0]["memory"]["device_memory"]
+            _write_chart(Path(chart), memory_chart([r["composition"] for r in rows],
+                                                   [d["memory"]["per_device"] for d in docs], device_memory,
+                                                   f"memory per device, {docs[0]['model']['name']}", fmt))
+    except PlacementError as err:
+        _fail(err)
+        return
+    emit(rows, SUMMARY_COLUMNS, f"compositions on {docs[0]['model']['name']} (GB = 1e9 bytes)", as_csv, as_json,
+         _gb_fmt)
+
+
+@click.command("sweep")
+@click.argument("template")
+@click.option("--values", required=True, help="Comma-separated values for {} in TEMPLATE, e.g. 1,2,4,8.")
+@_with(_model_options + _table_options)
+@click.option("--chart", default=None, help="Write memory and traffic against the value (.png or .svg).")
+def sweep(template: str, values: str, chart: str | None, as_csv: bool, as_json: bool, **kw: Any) -> None:
+    """Vary one degree: sweep 'tp{}xzero3' --values 1,2,4,8 (a value that does not fit the
+    devices is reported in its row, not fatal)."""
+    try:
+        if template.count("{}") != 1:
+            raise InputError(f"{template}: put exactly one {{}} where the swept value goes (e.g. tp{{}}xzero3)")
+        items = [v.strip() for v in values.split(",") if v.strip()]
+        if not items or not all(v.isdigit() and int(v) > 0 for v in items):
+            raise InputError(f"--values {values}: expected positive integers separated by commas")
+        fmt = chart_format(Path(chart)) if chart else None
+        rows: list[dict[str, Any]] = []
+        docs: list[tuple[str, dict[str, Any]]] = []
+        for v in items:
+            text = template.replace("{}", v)
+            try:
+                doc = to_json(_analyze(text, kw))
+            except InputError as err:
+                rows.append({"value": int(v), "composition": text, "error": str(err)})
+                continue
+            docs.append((v, doc))
+            rows.append({"value": int(v), **summary(doc), "error": None})
+        if not docs:
+            raise InputError(f"{template}: no value of {values} gives a valid composition ({rows[0]['error']})")
+        if chart and fmt:
+            first = docs[0][1]
+            _write_chart(Path(chart), sweep_chart([v for v, _ in docs], [d["memory"]["per_device"] for _, d in docs],
+                                                  [d["communication"]["per_device_per_step"] for _, d in docs],
+                                                  first["memory"]["device_memory"],
+                                                  f"{template} on {first['model']['name']}", fmt))
+    except PlacementError as err:
+        _fail(err)
+        return
+    emit(rows, ("value", *SUMMARY_COLUMNS, "error"), f"sweep {template} (GB = 1e9 bytes)", as_csv, as_json, _gb_fmt)
+
+
+# --- explain --------------------------------------------------------------------------------
+
+@click.command("explain")
+@click.argument("strategy", required=False)
+@click.option("--all", "show_all", is_flag=True, help="The cross-framework table of every strategy.")
+@click.option("--degree", type=int, default=8, show_default=True, help="Degree used to instantiate the strategy.")
+@_with(_table_options)
+def explain(strategy: str | None, show_all: bool, degree: int, as_csv: bool, as_json: bool) -> None:
+    """Show a strategy's placement and what each framework calls it (explain zero2, explain --all)."""
+    try:
+        if degree < 1:
+            raise InputError(f"--degree {degree}: must be at least 1")
+        if show_all == (strategy is not None):
+            raise InputError("give a STRATEGY (e.g. zero2) or --all")
+        if show_all:
+            rows = [r.as_json() for r in all_rows(degree)]
+            emit(rows, ("strategy", "axis", "modes", "model_state_bytes", "known_as", "configs", "same_placement_as"),
+                 f"strategies as placements (degree {degree}; model-state bytes per device, Psi parameters, "
+                 "2+2+12 bytes)", as_csv, as_json)
+            return
+        assert strategy is not None
+        name = strategy.strip().lower()
+        if name not in LIBRARY:
+            raise InputError(f"{strategy}: unknown strategy (known: {', '.join(sorted(LIBRARY))})")
+        row = explain_row(name, degree)
+        table = placement_table(name, degree)
+        axis = row.axis
+        modes = [{"state.group": k, axis: cells.get(axis, "R"), "local": cells.get("local", "")}
+                 for k, cells in table.items()]
+        differences: dict[str, dict[str, str]] = {
+            other: {k: f"{a} vs {b}" for k, (a, b) in placement_difference(name, other, degree).items()}
+            for pair in CONFUSED if name in pair for other in pair if other != name
+        }
+        confused = [{"versus": other, "differences": diff} for other, diff in differences.items()]
+        if as_json:
+            click.echo(json.dumps({**row.as_json(), "placement": modes, "confused_with": confused}, indent=2))
+            return
+        if as_csv:
+            emit(modes, ("state.group", axis, "local"), "", True, False)
+            return
+        console = Console(width=max(Console().width, 140))
+        console.print(f"[bold]{name}[/bold] (axis {axis}): {row.description}")
+        console.print(f"model-state bytes per device: {row.model_states}  (Psi parameters, d = {axis} degree, "
+                      "mixed-precision Adam 2+2+12)")
+        if row.same_placement_as:
+            console.print(f"same placement as: {', '.join(row.same_placement_as)}")
+        emit(modes, ("state.group", axis, "local"), f"placement of {name}{degree} (modes along {axis})", False, False)
+        names = [{"framework": k, "name": v} for k, v in row.known_as.items()]
+        names += [{"framework": f"{k} (exported)", "name": v} for k, v in row.configs.items()]
+        emit(names, ("framework", "name"), "what frameworks call it", False, False)
+        for other, diff in differences.items():
+            verdict = "; ".join(f"{k}: {v}" for k, v in diff.items()) if diff else "the same placement"
+            console.print(f"{name} vs {other}: {verdict}")
+    except PlacementError as err:
+        _fail(err)
+
+
+# --- export ---------------------------------------------------------------------------------
+
+@click.command("export")
+@click.argument("composition", required=False)
+@click.option("--to", "target", type=click.Choice([t.value for t in Target]), required=True,
+              help="torchtitan TOML, DeepSpeed JSON, Megatron arguments, or DTensor placements.")
+@click.option("--from", "from_path", default=None, help="Convert a DeepSpeed/torchtitan/Megatron config instead.")
+@_with(_model_options)
+@click.option("--json", "as_json", is_flag=True, help="dtensor: print JSON instead of a table.")
+@click.option("--csv", "as_csv", is_flag=True, help="dtensor: print CSV instead of a table.")
+def export_command(composition: str | None, target: str, from_path: str | None, as_json: bool, as_csv: bool,
+                   **kw: Any) -> None:
+    """Write COMPOSITION (or --from CONFIG) as a framework configuration: export tp2xfsdp8xsp --to torchtitan."""
+    try:
+        r = resolve_from(from_path, composition, kw["devices"], kw["model"], kw["params"], kw["precision"],
+                         kw["micro_batch"], kw["seq"])
+        comp = parse(r.composition, devices=r.devices if r.devices is not None else DEFAULT_DEVICES)
+        model: Model = _cli().load_model(r.model, kw["params"], r.micro_batch, r.seq)
+        tgt = Target(target)
+        if tgt is Target.DTENSOR:
+            doc = dtensor_placements(comp.placement(model))
+            rows = [{"group": g, "state": st, **dict(zip(doc["mesh_dims"], cells, strict=True)),
+                     "pp": body.get("pp", "")}
+                    for g, body in doc["groups"].items()
+                    for st, cells in body.items() if st != "pp"]
+            if as_json:
+                click.echo(json.dumps(doc, indent=2))
+            else:
+                emit(rows, ("group", "state", *doc["mesh_dims"], "pp"),
+                     f"DTensor placements of {canonical(comp, model)} (mesh {doc['mesh_dims']} = "
+                     f"{doc['mesh_shape']})", as_csv, False)
+            return
+        out = export(comp, model, tgt)
+    except PlacementError as err:
+        _fail(err)
+        return
+    click.echo(out.text, nl=not out.text.endswith("\n"))
+    for note in out.notes:
+        click.echo(f"note: {note}", err=True)
+
+

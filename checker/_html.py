@@ -1,0 +1,135 @@
+"""A self-contained HTML report of one JSON report (``to_json``, plus ``verdict`` when present).
+
+One file, no network: the memory chart is an embedded base64 PNG, the report JSON is embedded
+for scripts, and every number shown is read from the JSON document.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from checker._charts import memory_chart
+from formal.errors import InputError
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 72em; color: #222; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }
+td.n { text-align: right; font-variant-numeric: tabular-nums; }
+.proved { color: #176b2c; } .refuted { color: #a11; } .unknown { color: #a60; }
+code { background: #f4f4f4; padding: 0 0.2em; }
+"""
+
+
+def _e(x: object) -> str:
+    return html.escape(str(x))
+
+
+def _table(headers: Sequence[str], rows: Iterable[Sequence[object]], numeric: Iterable[int] = ()) -> str:
+    num = set(numeric)
+    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
+    body = "".join(
+        "<tr>" + "".join(f"<td class=\"n\">{_e(c)}</td>" if i in num else f"<td>{_e(c)}</td>"
+                         for i, c in enumerate(row)) + "</tr>"
+        for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _gb(x: int | None) -> str:
+    return "unknown" if x is None else f"{x / 1e9:,.2f}"
+
+
+def _verdict_section(doc: dict[str, Any]) -> str:
+    verdict = doc.get("verdict")
+    memory = doc["memory"]
+    fits = memory.get("fits")
+    fit_line = ("" if fits is None else
+                f"<p id=\"memory-verdict\">Memory: <b>{'fits' if fits else 'does NOT fit'}</b> in "
+                f"{_gb(memory['device_memory'])} GB per device.</p>")
+    if not isinstance(verdict, dict):
+        return ("<section id=\"verdict\"><h2>Verdict</h2><p id=\"verdict-status\">correctness verdict: "
+                f"<b>not computed</b> (the report has no verdict)</p>{fit_line}</section>")
+    status = str(verdict.get("status", "unknown"))
+    parts = ["<section id=\"verdict\"><h2>Verdict</h2>",
+             f"<p id=\"verdict-status\" class=\"{_e(status)}\">correctness verdict: <b>{_e(status)}</b></p>"]
+    conditions = [(k.replace("_", " "), verdict[k]) for k in ("gradient_integrity", "state_consistency",
+                                                               "composition_rules") if k in verdict]
+    if conditions:
+        parts.append(_table(["condition", "status"], conditions))
+    violations = verdict.get("violations") or []
+    if violations:
+        parts.append("<h3>Rules violated</h3>")
+        parts.append(_table(["rule", "condition", "explanation", "witness"],
+                            [(v.get("rule"), v.get("condition"), v.get("explanation"),
+                              json.dumps(v.get("witness", {}), sort_keys=True)) for v in violations]))
+    unknown = verdict.get("unknown") or []
+    if unknown:
+        parts.append("<h3>Undecided obligations</h3>")
+        parts.append(_table(["obligation", "reason"], [(u.get("obligation"), u.get("reason")) for u in unknown]))
+    notes = verdict.get("notes") or []
+    if notes:
+        parts.append("<ul>" + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>")
+    parts.append(fit_line + "</section>")
+    return "".join(parts)
+
+
+def render_html(doc: dict[str, Any]) -> str:
+    """The HTML page for a JSON report (schema ``placement-semantics/report/1``)."""
+    if "memory" not in doc or "communication" not in doc:
+        raise InputError("report: not a placement-semantics JSON report (no memory/communication)")
+    per = doc["memory"]["per_device"]
+    png = memory_chart([doc["composition"]], [per], doc["memory"].get("device_memory"),
+                       f"{doc['composition']}: memory per device ({doc['memory']['most_loaded_rank']['pipeline_stage']}"
+                       " pipeline stage)")
+    model = doc["model"]
+    prec = doc["precision"]
+    mem_rows = [(k, f"{per[k]:,}" if per[k] is not None else "unknown", _gb(per[k]))
+                for k in ("parameters", "gradients", "optimizer", "model_states", "activations", "buffers", "total")]
+    coll = doc["communication"]["collectives"]
+    coll_rows = [(c["op"], c["axis"], f"{c['state']}.{c['group']}", c["phase"], f"{c['elements']:,}",
+                  f"{c['count']:,}", f"{c['bytes']:,}", c["psi_units"]) for c in coll]
+    place_rows = [(key, ", ".join(f"{a}={m}" for a, m in cells.items())) for key, cells in doc["placement"].items()]
+    imported = doc.get("imported_from")
+    imported_html = ""
+    if isinstance(imported, dict):
+        imported_html = ("<section id=\"imported\"><h2>Imported configuration</h2>"
+                         f"<p>{_e(imported.get('framework'))}: <code>{_e(imported.get('composition'))}</code></p>"
+                         + "<ul>" + "".join(f"<li>{_e(n)}</li>" for n in imported.get("not_mapped", [])) + "</ul>"
+                         "</section>")
+    data = json.dumps(doc, sort_keys=True).replace("</", "<\\/")
+    title = f"{doc['composition']} — placement-semantics report"
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title><style>{_CSS}</style></head>
+<body>
+<h1>{_e(doc['composition'])}</h1>
+<p>{_e(doc['devices'])} devices, mesh {_e(' x '.join(f'{a}={d}' for a, d in doc['mesh'].items()))};
+model <b>{_e(model['name'])}</b> ({model['parameters']:,} parameters); precision {_e(prec['name'])}
+({prec['parameters']}/{prec['gradients']}/{prec['optimizer']} bytes per parameter). GB = 1e9 bytes.</p>
+{_verdict_section(doc)}
+{imported_html}
+<section id="memory"><h2>Memory per device</h2>
+<img id="memory-chart" alt="stacked bar chart of per-device memory by state"
+ src="data:image/png;base64,{base64.b64encode(png).decode('ascii')}">
+{_table(["state", "bytes", "GB"], mem_rows, numeric=(1, 2))}
+<p>host (offloaded): {doc['memory']['host']:,} bytes</p></section>
+<section id="collectives"><h2>Collectives per step ({doc['communication']['per_device_per_step']:,} bytes per device;
+model states {_e(doc['communication']['model_state_psi_units'])} Psi)</h2>
+{_table(["op", "axis", "state.group", "phase", "elements", "count", "bytes", "Psi units"], coll_rows,
+        numeric=(4, 5, 6))}
+<p>pipeline bubble fraction: {_e(doc['pipeline']['bubble_fraction'])}</p></section>
+<section id="placement"><h2>Placement</h2>{_table(["state.group", "modes per axis"], place_rows)}</section>
+<script type="application/json" id="report-data">{data}</script>
+</body></html>
+"""
+
+
+def write_report(doc: dict[str, Any], path: Path) -> None:
+    try:
+        path.write_text(render_html(doc), encoding="utf-8")
+    except OSError as err:
+        raise InputError(f"--report {path}: cannot write ({err.strerror})") from None

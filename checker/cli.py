@@ -104,7 +104,7 @@ def main() -> None:
 
 
 @main.command(epilog=EXAMPLES)
-@click.argument("composition")
+@click.argument("composition", required=False)
 @click.option("--devices", type=int, default=None, help=f"Device count (default {DEFAULT_DEVICES}, "
               "or the product of the degrees).")
 @click.option("--model", default=None, help=f"Preset name or Hugging Face config.json (default {DEFAULT_MODEL}).")
@@ -115,11 +115,16 @@ def main() -> None:
 @click.option("--micro-batch", type=int, default=None, help="Micro-batch size per replica (Megatron's b).")
 @click.option("--seq", type=int, default=None, help="Sequence length.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report (docs/schema.md).")
-def check(composition: str, devices: int | None, model: str | None, params: str | None, precision: str,
-          device_memory: str | None, micro_batch: int | None, seq: int | None, as_json: bool) -> None:
-    """Check COMPOSITION (e.g. tp2xzero3xpp4): memory, communication and verdict."""
+@click.option("--from", "from_path", default=None,
+              help="Read the composition from a DeepSpeed .json, torchtitan .toml or Megatron arguments file.")
+@click.option("--report", default=None, help="Also write a self-contained HTML report (chart, collectives, verdict).")
+def check(composition: str | None, devices: int | None, model: str | None, params: str | None, precision: str,
+          device_memory: str | None, micro_batch: int | None, seq: int | None, as_json: bool,
+          from_path: str | None = None, report: str | None = None) -> None:
+    """Check COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG: memory, communication and verdict."""
     try:
-        analysis = build(composition, devices, model, params, precision, device_memory, micro_batch, seq)
+        r = resolve_from(from_path, composition, devices, model, params, precision, micro_batch, seq)
+        analysis = build(r.composition, r.devices, r.model, params, r.precision, device_memory, r.micro_batch, r.seq)
     except InputError as err:
         fail(str(err))
         return
@@ -127,6 +132,13 @@ def check(composition: str, devices: int | None, model: str | None, params: str 
         fail(str(err))
         return
     doc: dict[str, Any] = to_json(analysis)
+    if r.imported is not None:
+        doc["imported_from"] = r.imported
+    if report is not None:
+        try:
+            write_report(doc, Path(report))
+        except InputError as err:
+            fail(str(err))
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
@@ -142,6 +154,19 @@ def list_strategies() -> None:
         click.echo(f"{name:<10} axis {s.axis.value:<4} {s.description}")
     for mod, text in MODIFIERS.items():
         click.echo(f"{mod:<10} modifier  {text}")
+
+
+from checker._commands_reports import (  # noqa: E402 (issue 7: configs in and out, reports)
+    compare,
+    explain,
+    export_command,
+    resolve_from,
+    sweep,
+    write_report,
+)
+
+for _command in (explain, compare, sweep, export_command):
+    main.add_command(_command)
 
 
 if __name__ == "__main__":

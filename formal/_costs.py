@@ -146,7 +146,7 @@ def activation_memory(pl: Placement, model: Model, precision: Precision, stage: 
     """Activation bytes on a device: Korthikanti's per-layer bytes through the placement."""
     if not isinstance(model, Transformer):
         return None
-    per_layer = model.activation_bytes_per_layer()
+    per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
     layers = sp.Integer(model.layers) / pl.degree(Axis.PP)
     total: sp.Expr = sp.Integer(0)
     for g in ACTIVATION_GROUPS:
@@ -154,10 +154,9 @@ def activation_memory(pl: Placement, model: Model, precision: Precision, stage: 
             continue  # recomputed in backward, freed after use
         total += per_layer[g] * _tensor_factor(pl, g)
     if pl.options.recompute is Recompute.FULL:
-        # Korthikanti Table 2, full recomputation: each layer's input, 2sbh bytes, is kept.
-        total += 2 * sp.Integer(model.seq * model.micro_batch * model.hidden) * _cp_factor(pl)
-    scale = sp.Rational(precision.activations, 2)  # Korthikanti counts 16-bit activations
-    return sp.nsimplify(total * layers * in_flight_micro_batches(pl, stage) * scale)
+        # Korthikanti Table 2, full recomputation: each layer's input (2sbh bytes at 16 bits).
+        total += precision.activations * sp.Integer(model.seq * model.micro_batch * model.hidden) * _cp_factor(pl)
+    return sp.nsimplify(total * layers * in_flight_micro_batches(pl, stage))
 
 
 def _tensor_factor(pl: Placement, group: Group) -> sp.Expr:

@@ -131,19 +131,26 @@ class Transformer:
     def parameter_count(self) -> int:
         return sum(self.group_elements().values())
 
-    def activation_bytes_per_layer(self) -> dict[Group, sp.Expr]:
+    def activation_bytes_per_layer(self, element_bytes: int = 2, mask_bytes: int = 1) -> dict[Group, sp.Expr]:
         """Activation bytes of one layer for one micro-batch, by group, before any parallelism.
 
         Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
         Models"), section 4.1: 16-bit activations and 1-byte dropout masks; per layer
         ``sbh(34 + 5as/h)`` split as 10sbh (replicated by TP), 24sbh (split by TP) and
         5as^2b (attention scores, split by TP). ``b`` here is the micro-batch of one replica.
+
+        In elements: LAYER_IO is 4 activations (two LayerNorm inputs, the QKV and FC1 inputs)
+        plus 2 dropout masks per sbh; LINEAR_INNER 12 activations; ATTN_SCORES 2 activations
+        (softmax output, dropout output) plus 1 mask per as^2b. ``element_bytes`` and
+        ``mask_bytes`` default to Korthikanti's 2 and 1 (10sbh, 24sbh, 5as^2b); a mask stays 1
+        byte when activations widen to fp32, unless the engine keeps it as a float tensor.
         """
         sbh = sp.Integer(self.seq * self.micro_batch * self.hidden)
+        as2b = sp.Integer(self.heads * self.seq**2 * self.micro_batch)
         return {
-            LAYER_IO: 10 * sbh,
-            LINEAR_INNER: 24 * sbh,
-            ATTN_SCORES: sp.Integer(5 * self.heads * self.seq**2 * self.micro_batch),
+            LAYER_IO: (4 * element_bytes + 2 * mask_bytes) * sbh,
+            LINEAR_INNER: 12 * element_bytes * sbh,
+            ATTN_SCORES: (2 * element_bytes + mask_bytes) * as2b,
         }
 
     def with_micro_batch(self, micro_batch: int) -> Transformer:
@@ -205,6 +212,7 @@ class Precision:
     optimizer: int
     activations: int = 2  # 16-bit activations (Korthikanti's formulas assume this)
     gradient_wire: int = 2  # bytes per gradient element sent by reductions
+    mask_bytes: int = 1  # bytes per dropout-mask element (Korthikanti: 1-byte masks)
     source: str = ""
     description: str = ""
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
@@ -252,6 +260,9 @@ PRECISIONS: dict[str, Precision] = {
                   source="Megatron Core docs, Distributed Optimizer: fp16 params, fp16 grads: 20, 4 + 16/d",
                   description="fp16 params and grads; fp32 main grads, master and Adam with the optimizer"),
         Precision("fp32", 4, 4, 8, gradient_wire=4, description="pure fp32 Adam: params, grads, m, v"),
+        Precision("fp32-adam", 4, 4, 8, activations=4, gradient_wire=4,
+                  source="torch.optim.Adam on fp32 parameters: exp_avg and exp_avg_sq, 4 bytes each",
+                  description="pure fp32 Adam with fp32 activations (the PyTorch validation runs)"),
         Precision("sgd-momentum", 4, 4, 4, gradient_wire=4, description="fp32 SGD with momentum"),
         Precision("fp32-sgd", 4, 4, 0, activations=4, gradient_wire=4,
                   description="fp32 plain SGD (no optimizer state)"),

@@ -12,6 +12,7 @@ from checker._analysis import Analysis
 from checker._numbers import gb
 from formal._costs import ceil_int
 from formal._model import ParameterCount, Transformer
+from formal._verdict import Condition, Status, Verdict
 
 SCHEMA = "placement-semantics/report/1"
 
@@ -136,3 +137,47 @@ def print_human(analysis: Analysis, console: Console) -> None:
         console.print(f"host-device transfers: {moved:,} bytes per step (PCIe, not network)")
     if doc["pipeline"]["bubble_fraction"] != "0":
         console.print(f"pipeline bubble fraction {doc['pipeline']['bubble_fraction']}")
+
+
+def verdict_json(verdict: Verdict, explain: bool = False) -> dict[str, Any]:
+    """The ``verdict`` object of the JSON report; ``explain`` adds every obligation with its core."""
+    doc = verdict.as_json()
+    if explain:
+        doc["explain"] = [
+            {"obligation": o.name, "condition": o.condition.label, "status": o.status.label,
+             "core": list(o.core), "reason_unknown": o.reason_unknown, "seconds": round(o.seconds, 6)}
+            for o in verdict.obligations
+        ]
+    return doc
+
+
+def print_verdict(verdict: Verdict, console: Console, explain: bool = False) -> None:
+    """Verdict per condition, the rules that fired (with witnesses under ``explain``), notes."""
+    table = Table(title=f"Verdict: {verdict.status.label.upper()} ({len(verdict.obligations)} z3 obligations)")
+    table.add_column("condition")
+    table.add_column("status")
+    table.add_column("rules that fired")
+    for condition in Condition:
+        fired = sorted({v.rule for v in verdict.violations if v.condition is condition})
+        shown = ", ".join(fired[:4]) + (f" (+{len(fired) - 4} more)" if len(fired) > 4 else "")
+        table.add_row(condition.label.replace("_", " "), verdict.condition_status(condition).label, shown or "-")
+    console.print(table)
+    limit = None if explain else 8
+    for v in verdict.violations[:limit]:
+        console.print(f"[bold red]{v.rule}[/bold red] ({v.condition.label}): {v.explanation}", highlight=False)
+        if explain:
+            for key, value in v.witness.items():
+                console.print(f"    {key}: {value}", highlight=False)
+    if limit is not None and len(verdict.violations) > limit:
+        console.print(f"... {len(verdict.violations) - limit} more violations (--explain or --json lists all)")
+    for o in verdict.obligations:
+        if o.status is Status.UNKNOWN:
+            console.print(f"[yellow]unknown[/yellow] {o.name}: z3 said {o.reason_unknown!r} (not proved)",
+                          highlight=False)
+    if explain:
+        console.print("Unsat cores of the proved obligations (tracked constraint names):")
+        for o in verdict.obligations:
+            if o.status is Status.PROVED and o.core:
+                console.print(f"  {o.name}: {', '.join(o.core)}", highlight=False)
+    for note in verdict.notes:
+        console.print(f"note: {note}", highlight=False)

@@ -16,11 +16,15 @@ from rich.console import Console
 from checker._analysis import Analysis, analyze
 from checker._numbers import parse_bytes, parse_count
 from checker._parse import MODIFIERS, parse
-from checker._report import print_human, to_json
+from checker._report import print_human, print_verdict, to_json, verdict_json
+from checker._toml import StrategyFile
+from checker._toml import load as load_strategies
 from formal._model import PRECISIONS, Model, ParameterCount
 from formal._presets import DEFAULT_DEVICE_MEMORY, DEFAULT_DEVICES, DEFAULT_MODEL, PRESETS
+from formal._smt import DEFAULT_TIMEOUT_MS, decide
 from formal._strategies import LIBRARY, Composition
-from formal.errors import InputError, PlacementError
+from formal._verdict import Status, Verdict
+from formal.errors import InputError, PlacementError, SolverError
 
 EXIT_VALID, EXIT_INVALID, EXIT_USAGE, EXIT_UNKNOWN = 0, 1, 2, 3
 
@@ -31,6 +35,10 @@ Examples:
   check-composition zero3 --devices 8 --params 7.5e9 --json
   check-composition tp4xspxpp2xm8 --model llama2-7b --device-memory 80GB
   check-composition fsdp8xdpr2 --model gpt3-1.3b   # HSDP: shard 8, replicate 2
+  check-composition tp3                            # exit 1: divides[heads, tp] (32 heads)
+  check-composition zero2-skew4 --strategies examples/broken_optimizer_shards.toml --explain
+\b
+Exit codes: 0 valid, 1 invalid (the rule is named), 2 usage or input error, 3 unknown.
 \b
 Composition language: strategy terms with an optional degree joined by 'x'
 (a term without a degree takes the devices left over). Modifiers:
@@ -84,15 +92,34 @@ def load_model(model: str | None, params: str | None, micro_batch: int | None, s
 
 def build(composition: str, devices: int | None, model: str | None, params: str | None,
           precision: str, device_memory: str | None, micro_batch: int | None = None,
-          seq: int | None = None) -> Analysis:
+          seq: int | None = None, strategies: StrategyFile | None = None) -> Analysis:
+    """``strategies``: a user file whose names the composition may use, and whose program (if any)
+    replaces the derived one."""
     if devices is not None and devices < 1:
         raise InputError(f"--devices {devices}: must be at least 1")
-    comp: Composition = parse(composition, devices=devices if devices is not None else DEFAULT_DEVICES)
+    comp: Composition = parse(composition, strategies.factories() if strategies is not None else None,
+                              devices=devices if devices is not None else DEFAULT_DEVICES)
     chosen = load_model(model, params, micro_batch, seq)
     if precision not in PRECISIONS:
         raise InputError(f"--precision {precision}: unknown (known: {', '.join(PRECISIONS)})")
     mem = parse_bytes(device_memory) if device_memory is not None else DEFAULT_DEVICE_MEMORY
-    return analyze(comp, chosen, PRECISIONS[precision], mem)
+    program = None
+    if strategies is not None and strategies.program is not None:
+        program = strategies.program_for(comp.placement(chosen), chosen)
+    return analyze(comp, chosen, PRECISIONS[precision], mem, program=program)
+
+
+def verdict_exit(verdict: Verdict) -> int:
+    """0 valid, 1 invalid, 3 unknown (z3 gave up: never reported as valid)."""
+    match verdict.status:
+        case Status.PROVED:
+            return EXIT_VALID
+        case Status.REFUTED:
+            return EXIT_INVALID
+        case Status.UNKNOWN:
+            return EXIT_UNKNOWN
+        case _:
+            raise AssertionError(verdict.status)
 
 
 @click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]},
@@ -118,20 +145,37 @@ def main() -> None:
 @click.option("--from", "from_path", default=None,
               help="Read the composition from a DeepSpeed .json, torchtitan .toml or Megatron arguments file.")
 @click.option("--report", default=None, help="Also write a self-contained HTML report (chart, collectives, verdict).")
+@click.option("--strategies", "strategies_path", default=None, metavar="FILE",
+              help="A TOML file of user strategies (and optionally a step program); see examples/.")
+@click.option("--explain", is_flag=True, help="Show every obligation: unsat cores of proofs, full counterexamples.")
+@click.option("--timeout-ms", type=click.IntRange(1, 3_600_000), default=DEFAULT_TIMEOUT_MS, show_default=True,
+              help="z3 time limit per obligation; a timeout is 'unknown' (exit 3), never valid.")
 def check(composition: str | None, devices: int | None, model: str | None, params: str | None, precision: str,
           device_memory: str | None, micro_batch: int | None, seq: int | None, as_json: bool,
-          from_path: str | None = None, report: str | None = None) -> None:
-    """Check COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG: memory, communication and verdict."""
+          from_path: str | None = None, report: str | None = None, strategies_path: str | None = None,
+          explain: bool = False, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> None:
+    """Check COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG: memory, communication and verdict.
+
+    Exit codes: 0 valid, 1 invalid (a rule is broken), 2 usage or input error, 3 unknown."""
     try:
+        user = load_strategies(strategies_path) if strategies_path is not None else None
         r = resolve_from(from_path, composition, devices, model, params, precision, micro_batch, seq)
-        analysis = build(r.composition, r.devices, r.model, params, r.precision, device_memory, r.micro_batch, r.seq)
+        analysis = build(r.composition, r.devices, r.model, params, r.precision, device_memory, r.micro_batch, r.seq,
+                         strategies=user)
     except InputError as err:
         fail(str(err))
         return
     except PlacementError as err:
         fail(str(err))
         return
+    try:
+        verdict = decide(analysis.composition, analysis.program, analysis.model, timeout_ms=timeout_ms,
+                         devices=r.devices)
+    except SolverError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(EXIT_UNKNOWN)
     doc: dict[str, Any] = to_json(analysis)
+    doc["verdict"] = verdict_json(verdict, explain)
     if r.imported is not None:
         doc["imported_from"] = r.imported
     if report is not None:
@@ -142,8 +186,10 @@ def check(composition: str | None, devices: int | None, model: str | None, param
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
-        print_human(analysis, Console())
-    sys.exit(EXIT_VALID)
+        console = Console()
+        print_human(analysis, console)
+        print_verdict(verdict, console, explain)
+    sys.exit(verdict_exit(verdict))
 
 
 @main.command("strategies")
@@ -154,6 +200,11 @@ def list_strategies() -> None:
         click.echo(f"{name:<10} axis {s.axis.value:<4} {s.description}")
     for mod, text in MODIFIERS.items():
         click.echo(f"{mod:<10} modifier  {text}")
+
+
+from checker._planner import plan_command  # noqa: E402 (the planner, issue 8)
+
+main.add_command(plan_command())
 
 
 from checker._commands_reports import (  # noqa: E402 (issue 7: configs in and out, reports)

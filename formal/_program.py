@@ -244,14 +244,16 @@ def derive_program(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr] |
 
 def _fetch_parameters(pl: Placement, g: Group, size: sp.Expr, m: sp.Expr, phase: Phase) -> list[Op]:
     ops: list[Op] = []
+    # An offloaded shard comes to the device before it can be gathered (ZeRO-Infinity); the
+    # other order gathers shards that are not there yet (found by the simulator).
+    if pl.local_mode(P, g) is Mode.OFFLOADED:
+        ops.append(Op(OpKind.HOST_TO_DEVICE, P, g, None, phase, shard_elements(pl, P, g, size, None), m,
+                      note="fetch offloaded parameters"))
     for axis in pl.axes:
         entry = pl.entry(P, g, axis)
         if entry.mode is Mode.SHARDED_GATHER and not (phase is Phase.BACKWARD and entry.keep_gathered):
             ops.append(Op(OpKind.ALL_GATHER, P, g, axis, phase, shard_elements(pl, P, g, size, axis),
                           m, offset=entry.offset, note="gather before use"))
-    if pl.local_mode(P, g) is Mode.OFFLOADED:
-        ops.append(Op(OpKind.HOST_TO_DEVICE, P, g, None, phase, shard_elements(pl, P, g, size, None), m,
-                      note="fetch offloaded parameters"))
     full = frozenset(axis for axis in pl.axes if not pl.computes_sharded(axis, g))
     ops.append(Op(OpKind.COMPUTE, P, g, None, phase, count=m, full=full))
     return ops
@@ -301,14 +303,16 @@ def _sync_gradients(pl: Placement, g: Group, size: sp.Expr, m: sp.Expr,
 
 def _refresh_parameters(pl: Placement, g: Group, size: sp.Expr) -> list[Op]:
     ops: list[Op] = []
+    # The host-updated shard comes back first, then replicas are refreshed from it (ZeRO-Offload);
+    # gathering first would spread the shards' old values (found by the simulator).
+    if pl.local_mode(O, g) is Mode.OFFLOADED and pl.local_mode(P, g) is not Mode.OFFLOADED:
+        ops.append(Op(OpKind.HOST_TO_DEVICE, P, g, None, Phase.REFRESH, shard_elements(pl, O, g, size, None),
+                      note="updated parameters back from the host"))
     for axis in pl.axes:
         p_entry, o_entry = pl.entry(P, g, axis), pl.entry(O, g, axis)
         if p_entry.mode is Mode.REPLICATED and o_entry.mode.is_sharded:
             ops.append(Op(OpKind.ALL_GATHER, P, g, axis, Phase.REFRESH, shard_elements(pl, P, g, size, axis),
                           offset=o_entry.offset, note="refresh replicas after a sharded update"))
-    if pl.local_mode(O, g) is Mode.OFFLOADED and pl.local_mode(P, g) is not Mode.OFFLOADED:
-        ops.append(Op(OpKind.HOST_TO_DEVICE, P, g, None, Phase.REFRESH, shard_elements(pl, O, g, size, None),
-                      note="updated parameters back from the host"))
     return ops
 
 
@@ -357,10 +361,15 @@ class _ActivationOps:
         assert isinstance(self.model, Transformer)
         kv = sp.Integer(2 * self.model.kv_heads_ * self.model.head_dim)
         full = self._tensor(LINEAR_INNER, Axis.CP, kv)
-        kind = OpKind.ALL_GATHER if phase is Phase.FORWARD else OpKind.REDUCE_SCATTER
-        reduce = None if phase is Phase.FORWARD else Reduce.SUM
-        return [Op(kind, A, LINEAR_INNER, Axis.CP, phase, full, self._layers_per_stage() * self.m, reduce,
-                   note="keys and values across the context-parallel group")]
+        count = self._layers_per_stage() * self.m
+        gather = Op(OpKind.ALL_GATHER, A, LINEAR_INNER, Axis.CP, phase, full, count,
+                    note="keys and values across the context-parallel group")
+        if phase is Phase.FORWARD:
+            return [gather]
+        scatter = Op(OpKind.REDUCE_SCATTER, A, LINEAR_INNER, Axis.CP, phase, full, count, Reduce.SUM,
+                     note="key and value gradients back to their context-parallel owners")
+        # Full recomputation replays the forward in backward, keys and values exchange included.
+        return [gather, scatter] if self.pl.options.recompute is Recompute.FULL else [scatter]
 
     def _ep_ops(self, phase: Phase) -> list[Op]:
         if Axis.EP not in self.pl.axes or self.pl.degree(Axis.EP) == 1:

@@ -28,3 +28,7 @@ class StrategyFileError(InputError):
 
 class SolverError(PlacementError):
     """Raised when z3 itself fails (not when it answers unknown: that is a verdict)."""
+
+
+class SimulationError(InputError):
+    """Raised when a composition or program uses something the reference simulator does not model."""

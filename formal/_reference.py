@@ -1,0 +1,431 @@
+"""The executable reference: a small numpy model trained on one device (semantics.md section 5).
+
+The model maps onto the library's tensor groups so that ``derive_program`` and the cost model
+read it as a ``Transformer`` (``ReferenceModel.transformer()``): per layer an attention-like block
+(``ATTENTION``: a QKV matrix split by columns under TP and an output matrix split by rows, with a
+causal linear attention ``z_t = q_t * sum_{t'<=t} k_t' * v_t'`` that mixes positions, so context
+parallelism has keys and values to exchange) and an MLP (``MLP``: two matrices, column then row
+split), each behind a LayerNorm-like element-wise weight (``NORM``, replicated under TP), a final
+norm (``FINAL_NORM``), a word embedding (``EMBEDDING``) and an output head that is the embedding
+itself when tied (used on the first and the last pipeline stage) or ``HEAD`` when not. The loss is
+linear in the logits, ``sum(logits * targets) / tokens``: a mean over the global batch.
+
+Arithmetic is chosen on purpose (``Arithmetic``): a distributed program sums in a different order
+than one device, so only exact arithmetic makes "matches" mean bit for bit.
+
+* ``FIELD`` (the default): integers modulo the prime ``PRIME`` (< 2^26, so products fit in int64).
+  This is exact rational arithmetic mapped into a finite field: every rational the reference uses
+  (``1/tokens``, ``1/d`` of a mean, the dyadic learning rate and momentum) has an inverse mod the
+  prime, sums are associative and exact, and any program that matches as rationals matches here
+  bit for bit. Two rationals that differ map to the same residue only by accident (probability
+  about degree/PRIME on random data), which is why a mismatch-free run of an invalid program is
+  re-run on fresh data before it counts. SGD and SGD with momentum are rational; Adam is not.
+* ``FLOAT64``: small integer data and weights, dyadic learning rate and momentum. The first
+  step's reads are exact (bit for bit); later steps multiply dyadic rationals whose denominators
+  outgrow the 53-bit mantissa, so they are compared within ``FLOAT_TOLERANCE`` (relative), many
+  orders of magnitude below the smallest violation's effect (a missing or doubled summand moves a
+  gradient by at least one ``1/tokens`` unit, relative effect > 1e-4 on these sizes). Adam runs
+  only here (its square root is not rational).
+
+``train_single_device`` is the public entry point; the proofs helper uses it to replay a
+counterexample concretely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from fractions import Fraction
+
+import numpy as np
+import numpy.typing as npt
+
+from formal._model import Norm, Transformer
+from formal._vocab import ATTENTION, EMBEDDING, FINAL_NORM, HEAD, MLP, NORM, Group
+from formal.errors import InputError
+
+Array = npt.NDArray[np.generic]
+IndexArray = npt.NDArray[np.intp]
+
+PRIME = 67_108_859  # the largest prime below 2^26: a product of two residues is below 2^52
+FLOAT_TOLERANCE = 2.0**-30  # relative, for FLOAT64 reads after the first step
+
+
+class Arithmetic(StrEnum):
+    FIELD = "field"  # exact: integers mod PRIME
+    FLOAT64 = "float64"  # exact on the first step, then within FLOAT_TOLERANCE
+
+
+class OptimizerKind(StrEnum):
+    SGD = "sgd"
+    MOMENTUM = "momentum"
+    ADAM = "adam"
+
+
+@dataclass(frozen=True)
+class Numbers:
+    """The arithmetic every reference and simulator computation goes through."""
+
+    kind: Arithmetic
+
+    @property
+    def dtype(self) -> type[np.generic]:
+        return np.int64 if self.kind is Arithmetic.FIELD else np.float64
+
+    def encode(self, values: npt.ArrayLike) -> Array:
+        a = np.asarray(values)
+        if self.kind is Arithmetic.FIELD:
+            return np.mod(a.astype(np.int64), PRIME)
+        return a.astype(np.float64)
+
+    def const(self, value: Fraction | int) -> Array:
+        """A scalar: a rational as a residue (numerator x inverse of the denominator) or a float."""
+        r = Fraction(value)
+        if self.kind is Arithmetic.FIELD:
+            return np.int64(r.numerator % PRIME * pow(r.denominator, -1, PRIME) % PRIME)  # type: ignore[return-value]
+        return np.float64(r)  # type: ignore[return-value]
+
+    def zeros(self, shape: int | tuple[int, ...]) -> Array:
+        return np.zeros(shape, dtype=self.dtype)
+
+    def fix(self, a: Array) -> Array:
+        return np.mod(a, PRIME) if self.kind is Arithmetic.FIELD else a
+
+    def add(self, a: Array, b: Array) -> Array:
+        return self.fix(a + b)
+
+    def sub(self, a: Array, b: Array) -> Array:
+        return self.fix(a - b)
+
+    def mul(self, a: Array, b: Array) -> Array:
+        return self.fix(a * b)
+
+    def scale(self, a: Array, r: Fraction | int) -> Array:
+        return self.fix(a * self.const(r))
+
+    def mm(self, a: Array, b: Array) -> Array:
+        return self.fix(a @ b)
+
+    def total(self, a: Array, axis: int | tuple[int, ...] | None = None) -> Array:
+        return self.fix(np.sum(a, axis=axis))
+
+    def cumsum(self, a: Array, axis: int) -> Array:
+        return self.fix(np.cumsum(a, axis=axis))
+
+    def rev_cumsum(self, a: Array, axis: int) -> Array:
+        return self.fix(np.flip(np.cumsum(np.flip(a, axis=axis), axis=axis), axis=axis))
+
+    def sum_of(self, arrays: list[Array]) -> Array:
+        out = arrays[0]
+        for a in arrays[1:]:
+            out = out + a
+        return self.fix(out)
+
+    def equal(self, expected: Array, got: Array, exact: bool) -> npt.NDArray[np.bool_]:
+        if self.kind is Arithmetic.FIELD or exact:
+            return np.asarray(expected == got)
+        scale = np.maximum(np.abs(expected), 1.0)
+        return np.asarray(np.abs(expected - got) <= FLOAT_TOLERANCE * scale)
+
+    def as_text(self, value: np.generic) -> str:
+        if self.kind is Arithmetic.FIELD:
+            v = int(value)  # type: ignore[call-overload]
+            return str(v - PRIME if v > PRIME // 2 else v) + f" (mod {PRIME})"
+        return repr(float(value))  # type: ignore[arg-type]
+
+
+# --- the model -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tensor:
+    """One matrix or vector of a group: its flat positions per layer (shape ``(layers, *shape)``)."""
+
+    name: str
+    index: IndexArray  # positions in the group's flat vector, (L, *shape) or (*shape)
+    tp_dim: int | None  # the dimension TP splits (of the per-layer shape), None: replicated
+
+
+@dataclass(frozen=True)
+class ReferenceModel:
+    """A small model whose parameters are exactly the groups of ``transformer()``.
+
+    ``micro_batch`` is per data-parallel replica (Megatron's b), as in ``Transformer``.
+    """
+
+    layers: int = 2
+    hidden: int = 8
+    heads: int = 4
+    ffn: int = 16
+    vocab: int = 16
+    seq: int = 8
+    micro_batch: int = 1
+    tied: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "ffn", "vocab", "seq", "micro_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise InputError(f"reference model {name}={value!r}: must be a positive integer")
+
+    def transformer(self) -> Transformer:
+        """The same model as the cost model and ``derive_program`` read it."""
+        return Transformer(
+            "reference", layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab,
+            seq=self.seq, micro_batch=self.micro_batch, ffn=self.ffn, norm=Norm.RMSNORM, bias=False,
+            learned_positions=False, tied_embeddings=self.tied, final_norm=True,
+            source="formal._reference: the executable reference model")
+
+    def groups(self) -> tuple[Group, ...]:
+        return tuple(self.transformer().group_elements())
+
+    def size(self, group: Group) -> int:
+        return self.transformer().group_elements()[group]
+
+    def tensors(self, group: Group) -> tuple[Tensor, ...]:
+        """The group's tensors and how TP splits them (Megatron column/row/vocabulary parallel)."""
+        L_, h, f, V = self.layers, self.hidden, self.ffn, self.vocab
+        if group is ATTENTION:
+            idx = np.arange(L_ * 4 * h * h).reshape(L_, 4 * h * h)
+            return (Tensor("qkv", idx[:, : 3 * h * h].reshape(L_, h, 3, h), 2),  # columns by head
+                    Tensor("out", idx[:, 3 * h * h:].reshape(L_, h, h), 0))  # rows
+        if group is MLP:
+            idx = np.arange(L_ * 2 * h * f).reshape(L_, 2 * h * f)
+            return (Tensor("fc1", idx[:, : h * f].reshape(L_, h, f), 1),
+                    Tensor("fc2", idx[:, h * f:].reshape(L_, f, h), 0))
+        if group is NORM:
+            idx = np.arange(L_ * 2 * h).reshape(L_, 2, h)
+            return (Tensor("norm1", idx[:, 0], None), Tensor("norm2", idx[:, 1], None))
+        if group is FINAL_NORM:
+            return (Tensor("final_norm", np.arange(h), None),)
+        if group in (EMBEDDING, HEAD):
+            return (Tensor(group.name, np.arange(V * h).reshape(V, h), 0),)  # vocabulary rows
+        raise InputError(f"reference model has no group {group}")
+
+    def is_layered(self, group: Group) -> bool:
+        return group in (ATTENTION, MLP, NORM)
+
+    def locate(self, group: Group, position: int) -> str:
+        """A flat position as a person reads it: ``layer 1 qkv[3, 0, 5]``."""
+        for t in self.tensors(group):
+            hit = np.argwhere(t.index == position)
+            if len(hit):
+                coords = [int(c) for c in hit[0]]
+                if self.is_layered(group):
+                    return f"layer {coords[0]} {t.name}{coords[1:]}"
+                return f"{t.name}{coords}"
+        return f"{group.name}[{position}]"
+
+
+Params = dict[Group, Array]
+
+
+def initial_parameters(model: ReferenceModel, numbers: Numbers, seed: int) -> Params:
+    """Small integer weights in [-2, 2] (norms in [1, 2], never zero)."""
+    rng = np.random.default_rng(seed)
+    out: Params = {}
+    for g in model.groups():
+        low = 1 if g in (NORM, FINAL_NORM) else -2
+        out[g] = numbers.encode(rng.integers(low, 3, size=model.size(g)))
+    return out
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's global batch: token ids ``(B, s)`` and integer loss weights ``(B, s, V)``."""
+
+    tokens: npt.NDArray[np.int64]
+    targets: Array
+
+
+def make_data(model: ReferenceModel, sequences: int, steps: int, numbers: Numbers, seed: int) -> tuple[Batch, ...]:
+    rng = np.random.default_rng(seed + 1)
+    out = []
+    for _ in range(steps):
+        tokens = rng.integers(0, model.vocab, size=(sequences, model.seq)).astype(np.int64)
+        targets = numbers.encode(rng.integers(-2, 3, size=(sequences, model.seq, model.vocab)))
+        out.append(Batch(tokens, targets))
+    return tuple(out)
+
+
+def _w(model: ReferenceModel, p: Params, group: Group, which: int, layer: int | None = None) -> Array:
+    t = model.tensors(group)[which]
+    index = t.index if layer is None else t.index[layer]
+    return p[group][index]
+
+
+def _head_group(model: ReferenceModel) -> Group:
+    return EMBEDDING if model.tied else HEAD
+
+
+def loss_and_gradients(model: ReferenceModel, p: Params, batch: Batch, numbers: Numbers) -> tuple[Array, Params]:
+    """Forward and backward of the whole model on one device: the loss and every gradient.
+
+    Loss = sum over tokens and vocabulary of ``logits * targets``, divided by the token count.
+    """
+    n = numbers
+    h = model.hidden
+    tokens = batch.tokens
+    x = _w(model, p, EMBEDDING, 0)[tokens]  # (B, s, h)
+    saved = []
+    for layer in range(model.layers):
+        n1 = _w(model, p, NORM, 0, layer)
+        n2 = _w(model, p, NORM, 1, layer)
+        qkv_w = _w(model, p, ATTENTION, 0, layer)  # (h, 3, h)
+        out_w = _w(model, p, ATTENTION, 1, layer)
+        fc1 = _w(model, p, MLP, 0, layer)
+        fc2 = _w(model, p, MLP, 1, layer)
+        u = n.mul(x, n1)
+        q = n.mm(u, qkv_w[:, 0])
+        k = n.mm(u, qkv_w[:, 1])
+        v = n.mm(u, qkv_w[:, 2])
+        c = n.cumsum(n.mul(k, v), axis=1)
+        z = n.mul(q, c)
+        x_mid = n.add(x, n.mm(z, out_w))
+        w = n.mul(x_mid, n2)
+        y = n.mm(w, fc1)
+        x_out = n.add(x_mid, n.mm(y, fc2))
+        saved.append((x, u, q, k, v, c, z, x_mid, w, y))
+        x = x_out
+    nf = _w(model, p, FINAL_NORM, 0)
+    head = _w(model, p, _head_group(model), 0)  # (V, h)
+    xf = n.mul(x, nf)
+    logits = n.mm(xf, head.T)
+    tokens_total = tokens.size
+    loss = n.scale(n.total(n.mul(logits, batch.targets)), Fraction(1, tokens_total))
+    grads: Params = {g: n.zeros(model.size(g)) for g in model.groups()}
+
+    def put(group: Group, which: int, layer: int | None, value: Array) -> None:
+        t = model.tensors(group)[which]
+        index = t.index if layer is None else t.index[layer]
+        grads[group][index] = n.add(grads[group][index], value)
+
+    dlogits = n.scale(batch.targets, Fraction(1, tokens_total))
+    put(_head_group(model), 0, None, n.mm(dlogits.reshape(-1, model.vocab).T, xf.reshape(-1, h)))
+    dxf = n.mm(dlogits, head)
+    put(FINAL_NORM, 0, None, n.total(n.mul(dxf, x), axis=(0, 1)))
+    dx = n.mul(dxf, nf)
+    for layer in reversed(range(model.layers)):
+        x_in, u, q, k, v, c, z, x_mid, w, y = saved[layer]
+        n1 = _w(model, p, NORM, 0, layer)
+        n2 = _w(model, p, NORM, 1, layer)
+        qkv_w = _w(model, p, ATTENTION, 0, layer)
+        out_w = _w(model, p, ATTENTION, 1, layer)
+        fc1 = _w(model, p, MLP, 0, layer)
+        fc2 = _w(model, p, MLP, 1, layer)
+        put(MLP, 1, layer, n.mm(y.reshape(-1, model.ffn).T, dx.reshape(-1, h)))
+        dy = n.mm(dx, fc2.T)
+        put(MLP, 0, layer, n.mm(w.reshape(-1, h).T, dy.reshape(-1, model.ffn)))
+        dw = n.mm(dy, fc1.T)
+        put(NORM, 1, layer, n.total(n.mul(dw, x_mid), axis=(0, 1)))
+        dx = n.add(dx, n.mul(dw, n2))
+        put(ATTENTION, 1, layer, n.mm(z.reshape(-1, h).T, dx.reshape(-1, h)))
+        dz = n.mm(dx, out_w.T)
+        dq = n.mul(dz, c)
+        dkv = n.rev_cumsum(n.mul(dz, q), axis=1)
+        dk = n.mul(dkv, v)
+        dv = n.mul(dkv, k)
+        u2 = u.reshape(-1, h)
+        dqkv = np.stack([n.mm(u2.T, d.reshape(-1, h)) for d in (dq, dk, dv)], axis=1)
+        put(ATTENTION, 0, layer, dqkv)
+        du = n.add(n.add(n.mm(dq, qkv_w[:, 0].T), n.mm(dk, qkv_w[:, 1].T)), n.mm(dv, qkv_w[:, 2].T))
+        put(NORM, 0, layer, n.total(n.mul(du, x_in), axis=(0, 1)))
+        dx = n.add(dx, n.mul(du, n1))
+    d_emb = n.zeros((model.vocab, h))
+    np.add.at(d_emb, tokens.reshape(-1), dx.reshape(-1, h))
+    put(EMBEDDING, 0, None, n.fix(d_emb))
+    return loss, grads
+
+
+# --- optimizers ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Optimizer:
+    """An element-wise optimizer. ``slots``: optimizer-state values per parameter element.
+
+    SGD: ``p -= lr g``. Momentum (PyTorch): ``buf = mu buf + g; p -= lr buf``. Adam (Kingma and
+    Ba 2015, with bias correction): float64 only.
+    """
+
+    kind: OptimizerKind = OptimizerKind.MOMENTUM
+    lr: Fraction = Fraction(1, 64)  # dyadic: exact in float64
+    momentum: Fraction = Fraction(1, 2)
+    betas: tuple[float, float] = (0.5, 0.75)
+    eps: float = 2.0**-20
+
+    @property
+    def slots(self) -> int:
+        match self.kind:
+            case OptimizerKind.SGD:
+                return 0
+            case OptimizerKind.MOMENTUM:
+                return 1
+            case OptimizerKind.ADAM:
+                return 2
+            case _:
+                raise AssertionError(self.kind)
+
+    def check(self, numbers: Numbers) -> None:
+        if self.kind is OptimizerKind.ADAM and numbers.kind is Arithmetic.FIELD:
+            raise InputError("adam: its square root is not rational; use --arithmetic float64")
+
+    def step(self, p: Array, g: Array, o: Array, step: int, numbers: Numbers) -> tuple[Array, Array]:
+        """One update of the elements given: ``o`` has shape ``(slots, n)``; returns (p, o)."""
+        n = numbers
+        match self.kind:
+            case OptimizerKind.SGD:
+                return n.sub(p, n.scale(g, self.lr)), o
+            case OptimizerKind.MOMENTUM:
+                buf = n.add(n.scale(o[0], self.momentum), g)
+                return n.sub(p, n.scale(buf, self.lr)), buf[None, :]
+            case OptimizerKind.ADAM:
+                b1, b2 = self.betas
+                m = b1 * o[0] + (1 - b1) * g
+                v = b2 * o[1] + (1 - b2) * g * g
+                m_hat = m / (1 - b1**step)
+                v_hat = v / (1 - b2**step)
+                return p - float(self.lr) * m_hat / (np.sqrt(v_hat) + self.eps), np.stack([m, v])
+            case _:
+                raise AssertionError(self.kind)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What single-device training reads in one step: P and O before the update, and G."""
+
+    parameters: Params
+    gradients: Params
+    optimizer: dict[Group, Array]  # (slots, n) per group
+    loss: Array
+
+
+def train_single_device(model: ReferenceModel, data: tuple[Batch, ...], optimizer: Optimizer,
+                        numbers: Numbers | None = None, seed: int = 0,
+                        parameters: Mapping[Group, Array] | None = None) -> tuple[StepRecord, ...]:
+    """Train ``model`` on one device, one step per batch; the record of every step's reads.
+
+    >>> m = ReferenceModel(); nums = Numbers(Arithmetic.FIELD)
+    >>> records = train_single_device(m, make_data(m, 2, 2, nums, 0), Optimizer(), nums)
+    >>> len(records)
+    2
+    """
+    numbers = numbers or Numbers(Arithmetic.FIELD)
+    optimizer.check(numbers)
+    p = dict(parameters) if parameters is not None else initial_parameters(model, numbers, seed)
+    o = {g: numbers.zeros((optimizer.slots, model.size(g))) for g in model.groups()}
+    out = []
+    for k, batch in enumerate(data, start=1):
+        loss, grads = loss_and_gradients(model, p, batch, numbers)
+        out.append(StepRecord(dict(p), grads, dict(o), loss))
+        new_p: Params = {}
+        for g in model.groups():
+            new_p[g], o[g] = optimizer.step(p[g], grads[g], o[g], k, numbers)
+        p = new_p
+    return tuple(out)
+
+
+__all__ = [
+    "FLOAT_TOLERANCE", "PRIME", "Arithmetic", "Batch", "Numbers", "Optimizer", "OptimizerKind",
+    "ReferenceModel", "StepRecord", "Tensor", "initial_parameters", "loss_and_gradients", "make_data",
+    "train_single_device",
+]

@@ -84,7 +84,9 @@ def export_torchtitan(comp: Composition, model: Model) -> Exported:
             offload_without_FSDP=o.offload_optimizer and layout.data is DataSharding.NONE,
             expert_parallelism_without_FSDP=layout.ep > 1 and layout.data is DataSharding.NONE,
             expert_parallelism_with_context_parallelism=layout.ep > 1 and layout.cp > 1,
-            a_replicate_axis_without_FSDP=layout.dpr > 1 and layout.data is DataSharding.NONE)
+            a_replicate_axis_without_FSDP=layout.dpr > 1 and layout.data is DataSharding.NONE,
+            FSDP_over_one_device_as_shard_degree_1_disables_FSDP=(
+                layout.data is not DataSharding.NONE and layout.dp * layout.ep == 1))
     if layout.data is DataSharding.NONE:
         replicate, shard = layout.dp, 1
     else:

@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -45,7 +46,7 @@ from formal._model import Norm, Transformer
 from formal._vocab import ATTENTION, EMBEDDING, FINAL_NORM, HEAD, MLP, NORM, Group
 from formal.errors import InputError
 
-Array = npt.NDArray[np.generic]
+Array = npt.NDArray[Any]
 IndexArray = npt.NDArray[np.intp]
 
 PRIME = 67_108_859  # the largest prime below 2^26: a product of two residues is below 2^52
@@ -83,8 +84,8 @@ class Numbers:
         """A scalar: a rational as a residue (numerator x inverse of the denominator) or a float."""
         r = Fraction(value)
         if self.kind is Arithmetic.FIELD:
-            return np.int64(r.numerator % PRIME * pow(r.denominator, -1, PRIME) % PRIME)  # type: ignore[return-value]
-        return np.float64(r)  # type: ignore[return-value]
+            return np.asarray(r.numerator % PRIME * pow(r.denominator, -1, PRIME) % PRIME, dtype=np.int64)
+        return np.asarray(float(r))
 
     def zeros(self, shape: int | tuple[int, ...]) -> Array:
         return np.zeros(shape, dtype=self.dtype)
@@ -128,11 +129,11 @@ class Numbers:
         scale = np.maximum(np.abs(expected), 1.0)
         return np.asarray(np.abs(expected - got) <= FLOAT_TOLERANCE * scale)
 
-    def as_text(self, value: np.generic) -> str:
+    def as_text(self, value: Any) -> str:
         if self.kind is Arithmetic.FIELD:
-            v = int(value)  # type: ignore[call-overload]
+            v = int(value)
             return str(v - PRIME if v > PRIME // 2 else v) + f" (mod {PRIME})"
-        return repr(float(value))  # type: ignore[arg-type]
+        return repr(float(value))
 
 
 # --- the model -----------------------------------------------------------------------------
@@ -142,7 +143,7 @@ class Tensor:
     """One matrix or vector of a group: its flat positions per layer (shape ``(layers, *shape)``)."""
 
     name: str
-    index: IndexArray  # positions in the group's flat vector, (L, *shape) or (*shape)
+    index: npt.NDArray[np.intp]  # positions in the group's flat vector, (L, *shape) or (*shape)
     tp_dim: int | None  # the dimension TP splits (of the per-layer shape), None: replicated
 
 
@@ -194,8 +195,8 @@ class ReferenceModel:
             return (Tensor("fc1", idx[:, : h * f].reshape(L_, h, f), 1),
                     Tensor("fc2", idx[:, h * f:].reshape(L_, f, h), 0))
         if group is NORM:
-            idx = np.arange(L_ * 2 * h).reshape(L_, 2, h)
-            return (Tensor("norm1", idx[:, 0], None), Tensor("norm2", idx[:, 1], None))
+            norms = np.arange(L_ * 2 * h).reshape(L_, 2, h)
+            return (Tensor("norm1", norms[:, 0], None), Tensor("norm2", norms[:, 1], None))
         if group is FINAL_NORM:
             return (Tensor("final_norm", np.arange(h), None),)
         if group in (EMBEDDING, HEAD):

@@ -81,9 +81,10 @@ from formal._vocab import (
 )
 from formal.errors import SimulationError
 
-P, O, G, A = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS, State.ACTIVATIONS
+P, O, G, A = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS, State.ACTIVATIONS  # noqa: E741
 Device = int
 PerDevice = dict[Device, Array]
+_Saved = dict[Device, tuple[Array, ...]]
 
 
 @dataclass(frozen=True)
@@ -385,7 +386,8 @@ class Simulator:
         if unknown:
             raise SimulationError(f"groups {sorted(g.name for g in unknown)} are not in the reference model")
         for axis in self.mesh.axes:
-            if axis is not Axis.TP and axis is not Axis.PP and any(pl.computes_sharded(axis, g) for g in model.groups()):
+            split = any(pl.computes_sharded(axis, g) for g in model.groups())
+            if axis is not Axis.TP and axis is not Axis.PP and split:
                 raise SimulationError(f"{axis.value}: computation split along this axis is not modelled")
         self.layout = _Layout(model, pl, self.mesh)
         self.m = pl.options.micro_batches
@@ -633,7 +635,8 @@ class Simulator:
         if self.mesh.degree(axis) == 1:
             return vals
         n = self.n
-        instances: list[int | str] = [internal] if internal is not None else list(self._instances(kind, group, axis, phase))
+        instances: list[int | str] = ([internal] if internal is not None
+                                      else list(self._instances(kind, group, axis, phase)))
         out = dict(vals)
         for grp in self.mesh.groups(axis, vals):
             k = len(grp)
@@ -714,7 +717,7 @@ class Simulator:
             return value
         return np.split(value, self.t, axis=1)[self.mesh.coord(dev, Axis.TP)]
 
-    def _layer_forward(self, layer: int, x: PerDevice, phase: Phase) -> tuple[PerDevice, dict[Device, tuple[Array, ...]]]:
+    def _layer_forward(self, layer: int, x: PerDevice, phase: Phase) -> tuple[PerDevice, _Saved]:
         n, t_ax = self.n, Axis.TP
         u = {d: n.mul(x[d], self._w(d, NORM, 0, layer)) for d in x}
         u_full = self._act(OpKind.ALL_GATHER, LAYER_IO, t_ax, phase, u) if self.sp else u
@@ -737,7 +740,7 @@ class Simulator:
         y = {d: n.mm(w_full[d], self._w(d, MLP, 0, layer)) for d in x}
         o = self._block_out({d: n.mm(y[d], self._w(d, MLP, 1, layer)) for d in x}, phase)
         x_out = {d: n.add(x_mid[d], o[d]) for d in x}
-        saved = {d: (x[d], u_full[d], q[d], kv_all[d], c[d], z[d], x_mid[d], w_full[d], y[d]) for d in x}
+        saved: _Saved = {d: (x[d], u_full[d], q[d], kv_all[d], c[d], z[d], x_mid[d], w_full[d], y[d]) for d in x}
         return x_out, saved
 
     def _block_out(self, partial: PerDevice, phase: Phase) -> PerDevice:

@@ -21,6 +21,7 @@ from formal._costs import (
     total_bytes,
     transfers,
 )
+from formal._exact import exact
 from formal._model import Model, Precision
 from formal._placement import Placement
 from formal._program import StepProgram, derive_program, group_sizes
@@ -47,13 +48,13 @@ class Analysis:
     @property
     def model_state_psi(self) -> sp.Expr:
         """Model-state traffic in units of the parameter count (ZeRO paper, section 7)."""
-        return sp.nsimplify(model_state_paper_units(self.traffic) / self.model.parameter_count())
+        return exact(model_state_paper_units(self.traffic) / self.model.parameter_count())
 
     @property
     def fits(self) -> bool | None:
         if self.device_memory is None:
             return None
-        return bool(sp.nsimplify(self.memory.total) <= self.device_memory)
+        return bool(exact(self.memory.total) <= self.device_memory)
 
     @property
     def bubble(self) -> sp.Expr:

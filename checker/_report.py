@@ -11,6 +11,7 @@ from rich.table import Table
 from checker._analysis import Analysis
 from checker._numbers import gb
 from formal._costs import ceil_int
+from formal._exact import exact
 from formal._model import ParameterCount, Transformer
 from formal._verdict import Condition, Status, Verdict
 
@@ -22,7 +23,7 @@ def _num(x: sp.Expr) -> int:
 
 
 def _exact(x: sp.Expr) -> str:
-    return str(sp.nsimplify(x))
+    return str(exact(x))
 
 
 def model_json(analysis: Analysis) -> dict[str, Any]:

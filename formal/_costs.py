@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
+from formal._exact import exact
 from formal._model import Model, Precision, Transformer
 from formal._placement import Entry, Placement, Recompute, Schedule
 from formal._program import StepProgram, axis_factor, pipeline_factor, shard_elements
@@ -32,7 +33,7 @@ STAGES = ("first", "middle", "last")
 
 def ceil_int(x: sp.Expr) -> int:
     """Bytes are whole: a fractional shard rounds up (shards are padded to equal size)."""
-    return int(sp.ceiling(sp.nsimplify(x)))
+    return int(sp.ceiling(exact(x)))
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class StateMemory:
 
     @property
     def total(self) -> sp.Expr:
-        return sp.nsimplify(sum((v for _, v in self.by_group), sp.Integer(0)))
+        return exact(sum((v for _, v in self.by_group), sp.Integer(0)))
 
 
 @dataclass(frozen=True)
@@ -61,11 +62,11 @@ class Memory:
 
     @property
     def model_states(self) -> sp.Expr:
-        return sp.nsimplify(self.parameters.total + self.gradients.total + self.optimizer.total)
+        return exact(self.parameters.total + self.gradients.total + self.optimizer.total)
 
     @property
     def total(self) -> sp.Expr:
-        return sp.nsimplify(self.model_states + (self.activations or 0) + (self.buffers or 0))
+        return exact(self.model_states + (self.activations or 0) + (self.buffers or 0))
 
     def as_ints(self) -> dict[str, int | None]:
         return {
@@ -97,7 +98,7 @@ def _axes_factor(pl: Placement, state: State, group: Group, stage: str) -> sp.Ex
 def state_memory(pl: Placement, state: State, sizes: Mapping[Group, sp.Expr], precision: Precision,
                  stage: str = "first") -> StateMemory:
     nbytes = precision.bytes_of(state)
-    rows = tuple((g, sp.nsimplify(sizes[g] * nbytes * _device_factor(pl, state, g, stage)))
+    rows = tuple((g, exact(sizes[g] * nbytes * _device_factor(pl, state, g, stage)))
                  for g in pl.groups(state))
     return StateMemory(state, rows)
 
@@ -109,7 +110,7 @@ def host_memory(pl: Placement, sizes: Mapping[Group, sp.Expr], precision: Precis
         for g in pl.groups(state):
             if pl.local_mode(state, g) is Mode.OFFLOADED:
                 total += sizes[g] * precision.bytes_of(state) * _axes_factor(pl, state, g, stage)
-    return sp.nsimplify(total)
+    return exact(total)
 
 
 def in_flight_micro_batches(pl: Placement, stage: str = "first") -> sp.Expr:
@@ -156,7 +157,7 @@ def activation_memory(pl: Placement, model: Model, precision: Precision, stage: 
     if pl.options.recompute is Recompute.FULL:
         # Korthikanti Table 2, full recomputation: each layer's input (2sbh bytes at 16 bits).
         total += precision.activations * sp.Integer(model.seq * model.micro_batch * model.hidden) * _cp_factor(pl)
-    return sp.nsimplify(total * layers * in_flight_micro_batches(pl, stage))
+    return exact(total * layers * in_flight_micro_batches(pl, stage))
 
 
 def _tensor_factor(pl: Placement, group: Group) -> sp.Expr:
@@ -209,7 +210,7 @@ def buffer_memory(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr], p
     # sp.Max, not max(): with symbolic degrees the units may not be comparable (planner, issue 8).
     largest = {st: sp.Max(sp.Integer(0), *(v for k, v in units.items() if k.startswith(st.value)))
                for st in (State.PARAMETERS, State.GRADIENTS)}
-    return sp.nsimplify(held + sum(largest.values(), sp.Integer(0)))
+    return exact(held + sum(largest.values(), sp.Integer(0)))
 
 
 def _needs_buffer(pl: Placement, state: State, group: Group, axis: Axis, entry: Entry) -> bool:
@@ -246,7 +247,7 @@ def most_loaded(pl: Placement, model: Model, precision: Precision, sizes: Mappin
     candidates = [memory(pl, model, precision, sizes, st) for st in ("first", "last")]
     if any(not m.total.is_number for m in candidates):
         return candidates[0]
-    return max(candidates, key=lambda m: sp.nsimplify(m.total))
+    return max(candidates, key=lambda m: exact(m.total))
 
 
 # --- communication -------------------------------------------------------------------------
@@ -293,8 +294,8 @@ def communication(program: StepProgram, precision: Precision) -> tuple[Traffic, 
             continue
         n = op.participants if op.participants is not None else pl.degree(op.axis)
         nbytes = precision.wire_bytes_of(op.state)
-        volume = sp.nsimplify(op.elements * nbytes * ring_factor(op.kind, n) * op.count)
-        paper = sp.nsimplify(op.elements * paper_factor(op.kind) * op.count)
+        volume = exact(op.elements * nbytes * ring_factor(op.kind, n) * op.count)
+        paper = exact(op.elements * paper_factor(op.kind) * op.count)
         out.append(Traffic(op.kind, op.axis, op.state, op.group, op.phase.value, op.elements, op.count,
                            n, volume, paper))
     return tuple(out)
@@ -306,17 +307,17 @@ def transfers(program: StepProgram, precision: Precision) -> tuple[tuple[str, St
     for op in program.ops:
         if op.kind.is_transfer:
             out.append((op.kind.value, op.state, op.group, op.phase.value,
-                        sp.nsimplify(op.elements * precision.bytes_of(op.state) * op.count)))
+                        exact(op.elements * precision.bytes_of(op.state) * op.count)))
     return tuple(out)
 
 
 def total_bytes(traffic: tuple[Traffic, ...]) -> sp.Expr:
-    return sp.nsimplify(sum((t.bytes for t in traffic), sp.Integer(0)))
+    return exact(sum((t.bytes for t in traffic), sp.Integer(0)))
 
 
 def model_state_paper_units(traffic: tuple[Traffic, ...]) -> sp.Expr:
     """Elements of model-state collectives in the ZeRO paper's units (divide by Psi for Psi)."""
-    return sp.nsimplify(sum((t.paper_elements for t in traffic if t.state is not State.ACTIVATIONS),
+    return exact(sum((t.paper_elements for t in traffic if t.state is not State.ACTIVATIONS),
                             sp.Integer(0)))
 
 

@@ -12,6 +12,7 @@ from enum import StrEnum
 
 import sympy as sp
 
+from formal._exact import exact
 from formal._model import Model, Transformer
 from formal._placement import Entry, Placement, Recompute, Schedule
 from formal._vocab import (
@@ -169,7 +170,7 @@ def shard_elements(pl: Placement, state: State, group: Group, size: sp.Expr, ski
             out = out * pipeline_factor(group, entry, d, stage)
         else:
             out = out * axis_factor(entry, d)
-    return sp.nsimplify(out)
+    return exact(out)
 
 
 def gradient_origins(pl: Placement) -> dict[tuple[Group, Axis], Origin]:
@@ -335,7 +336,7 @@ class _ActivationOps:
             if axis in (skip, Axis.PP) or axis in (Axis.DP, Axis.DPR, Axis.EP):
                 continue  # b is already one replica's micro-batch; pp splits layers, not tensors
             out = out * axis_factor(self.pl.entry(A, group, axis), d)
-        return sp.nsimplify(out)
+        return exact(out)
 
     def _tp_ops(self, phase: Phase, recompute_again: bool) -> list[Op]:
         t = self.pl.degree(Axis.TP)

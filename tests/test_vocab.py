@@ -1,0 +1,50 @@
+"""The vocabulary's values round-trip through their compact spelling."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from checker._parse import parse
+from formal._placement import Entry
+from formal._strategies import LIBRARY
+from formal._vocab import Mode
+from formal.errors import CompositionError
+from tests.strategies_costs import compositions
+
+
+@settings(max_examples=200, deadline=None)
+@given(compositions())
+def test_parse_of_str_round_trips(text: str) -> None:
+    c = parse(text)
+    assert parse(str(c)) == c
+    assert str(parse(str(c))) == str(c)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.sampled_from(sorted(LIBRARY)), st.integers(1, 64), st.integers(1, 4096))
+def test_a_term_without_degree_takes_the_devices_left_over(name: str, degree: int, k: int) -> None:
+    c = parse(f"tp{degree}x{name}" if LIBRARY[name]().axis.value != "tp" else name, devices=degree * k)
+    assert c.devices == degree * k
+    assert parse(str(c)) == c
+
+
+def test_mode_symbols_and_long_names_round_trip() -> None:
+    for mode in Mode:
+        assert Mode.parse(mode.value) is mode
+        assert Mode.parse(mode.long_name) is mode
+        assert Mode.parse(f" {mode.long_name.upper().replace('-', '_')} ") is mode
+    assert str(Entry(Mode.SHARDED_GATHER, offset=1, keep_gathered=True)) == "S*@1+hold"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789x*×-_ ", max_size=20))
+def test_parse_is_total(text: str) -> None:
+    """Every string parses or raises CompositionError (a ValueError naming the input)."""
+    try:
+        c = parse(text, devices=64)
+    except CompositionError as err:
+        assert isinstance(err, ValueError)
+        assert "\n" not in str(err)
+    else:
+        assert parse(str(c), devices=64) == c

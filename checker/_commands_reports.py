@@ -20,7 +20,6 @@ from rich.console import Console
 from rich.table import Table
 
 from checker._analysis import Analysis
-from checker._charts import chart_format, memory_chart, sweep_chart
 from checker._exporters import Target, dtensor_placements, export
 from checker._frameworks import CONFUSED, all_rows, explain_row, placement_difference, placement_table
 from checker._html import write_report
@@ -188,6 +187,12 @@ def summary(doc: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def chart_format(path: Path) -> str:
+    from checker._charts import chart_format as fmt  # matplotlib loads only when a chart is drawn
+
+    return fmt(path)
+
+
 def _write_chart(path: Path, data: bytes) -> None:
     try:
         path.write_bytes(data)
@@ -207,6 +212,8 @@ def compare(compositions: tuple[str, ...], chart: str | None, as_csv: bool, as_j
         docs = [to_json(_analyze(c, kw)) for c in compositions]
         rows = [{**summary(d), "composition": typed} for d, typed in zip(docs, compositions, strict=True)]
         if chart and fmt:
+            from checker._charts import memory_chart
+
             device_memory = docs[0]["memory"]["device_memory"]
             _write_chart(Path(chart), memory_chart([r["composition"] for r in rows],
                                                    [d["memory"]["per_device"] for d in docs], device_memory,
@@ -247,6 +254,8 @@ def sweep(template: str, values: str, chart: str | None, as_csv: bool, as_json: 
         if not docs:
             raise InputError(f"{template}: no value of {values} gives a valid composition ({rows[0]['error']})")
         if chart and fmt:
+            from checker._charts import sweep_chart
+
             first = docs[0][1]
             _write_chart(Path(chart), sweep_chart([v for v, _ in docs], [d["memory"]["per_device"] for _, d in docs],
                                                   [d["communication"]["per_device_per_step"] for _, d in docs],

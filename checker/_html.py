@@ -13,7 +13,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from checker._charts import memory_chart
 from formal.errors import InputError
 
 _CSS = """
@@ -82,6 +81,8 @@ def render_html(doc: dict[str, Any]) -> str:
     """The HTML page for a JSON report (schema ``placement-semantics/report/1``)."""
     if "memory" not in doc or "communication" not in doc:
         raise InputError("report: not a placement-semantics JSON report (no memory/communication)")
+    from checker._charts import memory_chart  # matplotlib loads only when a chart is drawn
+
     per = doc["memory"]["per_device"]
     png = memory_chart([doc["composition"]], [per], doc["memory"].get("device_memory"),
                        f"{doc['composition']}: memory per device ({doc['memory']['most_loaded_rank']['pipeline_stage']}"
@@ -124,6 +125,11 @@ model states {_e(doc['communication']['model_state_psi_units'])} Psi)</h2>
 <p>pipeline bubble fraction: {_e(doc['pipeline']['bubble_fraction'])}</p></section>
 <section id="placement"><h2>Placement</h2>{_table(["state.group", "modes per axis"], place_rows)}</section>
 <script type="application/json" id="report-data">{data}</script>
+<script>/* record the decoded chart size, so a headless browser can confirm the image rendered */
+const chart = document.getElementById("memory-chart");
+const mark = () => chart.setAttribute("data-rendered-width", String(chart.naturalWidth));
+if (chart.complete) {{ mark(); }} else {{ chart.addEventListener("load", mark); }}
+</script>
 </body></html>
 """
 

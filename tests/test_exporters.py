@@ -5,11 +5,11 @@ DTensor view follows the placement and the step program's gradient origins."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import tomllib
+from dataclasses import dataclass
 
 import pytest
+from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,11 +17,19 @@ from checker._exporters import Target, dtensor_placements, export
 from checker._importers import import_deepspeed, import_megatron, import_torchtitan, megatron_tokens
 from checker._layout import ExportError
 from checker._parse import parse
+from checker.cli import main
 from formal._model import Model, Transformer
 from formal._presets import PRESETS
 
 DENSE = PRESETS["llama2-7b"]  # 32 layers
 MOE = PRESETS["mixtral-8x7b"]  # 32 layers, 8 experts
+
+@dataclass(frozen=True)
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
 
 
 def _default_m(pp: int) -> int:
@@ -187,8 +195,12 @@ def test_interleaved_needs_layers_that_split() -> None:
         export(parse("dp2xpp4xv3"), DENSE, Target.MEGATRON)  # 32 layers, 12 virtual stages
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "checker.cli", *args], capture_output=True, text=True, check=False)
+def _cli(*args: str) -> Ran:
+    """The CLI in-process (fast); an unexpected exception fails the test instead of hiding."""
+    result = CliRunner().invoke(main, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return Ran(result.exit_code, result.stdout, result.stderr)
 
 
 def test_cli_export_and_convert() -> None:

@@ -39,7 +39,7 @@ def _stack(ax: object, labels: Sequence[str], rows: Sequence[Mapping[str, int | 
 def memory_chart(labels: Sequence[str], rows: Sequence[Mapping[str, int | None]], device_memory: int | None,
                  title: str, fmt: str = "png") -> bytes:
     """A stacked bar per composition: bytes per device by state (most loaded device)."""
-    fig = Figure(figsize=(max(5.0, 1.2 * len(labels) + 3), 4.5), layout="constrained")
+    fig = Figure(figsize=(max(7.0, 1.2 * len(labels) + 3), 4.5), layout="constrained")
     ax = fig.add_subplot()
     _stack(ax, labels, rows, device_memory)
     ax.set_title(title)

@@ -85,8 +85,7 @@ def render_html(doc: dict[str, Any]) -> str:
 
     per = doc["memory"]["per_device"]
     png = memory_chart([doc["composition"]], [per], doc["memory"].get("device_memory"),
-                       f"{doc['composition']}: memory per device ({doc['memory']['most_loaded_rank']['pipeline_stage']}"
-                       " pipeline stage)")
+                       f"memory per device ({doc['memory']['most_loaded_rank']['pipeline_stage']} pipeline stage)")
     model = doc["model"]
     prec = doc["precision"]
     mem_rows = [(k, f"{per[k]:,}" if per[k] is not None else "unknown", _gb(per[k]))

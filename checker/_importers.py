@@ -281,7 +281,7 @@ def _ds_precision(raw: dict[str, Any], where: str, notes: list[str]) -> str:
     if len(enabled) > 1:
         raise ConfigError(f"{where}: fp16.enabled and bf16.enabled are both on")
     if enabled:
-        notes.append(f"{enabled[0]}: precision recipe 'deepspeed' (16-bit params, 16+32-bit gradients, fp32 Adam)")
+        notes.append(f"{enabled[0]}: precision recipe 'deepspeed' (DeepSpeed's estimator: 16-bit params, fp32 Adam)")
         return "deepspeed"
     return "fp32"
 

@@ -149,6 +149,17 @@ def activation_memory(pl: Placement, model: Model, precision: Precision, stage: 
         return None
     per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
     layers = sp.Integer(model.layers) / pl.degree(Axis.PP)
+    sbh = sp.Integer(model.seq * model.micro_batch * model.hidden)
+    total = layer_activations(pl, per_layer, sbh, precision)
+    return exact(total * layers * in_flight_micro_batches(pl, stage))
+
+
+def layer_activations(pl: Placement, per_layer: Mapping[Group, sp.Expr], sbh: sp.Expr,
+                      precision: Precision) -> sp.Expr:
+    """Activation bytes one device keeps for one layer and one micro-batch, through the placement.
+
+    Works on symbolic sizes too (``per_layer`` from ``formal._model.layer_activation_bytes``).
+    """
     total: sp.Expr = sp.Integer(0)
     for g in ACTIVATION_GROUPS:
         if pl.local_mode(State.ACTIVATIONS, g) is Mode.MATERIALIZED:
@@ -156,8 +167,8 @@ def activation_memory(pl: Placement, model: Model, precision: Precision, stage: 
         total += per_layer[g] * _tensor_factor(pl, g)
     if pl.options.recompute is Recompute.FULL:
         # Korthikanti Table 2, full recomputation: each layer's input (2sbh bytes at 16 bits).
-        total += precision.activations * sp.Integer(model.seq * model.micro_batch * model.hidden) * _cp_factor(pl)
-    return exact(total * layers * in_flight_micro_batches(pl, stage))
+        total += precision.activations * sbh * _cp_factor(pl)
+    return total
 
 
 def _tensor_factor(pl: Placement, group: Group) -> sp.Expr:

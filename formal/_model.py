@@ -145,16 +145,24 @@ class Transformer:
         ``mask_bytes`` default to Korthikanti's 2 and 1 (10sbh, 24sbh, 5as^2b); a mask stays 1
         byte when activations widen to fp32, unless the engine keeps it as a float tensor.
         """
-        sbh = sp.Integer(self.seq * self.micro_batch * self.hidden)
-        as2b = sp.Integer(self.heads * self.seq**2 * self.micro_batch)
-        return {
-            LAYER_IO: (4 * element_bytes + 2 * mask_bytes) * sbh,
-            LINEAR_INNER: 12 * element_bytes * sbh,
-            ATTN_SCORES: (2 * element_bytes + mask_bytes) * as2b,
-        }
+        return layer_activation_bytes(sp.Integer(self.seq), sp.Integer(self.micro_batch), sp.Integer(self.hidden),
+                                      sp.Integer(self.heads), element_bytes, mask_bytes)
 
     def with_micro_batch(self, micro_batch: int) -> Transformer:
         return replace(self, micro_batch=micro_batch)
+
+
+def layer_activation_bytes(seq: sp.Expr, micro_batch: sp.Expr, hidden: sp.Expr, heads: sp.Expr,
+                           element_bytes: int = 2, mask_bytes: int = 1) -> dict[Group, sp.Expr]:
+    """``Transformer.activation_bytes_per_layer`` for any sizes, symbols included (the proofs
+    derive Korthikanti's expressions with ``s, b, h, a`` symbolic)."""
+    sbh = seq * micro_batch * hidden
+    as2b = heads * seq**2 * micro_batch
+    return {
+        LAYER_IO: (4 * element_bytes + 2 * mask_bytes) * sbh,
+        LINEAR_INNER: 12 * element_bytes * sbh,
+        ATTN_SCORES: (2 * element_bytes + mask_bytes) * as2b,
+    }
 
 
 @dataclass(frozen=True)

@@ -177,12 +177,12 @@ def loads(text: str, where: str = "<strategies>") -> StrategyFile:
 
 
 def _strategy(where: str, name: object, body: object) -> Strategy:
+    if name in LIBRARY:
+        raise StrategyFileError(f"{where}: strategy name {name!r} is already a library strategy")
     if not isinstance(name, str) or not _NAME.match(name):
         raise StrategyFileError(f"{where}: strategy name {_show(name)}: use lower-case letters, digits and '-', "
                                 "starting with a letter, not ending in a digit (the degree), without 'x' "
                                 "(it separates terms)")
-    if name in LIBRARY:
-        raise StrategyFileError(f"{where}: strategy name {name!r} is already a library strategy")
     if name in _MODIFIER_NAMES or name in MODIFIERS:
         raise StrategyFileError(f"{where}: strategy name {name!r} is a composition modifier")
     at = f"{where}: strategies.{name}"

@@ -53,9 +53,29 @@ class DefaultGroup(click.Group):
             args = ["check", *args]
         return super().parse_args(ctx, args)
 
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        """Click's own usage errors (``--devices abc``, an unknown option) as one ``error:`` line
+        and exit code 2, like ours, instead of a usage block."""
+        if kwargs.get("standalone_mode", True) is False:
+            return super().main(*args, **kwargs)
+        kwargs["standalone_mode"] = False
+        try:
+            return super().main(*args, **kwargs)
+        except click.UsageError as err:
+            fail(err.format_message())
+        except click.ClickException as err:
+            click.echo(f"error: {err.format_message()}", err=True)
+            sys.exit(err.exit_code)
+        except click.Abort:
+            click.echo("error: aborted", err=True)
+            sys.exit(EXIT_USAGE)
+
 
 def fail(message: str) -> None:
     """One clear line on stderr and exit code 2: the CLI's only way to report bad input."""
+    # The message may echo the user's own text: escape control characters (\r, \n, ...) so
+    # that it stays one line.
+    message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
     click.echo(f"error: {message}", err=True)
     sys.exit(EXIT_USAGE)
 

@@ -14,6 +14,9 @@ _SIZE_SUFFIX = {
 }
 
 
+_MAX_EXPONENT = 30  # any count or size beyond 1e30 is a typo; keeps Decimal arithmetic in range
+
+
 def _decimal(option: str, text: str, number: str) -> Decimal:
     try:
         value = Decimal(number)
@@ -21,6 +24,11 @@ def _decimal(option: str, text: str, number: str) -> Decimal:
         raise InputError(f"{option} {text}: not a number") from None
     if not value.is_finite():
         raise InputError(f"{option} {text}: not a finite number")
+    # Decimal parses 1e999999999 exactly but overflows when scaled: refuse absurd exponents first.
+    if value and value.adjusted() > _MAX_EXPONENT:
+        raise InputError(f"{option} {text}: absurd (over 1e{_MAX_EXPONENT})")
+    if value and value.adjusted() < -_MAX_EXPONENT:
+        raise InputError(f"{option} {text}: absurdly small (under 1e-{_MAX_EXPONENT})")
     return value
 
 
@@ -50,7 +58,10 @@ def parse_bytes(text: str, option: str = "--device-memory") -> int:
     value = _decimal(option, text, match.group(1).replace("_", "")) * _SIZE_SUFFIX[suffix]
     if value <= 0 or value > 10**18:
         raise InputError(f"{option} {text}: must be positive and below 1e18 bytes")
-    return int(value.to_integral_value())
+    nbytes = int(value.to_integral_value())
+    if nbytes < 1:  # 0.4 bytes would round to a device with no memory
+        raise InputError(f"{option} {text}: less than one byte")
+    return nbytes
 
 
 def gb(nbytes: int | float) -> str:

@@ -86,6 +86,8 @@ def _name_and_degree(term: str, library: Mapping[str, Callable[[], Strategy]]) -
             head, tail = term[:cut], term[cut:]
             if head in library and tail.isdigit():
                 return head, _degree(term, tail)
+        if name == "zero" and "zero" not in library:  # hypothesis-style: echo the user's spelling
+            raise CompositionError(f"{term}: ZeRO stage must be 1, 2 or 3")
         if name not in library:
             raise CompositionError(f"{term}: unknown strategy {name!r} (known: {', '.join(sorted(library))}; "
                                    f"modifiers: {', '.join(MODIFIERS)})")

@@ -1,0 +1,392 @@
+"""Run a composition with PyTorch's own implementations and measure one rank.
+
+The composition decides which engine runs (``engine_for``): DDP, FSDP2 ``fully_shard``
+(``reshard_after_forward`` True for ``fsdp``/``zero3``, False for ``fsdp-sgo``), DTensor tensor
+parallelism (``tp``, with ``sp`` sequence parallelism), FSDP+TP, HSDP (``hsdp`` with ``dpr``) and
+``torch.distributed.pipelining`` (``pp``, GPipe or 1F1B). Each is applied by one small function in
+a fixed order, as torchtitan's ``parallelize`` does: tensor parallel, then data parallel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from checker._torch._net import Net, NetConfig, batch, init_exact_, loss_fn
+from checker._torch._record import Call, CommRecorder, SavedActivations, local, storage_bytes
+from formal._placement import Schedule
+from formal._strategies import Composition
+from formal._vocab import Axis, Mode, State
+from formal.errors import CompositionError
+
+
+class Engine(StrEnum):
+    """The PyTorch implementation a composition runs on."""
+
+    DDP = "DDP"
+    FSDP = "FSDP2"
+    TP = "DTensor TP"
+    FSDP_TP = "FSDP2 + DTensor TP"
+    HSDP = "FSDP2 HSDP"
+    PIPELINE = "pipelining"
+    ZERO1 = "DDP + ZeroRedundancyOptimizer"
+
+
+def engine_for(comp: Composition) -> Engine:
+    """The engine that implements ``comp``; a composition PyTorch has no engine for is an error."""
+    mesh = {a: d for a, d in comp.mesh().items() if d > 1}
+    names = {s.axis: s.name for s in comp.strategies if (s.degree or 1) > 1}
+    axes = set(mesh)
+    dp_name = names.get(Axis.DP)
+    if comp.options.offload_optimizer or comp.options.offload_parameters or comp.options.recompute.value != "none":
+        raise CompositionError(f"{comp}: offload and recomputation have no engine in this harness")
+    if axes == {Axis.PP}:
+        if comp.options.schedule is Schedule.INTERLEAVED:
+            raise CompositionError(f"{comp}: interleaved schedules are not run by this harness")
+        return Engine.PIPELINE
+    if axes == {Axis.TP}:
+        return Engine.TP
+    if axes == {Axis.DP} and dp_name in ("dp", "ddp"):
+        return Engine.DDP
+    if axes == {Axis.DP} and dp_name == "zero1":
+        return Engine.ZERO1
+    if axes == {Axis.DP} and dp_name in ("fsdp", "fsdp-sgo", "zero3", "hsdp"):
+        return Engine.FSDP
+    if axes == {Axis.DP, Axis.TP} and dp_name in ("fsdp", "fsdp-sgo", "zero3"):
+        return Engine.FSDP_TP
+    if axes == {Axis.DP, Axis.DPR} and dp_name in ("fsdp", "fsdp-sgo", "zero3", "hsdp"):
+        return Engine.HSDP
+    raise CompositionError(f"{comp}: no PyTorch engine for this composition in the harness "
+                           "(DDP, ZeRO-1, FSDP, TP, FSDP+TP, HSDP, PP)")
+
+
+def reshard_after_forward(comp: Composition) -> bool:
+    """FSDP2's ``reshard_after_forward``: False when parameters are held through backward."""
+    s = comp.strategy_on(Axis.DP)
+    assert s is not None
+    return not s.entry(State.PARAMETERS, _any_group()).keep_gathered
+
+
+def _any_group() -> Any:
+    from formal._vocab import ATTENTION
+    return ATTENTION
+
+
+@dataclass
+class Measured:
+    """One rank, one steady training step (after warm-up steps)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int  # per-element optimizer state (Adam's exp_avg and exp_avg_sq)
+    optimizer_scalars: int  # Adam's per-tensor ``step`` counters (not per-element state)
+    activations: int  # peak bytes saved for backward, parameters excluded
+    calls: tuple[Call, ...]
+    stage: str
+    engine: Engine
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Runner:
+    """Everything one rank needs to run ``steps`` steps of ``comp``."""
+
+    comp: Composition
+    cfg: NetConfig
+    rank: int
+    world: int
+    fake: bool
+    gradient_as_bucket_view: bool = False
+    lr: float = 1e-3
+    optimizer: str = "adam"  # "adam" (measurement) or "sgd" (exactness runs)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.engine = engine_for(self.comp)
+        self.mesh = {a: d for a, d in self.comp.mesh().items() if d > 1}
+        self.bucket_bytes: dict[int, int] = {}
+
+    # ---- building ---------------------------------------------------------------------
+    def build(self) -> tuple[nn.Module, Any]:
+        torch.manual_seed(self.seed)
+        net = Net(self.cfg)
+        if self.cfg.exact:
+            init_exact_(net, self.seed)
+        match self.engine:
+            case Engine.DDP | Engine.ZERO1:
+                return self._ddp(net), None
+            case Engine.FSDP:
+                return self._fsdp(net, self._mesh1d(Axis.DP)), None
+            case Engine.TP:
+                return self._tp(net, self._mesh1d(Axis.TP)), None
+            case Engine.FSDP_TP:
+                from torch.distributed.device_mesh import init_device_mesh
+                mesh = init_device_mesh("cpu", (self.mesh[Axis.DP], self.mesh[Axis.TP]),
+                                        mesh_dim_names=("dp", "tp"))
+                return self._fsdp(self._tp(net, mesh["tp"]), mesh["dp"]), None
+            case Engine.HSDP:
+                from torch.distributed.device_mesh import init_device_mesh
+                mesh = init_device_mesh("cpu", (self.mesh[Axis.DPR], self.mesh[Axis.DP]),
+                                        mesh_dim_names=("dpr", "dp"))
+                return self._fsdp(net, mesh), None
+            case Engine.PIPELINE:
+                return self._pipeline(net)
+            case _:
+                raise AssertionError(self.engine)
+
+    def _mesh1d(self, axis: Axis) -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+        return init_device_mesh("cpu", (self.mesh[axis],), mesh_dim_names=(axis.value,))
+
+    def _ddp(self, net: Net) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(net, gradient_as_bucket_view=self.gradient_as_bucket_view)
+        world = self.world
+        buckets = self.bucket_bytes
+
+        def hook(_state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+            # The default hook's all-reduce, run synchronously: the fake group's future carries
+            # no value (pytorch-ground-truth.md). It also reveals DDP's bucket buffers.
+            t = bucket.buffer()
+            buckets[bucket.index()] = t.untyped_storage().nbytes()
+            t.div_(world)
+            dist.all_reduce(t)
+            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            fut.set_result(t)
+            return fut
+
+        # DDP inspects the annotations; under postponed evaluation they would be strings.
+        hook.__annotations__ = {"_state": object, "bucket": dist.GradBucket,
+                                "return": torch.futures.Future[torch.Tensor]}
+        model.register_comm_hook(None, hook)
+        return model
+
+    def _fsdp(self, net: nn.Module, mesh: Any) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+        reshard = reshard_after_forward(self.comp)
+        layers = net.layers if isinstance(net, Net) else net.get_submodule("layers")
+        for block in layers.values():  # type: ignore[operator]
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        # The root (embedding, final norm, head) keeps PyTorch's default, None: True for a
+        # non-root module, False for the root, whose parameters backward needs at once.
+        fully_shard(net, mesh=mesh, reshard_after_forward=None if reshard else False)
+        return net
+
+    def _tp(self, net: Net, mesh: Any) -> Net:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module,
+        )
+        sp = self.comp.options.sequence_parallel
+        seq = Shard(1) if sp else Replicate()
+        plan: dict[str, Any] = {
+            # Vocabulary-parallel embedding: rows of the table split; its output is a partial
+            # sum, all-reduced (or reduce-scattered along the sequence under sp).
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            # Vocabulary-parallel head: logits stay split for the vocabulary-parallel loss.
+            "head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+        }
+        if sp:
+            plan["norm"] = SequenceParallel()
+        for name in net.layers:
+            pre = f"layers.{name}."
+            plan[pre + "qkv"] = ColwiseParallel(input_layouts=seq)
+            plan[pre + "proj"] = RowwiseParallel(output_layouts=seq)
+            plan[pre + "fc1"] = ColwiseParallel(input_layouts=seq)
+            plan[pre + "fc2"] = RowwiseParallel(output_layouts=seq)
+            if sp:
+                plan[pre + "ln1"] = SequenceParallel()
+                plan[pre + "ln2"] = SequenceParallel()
+        parallelize_module(net, mesh, plan)
+        return net
+
+    def _pipeline(self, net: Net) -> tuple[nn.Module, Any]:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        cfg, p = self.cfg, self.mesh[Axis.PP]
+        if cfg.layers % p:
+            raise CompositionError(f"pp{p}: layers={cfg.layers} is not divisible by the pipeline degree")
+        per = cfg.layers // p
+        keep = {str(i) for i in range(self.rank * per, (self.rank + 1) * per)}
+        for name in list(net.layers):
+            if name not in keep:
+                del net.layers[name]
+        first, last = self.rank == 0, self.rank == p - 1
+        if not first:
+            net.embed = None
+        if not last:
+            net.norm = None
+            net.head = None
+        b = cfg.batch
+        hidden = torch.zeros(b, cfg.seq, cfg.hidden)
+        x_in = torch.zeros(b, cfg.seq, dtype=torch.long) if first else hidden
+        y_out = torch.zeros(b, cfg.seq, cfg.vocab) if last else hidden
+        # Explicit shapes: the fake group's receive would mislead shape inference.
+        stage = PipelineStage(net, self.rank, p, torch.device("cpu"), input_args=(x_in,), output_args=(y_out,),
+                              input_grads=(None if first else hidden,), output_grads=(None if last else hidden,))
+        m = self.comp.options.micro_batches
+        scale = 1.0
+        make = ScheduleGPipe if self.comp.options.schedule is Schedule.GPIPE else Schedule1F1B
+
+        def pipe_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return loss_fn(cfg, logits, targets, scale / m)
+
+        schedule = make(stage, n_microbatches=m, loss_fn=pipe_loss, scale_grads=False)
+        if self.fake:
+            # The fake group's receive carries no vote, so the stages would fall back to
+            # dynamic shape inference over the fake receive; every shape is given: static.
+            from torch.distributed.pipelining._utils import InferenceMode
+
+            def static(stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+                for st in stages:
+                    st._inference_mode = InferenceMode.STATIC
+
+            schedule._warmup_p2p = static
+        return net, schedule
+
+    def _optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        params = [p for p in model.parameters() if p.requires_grad]
+        if self.engine is Engine.ZERO1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            cls = torch.optim.SGD if self.optimizer == "sgd" else torch.optim.Adam
+            return ZeroRedundancyOptimizer(params, optimizer_class=cls, lr=self.lr)
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=self.lr)
+        return torch.optim.Adam(params, lr=self.lr, foreach=False)
+
+    # ---- one step ---------------------------------------------------------------------
+    def samples_per_replica(self) -> int:
+        return self.cfg.batch * self.comp.options.micro_batches
+
+    def data_replicas(self) -> int:
+        return self.mesh.get(Axis.DP, 1) * self.mesh.get(Axis.DPR, 1)
+
+    def replica_index(self) -> int:
+        """Which data-parallel replica this rank is (ranks of one replica see the same data)."""
+        match self.engine:
+            case Engine.FSDP_TP:
+                return self.rank // self.mesh[Axis.TP]
+            case Engine.TP | Engine.PIPELINE:
+                return 0
+            case _:
+                return self.rank
+
+    def step_data(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of the global batch of ``step`` (the same global batch everywhere)."""
+        n = self.samples_per_replica()
+        ids, targets = batch(self.cfg, n * self.data_replicas(), seed=1000 + step)
+        r = self.replica_index()
+        return ids[r * n:(r + 1) * n], targets[r * n:(r + 1) * n]
+
+    def step(self, model: nn.Module, schedule: Any, opt: torch.optim.Optimizer, step: int) -> None:
+        opt.zero_grad(set_to_none=False)
+        ids, targets = self.step_data(step)
+        if self.engine is Engine.PIPELINE:
+            p = self.mesh[Axis.PP]
+            if self.rank == 0:
+                schedule.step(ids)
+            elif self.rank == p - 1:
+                schedule.step(target=targets)
+            else:
+                schedule.step()
+        else:
+            logits = model(ids)
+            self.backward(logits, targets)
+        reduce_partial_gradients(model)
+        opt.step()
+
+    def backward(self, logits: Any, targets: torch.Tensor) -> None:
+        # Each replica's loss is its share of the global mean: DDP and FSDP average the
+        # replicas' gradients, so the per-replica loss is the replica's own mean.
+        from torch.distributed.tensor import DTensor
+        if isinstance(logits, DTensor):
+            from torch.distributed.tensor.parallel import loss_parallel
+            if self.cfg.exact:
+                from torch.distributed.tensor import Replicate
+                full = logits.redistribute(placements=[Replicate()]).to_local()
+                loss_fn(self.cfg, full, targets).backward()
+                return
+            with loss_parallel():
+                loss_fn(self.cfg, logits, targets).backward()
+            return
+        loss_fn(self.cfg, logits, targets).backward()
+
+
+def reduce_partial_gradients(model: nn.Module) -> None:
+    """Reduce DTensor gradients left ``Partial`` (replicated weights used on sequence shards
+    under sequence parallelism) once, before the optimizer: the step program's gradient
+    synchronisation. Left Partial, DTensor would all-reduce them inside every optimizer op that
+    reads them (three times per tensor for Adam)."""
+    from torch.distributed.tensor import DTensor
+    for p in model.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and any(x.is_partial() for x in g.placements):
+            p.grad = g.redistribute(g.device_mesh, p.placements)
+
+
+def measure(comp: Composition, cfg: NetConfig, rank: int, world: int, *, steps: int = 3,
+            gradient_as_bucket_view: bool = False) -> Measured:
+    """Run ``steps`` steps on the current process group (fake or real) and measure the last.
+
+    DDP rebuilds its buckets after the first iteration, so the measured step is the third.
+    """
+    runner = Runner(comp, cfg, rank, world, fake=True, gradient_as_bucket_view=gradient_as_bucket_view)
+    model, schedule = runner.build()
+    opt = runner._optimizer(model)
+    for i in range(steps - 1):
+        runner.step(model, schedule, opt, i)
+    modules = [model]
+    saved = SavedActivations(modules)
+    recorder = CommRecorder()
+    with recorder, saved.track():
+        runner.step(model, schedule, opt, steps - 1)
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    bucket = sum(runner.bucket_bytes.values()) if not gradient_as_bucket_view else 0
+    per_element: list[torch.Tensor] = []
+    scalars: list[torch.Tensor] = []
+    for state in _optimizer_states(opt):
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                (scalars if local(value).dim() == 0 else per_element).append(value)
+    stage = _stage(runner)
+    return Measured(
+        parameters=storage_bytes(params),
+        gradients=storage_bytes(grads) + bucket,
+        optimizer=storage_bytes(per_element),
+        optimizer_scalars=storage_bytes(scalars),
+        activations=saved.peak,
+        calls=tuple(recorder.calls),
+        stage=stage,
+        engine=runner.engine,
+    )
+
+
+def _optimizer_states(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    inner = getattr(opt, "optim", None)  # ZeroRedundancyOptimizer wraps the local optimizer
+    source = inner if isinstance(inner, torch.optim.Optimizer) else opt
+    return [s for s in source.state.values() if isinstance(s, dict)]
+
+
+def _stage(runner: Runner) -> str:
+    if runner.engine is not Engine.PIPELINE:
+        return "first"
+    p = runner.mesh[Axis.PP]
+    return "first" if runner.rank == 0 else "last" if runner.rank == p - 1 else "middle"
+
+
+def fake_group(world: int, rank: int = 0) -> Callable[[], None]:
+    """Start a fake process group of ``world`` ranks seen from ``rank``; returns its teardown."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    return dist.destroy_process_group
+
+
+__all__ = ["Engine", "Measured", "Mode", "Runner", "engine_for", "fake_group", "measure"]

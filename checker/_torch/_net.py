@@ -1,0 +1,160 @@
+"""The small transformer the engines run, and the formal ``Transformer`` that describes it.
+
+A GPT-style decoder block as Megatron lays it out: one fused QKV projection whose output rows
+are ordered (head, q/k/v, head_dim), so that a contiguous split of its rows along ``tp`` gives
+every rank whole heads with their own queries, keys and values (column parallel); an output
+projection and the second MLP matrix row parallel; LayerNorms, row-parallel biases replicated;
+a word embedding and an untied output layer (vocabulary parallel under ``tp``). No learned
+positions: under sequence parallelism they would need a sequence slice per rank, and the
+formal model has ``learned_positions=False`` for exactly this model.
+
+``exact=True`` swaps the inexact operations for exact ones (affine norms, ReLU, uniform
+attention with a dyadic weight, a linear loss normalised by a power of two): with small
+integer data and weights every float32 product and sum is then exact, so a correct distributed
+run matches single-device training bit for bit (semantics.md section 5).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from formal._model import Transformer
+
+
+@dataclass(frozen=True)
+class NetConfig:
+    """Dimensions of the small model. ``batch``: samples per data-parallel replica per micro-batch."""
+
+    layers: int = 8
+    hidden: int = 64
+    heads: int = 8
+    vocab: int = 256
+    seq: int = 32
+    batch: int = 2
+    dropout: float = 0.1  # Korthikanti's activation count includes the two dropout masks per layer
+    exact: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def formal(self) -> Transformer:
+        """The formal description of this model (parameter groups and activation sizes)."""
+        return Transformer(
+            "torch-small", layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab,
+            seq=self.seq, micro_batch=self.batch, learned_positions=False, tied_embeddings=False,
+            source="checker._torch._net: the model the PyTorch engines run",
+        )
+
+
+class Norm(nn.Module):
+    """LayerNorm, or in exact mode its affine part only (same parameters: weight and bias)."""
+
+    def __init__(self, hidden: int, exact: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.bias = nn.Parameter(torch.zeros(hidden))
+        self.exact = exact
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact:
+            return x * self.weight + self.bias
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: NetConfig) -> None:
+        super().__init__()
+        h = cfg.hidden
+        self.cfg = cfg
+        self.ln1 = Norm(h, cfg.exact)
+        self.qkv = nn.Linear(h, 3 * h)  # rows ordered (head, q/k/v, head_dim), as Megatron
+        self.proj = nn.Linear(h, h)
+        self.ln2 = Norm(h, cfg.exact)
+        self.fc1 = nn.Linear(h, 4 * h)
+        self.fc2 = nn.Linear(4 * h, h)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.cfg.dropout, self.training) if self.cfg.dropout else x
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        qkv = self.qkv(x)
+        b, s, width = qkv.shape  # width = 3 * local heads * head_dim (local under tp)
+        heads = width // (3 * cfg.head_dim)
+        q, k, v = qkv.view(b, s, heads, 3, cfg.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        if cfg.exact:
+            # Uniform attention, 1/s with s a power of two: exact, and of degree one, so values
+            # keep few significant bits over several steps (q and k get zero gradients).
+            probs = torch.full((b, heads, s, s), 1.0 / s, dtype=v.dtype)
+        else:
+            probs = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(cfg.head_dim), dim=-1)
+        probs = self._dropout(probs)
+        out = (probs @ v).transpose(1, 2).reshape(b, s, heads * cfg.head_dim)
+        return self._dropout(self.proj(out))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        inner = self.fc1(x)
+        inner = F.relu(inner) if self.cfg.exact else F.gelu(inner)
+        return self._dropout(self.fc2(inner))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Net(nn.Module):
+    """Embedding, ``layers`` blocks, final norm, untied head. Pipeline stages drop the parts
+    that live on other stages (``embed``/``norm``/``head`` set to None)."""
+
+    def __init__(self, cfg: NetConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
+        self.norm: Norm | None = Norm(cfg.hidden, cfg.exact)
+        self.head: nn.Linear | None = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.layers.values():
+            x = block(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.head is not None:
+            x = self.head(x)
+        return x
+
+
+def loss_fn(cfg: NetConfig, logits: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Cross-entropy, or in exact mode a linear loss with integer weights (targets). ``scale``
+    turns a per-replica mean into a share of the global mean (a power of two in exact mode)."""
+    if cfg.exact:
+        return (logits * targets).sum() * scale  # linear: its gradient is the integer targets
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1)) * scale
+
+
+def init_exact_(net: nn.Module, seed: int, density: float = 0.25) -> None:
+    """Sparse integer weights in {-1, 0, 1} (exact mode): about ``density`` of them nonzero,
+    so values keep few significant bits and every float32 product and sum stays exact."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            values = torch.randint(-1, 2, p.shape, generator=gen).to(p.dtype)
+            keep = (torch.rand(p.shape, generator=gen) < density).to(p.dtype)
+            p.copy_(values * keep)
+
+
+def batch(cfg: NetConfig, samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and targets: class ids, or in exact mode integer logits targets."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab, (samples, cfg.seq), generator=gen)
+    if cfg.exact:
+        return ids, torch.randint(-1, 2, (samples, cfg.seq, cfg.vocab), generator=gen).float()
+    return ids, torch.randint(0, cfg.vocab, (samples, cfg.seq), generator=gen)

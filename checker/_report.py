@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
 import sympy as sp
@@ -101,16 +102,25 @@ def to_json(analysis: Analysis) -> dict[str, Any]:
     }
 
 
+def aggregate_collectives(collectives: list[dict[str, Any]]) -> dict[tuple[str, str, str, str], list[dict[str, Any]]]:
+    """The terminal's view: one row per (op, axis, state, phase), groups summed, program order."""
+    out: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
+    for c in collectives:
+        out.setdefault((c["op"], c["axis"], c["state"], c["phase"]), []).append(c)
+    return out
+
+
 def print_human(analysis: Analysis, console: Console) -> None:
     doc = to_json(analysis)
     m = doc["model"]
     console.print(f"[bold]{doc['composition']}[/bold] on {doc['devices']} devices "
                   f"(mesh {' x '.join(f'{a}={d}' for a, d in doc['mesh'].items())}); "
-                  f"model {m['name']} ({m['parameters']:,} parameters); precision {doc['precision']['name']} "
+                  f"model {m['name']} ({m['parameters']:,} params); precision {doc['precision']['name']} "
                   f"({doc['precision']['parameters']}/{doc['precision']['gradients']}/"
-                  f"{doc['precision']['optimizer']} bytes per parameter)")
+                  f"{doc['precision']['optimizer']} B/param)")
     per = doc["memory"]["per_device"]
-    table = Table(title=f"Memory per device (most loaded: pipeline stage {doc['memory']['most_loaded_rank']['pipeline_stage']}); GB = 1e9 bytes")
+    stage = doc["memory"]["most_loaded_rank"]["pipeline_stage"]
+    table = Table(title=f"Memory per device (most loaded: {stage} pipeline stage; GB = 1e9 bytes)")
     table.add_column("state")
     table.add_column("bytes", justify="right")
     table.add_column("GB", justify="right")
@@ -123,16 +133,19 @@ def print_human(analysis: Analysis, console: Console) -> None:
     if doc["memory"]["fits"] is not None:
         verdict = "fits" if doc["memory"]["fits"] else "does NOT fit"
         console.print(f"{verdict} in {gb(doc['memory']['device_memory'])} per device")
-    comm = Table(title="Communication per device per step (ring algorithms)")
-    for col in ("op", "axis", "state.group", "phase", "elements", "count", "bytes", "Psi units"):
-        comm.add_column(col, justify="right" if col in ("elements", "count", "bytes") else "left")
-    for c in doc["communication"]["collectives"]:
-        comm.add_row(c["op"], c["axis"], f"{c['state']}.{c['group']}", c["phase"], f"{c['elements']:,}",
-                     f"{c['count']:,}", f"{c['bytes']:,}", c["psi_units"])
+    comm = Table(title="Communication per device per step (ring algorithms; --json lists every group)")
+    for col in ("op", "axis", "state", "phase", "calls", "bytes", "GB", "Psi"):
+        comm.add_column(col, justify="left" if col in ("op", "axis", "state", "phase") else "right")
+    for (op, axis, state, phase), rows in aggregate_collectives(doc["communication"]["collectives"]).items():
+        moved = sum(r["bytes"] for r in rows)
+        psi = Fraction(sum(r["paper_elements"] for r in rows), m["parameters"])
+        comm.add_row(op, axis, state, phase, f"{sum(r['count'] for r in rows):,}", f"{moved:,}",
+                     f"{moved / 1e9:,.2f}", "-" if state == "activations" else f"{float(psi):.3g}")
     console.print(comm)
     console.print(f"total {doc['communication']['per_device_per_step']:,} bytes "
                   f"({gb(doc['communication']['per_device_per_step'])}) per device per step; "
-                  f"model states {doc['communication']['model_state_psi_units']} Psi (ZeRO paper units)")
+                  f"model states {float(Fraction(doc['communication']['model_state_psi_units'])):.4g} Psi "
+                  "(ZeRO paper units)")
     if doc["communication"]["host_transfers"]:
         moved = sum(t["bytes"] for t in doc["communication"]["host_transfers"])
         console.print(f"host-device transfers: {moved:,} bytes per step (PCIe, not network)")

@@ -33,16 +33,19 @@ chunk's holders along one axis do not depend on how other axes split it; a progr
 iff it is correct along every axis. Gradient integrity is exact for any degree: devices along an
 axis are symmetric, so up to 8 devices are explicit and the others are folded into one aggregate
 (their contributions' sum and their values' sum), which every collective maps linearly. State
-consistency uses the real degree up to 8 (exact); beyond 8 it uses 8 devices and relabels the
-distinct offsets used along the axis to 0, 1, 2, ... (ops are rotation-equivariant, and a read
-is misaligned iff two partitions' offsets differ, which relabelling preserves).
+consistency uses the real degree up to 4; beyond 4 it uses 4 devices (or one per distinct offset,
+if more) and relabels the distinct offsets used along the axis to 0, 1, 2, ...: the ops are
+rotation-equivariant (device i and chunk k only meet through ``(i - offset) mod d``), so a read
+is stale or misaligned iff the partitions it crosses have different offsets, which relabelling
+preserves. (A program whose correctness hinges on sums of offsets, such as two gathers whose
+rotations cancel, is outside this argument; no derived program has one.)
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
@@ -58,9 +61,11 @@ from formal._vocab import Axis, Group, Mode, OpKind, Phase, Reduce, State
 from formal.errors import SolverError
 
 P, O, G = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS  # noqa: E741 (the paper's P/O/G)
+PLACEHOLDER = Group("\u00a7")  # "§": the group of a case, renamed to the real group in the verdict
 
 DEFAULT_TIMEOUT_MS = 10_000
-MAX_EXPLICIT_DEVICES = 8  # devices modelled one by one along an axis (see the module docstring)
+MAX_EXPLICIT_DEVICES = 8  # gradient integrity: devices modelled one by one (module docstring)
+MAX_CONSISTENCY_DEVICES = 4  # state consistency: devices and chunks modelled (module docstring)
 
 DEEPSPEED_PP_NOTE = (
     "DeepSpeed refuses ZeRO-2/3 with pipeline parallelism (DeepSpeed issues #1629, #4164); "
@@ -352,15 +357,30 @@ def _op_label(n: int, op: Op) -> str:
     return f"op{n}:{op.kind.value}({op.state.value}.{op.group.name}, {where}{extra})"
 
 
-def _decide_integrity(program: StepProgram, group: Group, axis: Axis,
-                      timeout_ms: int) -> tuple[Obligation, Violation | None]:
+@dataclass(frozen=True)
+class _IntegrityCase:
+    """All one gradient-integrity obligation depends on, with the group erased (``PLACEHOLDER``)."""
+
+    axis: Axis
+    degree: int
+    origin: Origin
+    sharded: bool
+    ops: tuple[Op, ...]
+
+
+def _integrity_case(program: StepProgram, group: Group, axis: Axis) -> _IntegrityCase:
     pl = program.placement
-    name = f"G.{group.name}, {axis.value}"
     degree = _int_degree(pl.degree(axis))
     if axis is Axis.PP and group in pl.tied:
         degree = min(degree, 2)  # a tied embedding lives on the first and the last stage
-    origin = program.origin(group, axis)
-    sharded = pl.mode(G, group, axis).is_sharded
+    return _IntegrityCase(axis, degree, program.origin(group, axis), pl.mode(G, group, axis).is_sharded,
+                          tuple(_erased(op) for op in _gradient_ops(program, group, axis)))
+
+
+def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation, list[Violation]]:
+    axis, degree, origin, sharded = case.axis, case.degree, case.origin, case.sharded
+    group = PLACEHOLDER
+    name = f"G.{group.name}, {axis.value}"
     k = min(degree, MAX_EXPLICIT_DEVICES)
     rest = degree - k  # devices folded into one aggregate
     solver = _Solver(timeout_ms)
@@ -390,7 +410,7 @@ def _decide_integrity(program: StepProgram, group: Group, axis: Axis,
         case _:
             raise AssertionError(origin)
     solver.track(f"origin[{name}]={origin.value}", z3.And(*init))
-    ops = _gradient_ops(program, group, axis)
+    ops = list(case.ops)
     for n, op in enumerate(ops, start=1):
         new = [z3.Real(f"v{n}_{i}") for i in range(k)]
         new_rest = z3.Real(f"v{n}_rest")
@@ -413,7 +433,7 @@ def _decide_integrity(program: StepProgram, group: Group, axis: Axis,
     obligation = Obligation(f"gradient_integrity[{name}]", Condition.GRADIENT_INTEGRITY, status,
                             answer.reason, answer.seconds, answer.core)
     if answer.model is None:
-        return obligation, None
+        return obligation, []
     model = answer.model
     ref_value = _number(model.eval(reference, model_completion=True))
     held = {str(i): _number(model.eval(values[i], model_completion=True)) for i in owners}
@@ -432,8 +452,8 @@ def _decide_integrity(program: StepProgram, group: Group, axis: Axis,
     first_bad = witness["disagreeing_devices"][0] if witness["disagreeing_devices"] else "0"
     explanation = (f"G.{group.name} along {axis.value}: {defect}; device {first_bad} holds "
                    f"{held.get(first_bad)} where single-device training has {ref_value}")
-    return obligation, Violation(f"{rule}[{name}]", Condition.GRADIENT_INTEGRITY, G.value, group.name,
-                                 axis.value, explanation, witness)
+    return obligation, [Violation(f"{rule}[{name}]", Condition.GRADIENT_INTEGRITY, G.value, group.name,
+                                  axis.value, explanation, witness)]
 
 
 def _classify_integrity(origin: Origin, ops: list[Op], axis: Axis, degree: int) -> tuple[str, str]:
@@ -556,29 +576,48 @@ class _Check:
 Holder = tuple[bool, int, State]  # (on the host, device along the axis, state)
 
 
+@dataclass(frozen=True)
+class _ConsistencyCase:
+    """All one state-consistency obligation depends on, with the group erased (``PLACEHOLDER``)."""
+
+    axis: Axis
+    degree: int
+    entries: tuple[Entry, Entry, Entry]  # P, O, G along the axis
+    local: tuple[Mode | None, Mode | None, Mode | None]  # P, O, G axis-free modes
+    ops: tuple[Op, ...]
+
+
+def _consistency_case(program: StepProgram, group: Group, axis: Axis) -> _ConsistencyCase:
+    pl = program.placement
+    return _ConsistencyCase(
+        axis, _int_degree(pl.degree(axis)),
+        (pl.entry(P, group, axis), pl.entry(O, group, axis), pl.entry(G, group, axis)),
+        (pl.local_mode(P, group), pl.local_mode(O, group), pl.local_mode(G, group)),
+        tuple(_erased(op) for op in program.ops
+              if op.group == group and op.state in (P, O, G) and op.axis in (None, axis)))
+
+
 @dataclass
 class _AxisRun:
     """Two steps of a program along one axis for one group: holdings, reads, coverage."""
 
-    program: StepProgram
-    group: Group
-    axis: Axis
+    case: _ConsistencyCase
     checks: list[_Check] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        pl = self.program.placement
-        self.degree = _int_degree(pl.degree(self.axis))
-        self.entry = {st: pl.entry(st, self.group, self.axis) for st in (P, O, G)}
-        self.local = {st: pl.local_mode(st, self.group) for st in (P, O, G)}
-        self.ops = [op for op in self.program.ops
-                    if op.group == self.group and op.state in (P, O, G) and op.axis in (None, self.axis)]
+        self.group = PLACEHOLDER
+        self.axis = self.case.axis
+        self.degree = self.case.degree
+        self.entry = dict(zip((P, O, G), self.case.entries, strict=True))
+        self.local = dict(zip((P, O, G), self.case.local, strict=True))
+        self.ops = list(self.case.ops)
         raw = sorted({e.offset % self.degree for e in self.entry.values()}
                      | {op.offset % self.degree for op in self.ops} | {0})
-        if self.degree <= MAX_EXPLICIT_DEVICES:
+        if self.degree <= MAX_CONSISTENCY_DEVICES:
             self.d = self.degree
             self.offsets = {o: o for o in raw}
         else:
-            self.d = max(MAX_EXPLICIT_DEVICES, len(raw))
+            self.d = max(MAX_CONSISTENCY_DEVICES, len(raw))
             self.offsets = {o: i for i, o in enumerate(raw)}
         self.hold: dict[Holder, dict[int, _T]] = {
             (host, i, st): {} for host in (False, True) for i in range(self.d) for st in (P, O, G)}
@@ -919,6 +958,66 @@ def _notes(composition: Composition, program: StepProgram) -> list[str]:
     return notes
 
 
+# Obligations are decided once per distinct case. A case holds everything its formula depends on,
+# with the tensor group erased, so groups placed alike (attention and MLP under most strategies;
+# a hundred synthetic groups) share one z3 query; names are then written with each group's own.
+# Answers are pure functions of (case, timeout); unknown answers are never remembered.
+_MEMO: dict[tuple[_IntegrityCase | _ConsistencyCase, int], tuple[Obligation, list[Violation]]] = {}
+_MEMO_LIMIT = 50_000
+
+
+def _memo(case: _IntegrityCase | _ConsistencyCase, group: Group,
+          timeout_ms: int) -> tuple[Obligation, list[Violation]]:
+    key = (case, timeout_ms)
+    hit = _MEMO.get(key)
+    if hit is None:
+        if isinstance(case, _IntegrityCase):
+            answer = _decide_integrity(case, timeout_ms)
+        else:
+            run = _AxisRun(case)
+            run.run()
+            answer = _decide_consistency(run, timeout_ms)
+        if answer[0].status is not Status.UNKNOWN:
+            if len(_MEMO) >= _MEMO_LIMIT:
+                _MEMO.clear()
+            _MEMO[key] = answer
+        fresh = True
+    else:
+        answer, fresh = hit, False
+    ob, found = answer
+    named = Obligation(_named(ob.name, group), ob.condition, ob.status, ob.reason_unknown,
+                       ob.seconds if fresh else 0.0, tuple(_named(c, group) for c in ob.core))
+    return named, [Violation(_named(v.rule, group), v.condition, v.state, group.name, v.axis,
+                             _named(v.explanation, group), _named_values(v.witness, group)) for v in found]
+
+
+def clear_cache() -> None:
+    """Forget every remembered answer (benchmarks time cold verdicts; tests patch the solver)."""
+    _MEMO.clear()
+
+
+def _named(text: str, group: Group) -> str:
+    return text.replace(PLACEHOLDER.name, group.name)
+
+
+def _named_values(witness: dict[str, Any], group: Group) -> dict[str, Any]:
+    def rename(value: Any) -> Any:
+        if isinstance(value, str):
+            return _named(value, group)
+        if isinstance(value, list):
+            return [rename(v) for v in value]
+        if isinstance(value, dict):
+            return {k: rename(v) for k, v in value.items()}
+        return value
+
+    return {k: rename(v) for k, v in witness.items()}
+
+
+def _erased(op: Op) -> Op:
+    """The op with its group erased and its size dropped (neither matters to a verdict)."""
+    return replace(op, group=PLACEHOLDER, elements=sp.Integer(0), note="")
+
+
 def decide(composition: Composition, program: StepProgram, model: Model, *,
            timeout_ms: int = DEFAULT_TIMEOUT_MS, devices: int | None = None) -> Verdict:
     """Decide the composition rules, gradient integrity and state consistency of ``program``.
@@ -934,16 +1033,13 @@ def decide(composition: Composition, program: StepProgram, model: Model, *,
     pl = program.placement
     for group in pl.groups(P):
         for axis in pl.axes:
-            ob, violation = _decide_integrity(program, group, axis, timeout_ms)
+            ob, found = _memo(_integrity_case(program, group, axis), group, timeout_ms)
             obligations.append(ob)
-            if violation is not None:
-                violations.append(violation)
+            violations += found
     labels: set[str] = set()
     for group in pl.groups(P):
         for axis in pl.axes:
-            run = _AxisRun(program, group, axis)
-            run.run()
-            ob, found = _decide_consistency(run, timeout_ms)
+            ob, found = _memo(_consistency_case(program, group, axis), group, timeout_ms)
             obligations.append(ob)
             for v in found:  # an axis-free rule (fetch before use) is found along every axis
                 if v.rule not in labels:
@@ -952,4 +1048,4 @@ def decide(composition: Composition, program: StepProgram, model: Model, *,
     return Verdict(tuple(obligations), tuple(violations), tuple(_notes(composition, program)))
 
 
-__all__ = ["DEFAULT_TIMEOUT_MS", "MAX_EXPLICIT_DEVICES", "decide"]
+__all__ = ["DEFAULT_TIMEOUT_MS", "MAX_CONSISTENCY_DEVICES", "MAX_EXPLICIT_DEVICES", "clear_cache", "decide"]

@@ -126,6 +126,7 @@ def test_unknown_is_never_reported_proved(monkeypatch: pytest.MonkeyPatch) -> No
         return smt._Answer("unknown", "timeout", (), None, answer.seconds)
 
     monkeypatch.setattr(smt, "_solve", gives_up)
+    monkeypatch.setattr(smt, "_MEMO", {})  # remembered answers would bypass the patched solver
     verdict = verdict_of("tp2xzero34")
     assert verdict.status is Status.UNKNOWN
     assert all(o.status is Status.UNKNOWN and o.reason_unknown == "timeout" for o in verdict.obligations)

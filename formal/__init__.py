@@ -4,11 +4,25 @@ The public API is listed in ``__all__``; implementation lives in underscored mod
 """
 
 from formal._costs import (
-    Memory, Traffic, bubble_fraction, communication, in_flight_micro_batches, memory, most_loaded,
-    total_bytes, transfers,
+    Memory,
+    Traffic,
+    bubble_fraction,
+    communication,
+    in_flight_micro_batches,
+    memory,
+    most_loaded,
+    total_bytes,
+    transfers,
 )
 from formal._model import (
-    DEFAULT_PRECISION, PRECISIONS, Ffn, Model, Norm, ParameterCount, Precision, Transformer,
+    DEFAULT_PRECISION,
+    PRECISIONS,
+    Ffn,
+    Model,
+    Norm,
+    ParameterCount,
+    Precision,
+    Transformer,
     megatron_parameter_count,
 )
 from formal._placement import Entry, Options, Placement, Recompute, Schedule, Strategy
@@ -17,7 +31,12 @@ from formal._program import Op, Origin, StepProgram, derive_program, gradient_or
 from formal._strategies import LIBRARY, Composition
 from formal._vocab import Axis, Group, Mode, OpKind, Phase, Reduce, State
 from formal.errors import (
-    CompositionError, InputError, ModelError, PlacementError, SolverError, StrategyFileError,
+    CompositionError,
+    InputError,
+    ModelError,
+    PlacementError,
+    SolverError,
+    StrategyFileError,
 )
 
 __all__ = [

@@ -335,14 +335,33 @@ def _scale_home(axes: Sequence[Axis]) -> Axis:
     return next((a for a in axes if a.splits_data), axes[0])
 
 
-def _gradient_ops(program: StepProgram, group: Group, axis: Axis) -> list[Op]:
-    """G ops of ``group`` on ``axis`` that run before the group's optimizer step reads G."""
-    home = _scale_home(program.placement.axes)
+class _Index:
+    """A program's placement and ops looked up by group once (not rescanned per obligation)."""
+
+    def __init__(self, program: StepProgram) -> None:
+        pl = program.placement
+        self.placement = pl
+        self.modes = {key: dict(row) for key, row in pl.modes}
+        self.local = dict(pl.local)
+        self.origins = dict(program.origins)
+        self.degrees = {axis: _int_degree(d) for axis, d in pl.mesh}
+        self.home = _scale_home(pl.axes)
+        self.ops: dict[Group, list[Op]] = {}  # group -> its ops in program order, group erased
+        for op in program.ops:
+            self.ops.setdefault(op.group, []).append(_erased(op))
+
+    def entry(self, state: State, group: Group, axis: Axis) -> Entry:
+        return self.modes.get((state, group), {}).get(axis, Entry(Mode.REPLICATED))
+
+
+def _gradient_ops(index: _Index, group: Group, axis: Axis) -> list[Op]:
+    """G ops of ``group`` on ``axis`` (group erased) that run before its optimizer step reads G."""
+    home = index.home
     out: list[Op] = []
-    for op in program.ops:
-        if op.kind is OpKind.OPTIMIZER_STEP and op.group == group:
+    for op in index.ops.get(group, []):
+        if op.kind is OpKind.OPTIMIZER_STEP:
             break
-        if op.state is not G or op.group != group:
+        if op.state is not G:
             continue
         if op.kind.is_reduction and op.axis is axis:
             out.append(op)
@@ -368,13 +387,12 @@ class _IntegrityCase:
     ops: tuple[Op, ...]
 
 
-def _integrity_case(program: StepProgram, group: Group, axis: Axis) -> _IntegrityCase:
-    pl = program.placement
-    degree = _int_degree(pl.degree(axis))
-    if axis is Axis.PP and group in pl.tied:
+def _integrity_case(index: _Index, group: Group, axis: Axis) -> _IntegrityCase:
+    degree = index.degrees[axis]
+    if axis is Axis.PP and group in index.placement.tied:
         degree = min(degree, 2)  # a tied embedding lives on the first and the last stage
-    return _IntegrityCase(axis, degree, program.origin(group, axis), pl.mode(G, group, axis).is_sharded,
-                          tuple(_erased(op) for op in _gradient_ops(program, group, axis)))
+    return _IntegrityCase(axis, degree, index.origins.get((group, axis), Origin.COMPLETE),
+                          index.entry(G, group, axis).mode.is_sharded, tuple(_gradient_ops(index, group, axis)))
 
 
 def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation, list[Violation]]:
@@ -587,14 +605,12 @@ class _ConsistencyCase:
     ops: tuple[Op, ...]
 
 
-def _consistency_case(program: StepProgram, group: Group, axis: Axis) -> _ConsistencyCase:
-    pl = program.placement
+def _consistency_case(index: _Index, group: Group, axis: Axis) -> _ConsistencyCase:
     return _ConsistencyCase(
-        axis, _int_degree(pl.degree(axis)),
-        (pl.entry(P, group, axis), pl.entry(O, group, axis), pl.entry(G, group, axis)),
-        (pl.local_mode(P, group), pl.local_mode(O, group), pl.local_mode(G, group)),
-        tuple(_erased(op) for op in program.ops
-              if op.group == group and op.state in (P, O, G) and op.axis in (None, axis)))
+        axis, index.degrees[axis],
+        (index.entry(P, group, axis), index.entry(O, group, axis), index.entry(G, group, axis)),
+        (index.local.get((P, group)), index.local.get((O, group)), index.local.get((G, group))),
+        tuple(op for op in index.ops.get(group, []) if op.state in (P, O, G) and op.axis in (None, axis)))
 
 
 @dataclass
@@ -963,7 +979,7 @@ def _notes(composition: Composition, program: StepProgram) -> list[str]:
 # a hundred synthetic groups) share one z3 query; names are then written with each group's own.
 # Answers are pure functions of (case, timeout); unknown answers are never remembered.
 _MEMO: dict[tuple[_IntegrityCase | _ConsistencyCase, int], tuple[Obligation, list[Violation]]] = {}
-_MEMO_LIMIT = 50_000
+_MEMO_LIMIT = 50_000  # 0 turns remembering off (the benchmark's worst case: every group its own query)
 
 
 def _memo(case: _IntegrityCase | _ConsistencyCase, group: Group,
@@ -977,7 +993,7 @@ def _memo(case: _IntegrityCase | _ConsistencyCase, group: Group,
             run = _AxisRun(case)
             run.run()
             answer = _decide_consistency(run, timeout_ms)
-        if answer[0].status is not Status.UNKNOWN:
+        if answer[0].status is not Status.UNKNOWN and _MEMO_LIMIT > 0:
             if len(_MEMO) >= _MEMO_LIMIT:
                 _MEMO.clear()
             _MEMO[key] = answer
@@ -1031,15 +1047,16 @@ def decide(composition: Composition, program: StepProgram, model: Model, *,
     obligations.append(ob)
     violations += found
     pl = program.placement
+    index = _Index(program)
     for group in pl.groups(P):
         for axis in pl.axes:
-            ob, found = _memo(_integrity_case(program, group, axis), group, timeout_ms)
+            ob, found = _memo(_integrity_case(index, group, axis), group, timeout_ms)
             obligations.append(ob)
             violations += found
     labels: set[str] = set()
     for group in pl.groups(P):
         for axis in pl.axes:
-            ob, found = _memo(_consistency_case(program, group, axis), group, timeout_ms)
+            ob, found = _memo(_consistency_case(index, group, axis), group, timeout_ms)
             obligations.append(ob)
             for v in found:  # an axis-free rule (fetch before use) is found along every axis
                 if v.rule not in labels:

@@ -170,10 +170,13 @@ def main() -> None:
 @click.option("--explain", is_flag=True, help="Show every obligation: unsat cores of proofs, full counterexamples.")
 @click.option("--timeout-ms", type=click.IntRange(1, 3_600_000), default=DEFAULT_TIMEOUT_MS, show_default=True,
               help="z3 time limit per obligation; a timeout is 'unknown' (exit 3), never valid.")
+@click.option("--validate", type=click.Choice(["torch"]), default=None,
+              help="Also run the composition with PyTorch (fake process group, small model) and print "
+                   "predicted against measured; needs the torch extra.")
 def check(composition: str | None, devices: int | None, model: str | None, params: str | None, precision: str,
           device_memory: str | None, micro_batch: int | None, seq: int | None, as_json: bool,
           from_path: str | None = None, report: str | None = None, strategies_path: str | None = None,
-          explain: bool = False, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> None:
+          explain: bool = False, timeout_ms: int = DEFAULT_TIMEOUT_MS, validate: str | None = None) -> None:
     """Check COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG: memory, communication and verdict.
 
     Exit codes: 0 valid, 1 invalid (a rule is broken), 2 usage or input error, 3 unknown."""
@@ -203,12 +206,21 @@ def check(composition: str | None, devices: int | None, model: str | None, param
             write_report(doc, Path(report))
         except InputError as err:
             fail(str(err))
+    if validate is not None:  # issue 6: the engine's own numbers beside ours
+        from checker._torch_validate import cli_validation
+        try:
+            doc["validation"], validation_text = cli_validation(str(analysis.composition), r.devices)
+        except InputError as err:
+            fail(str(err))
+            return
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
         console = Console()
         print_human(analysis, console)
         print_verdict(verdict, console, explain)
+        if validate is not None:
+            click.echo(validation_text)
     sys.exit(verdict_exit(verdict))
 
 

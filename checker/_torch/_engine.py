@@ -162,7 +162,7 @@ class Runner:
             return fut
 
         # DDP inspects the annotations; under postponed evaluation they would be strings.
-        hook.__annotations__ = {"_state": object, "bucket": dist.GradBucket,
+        hook.__annotations__ = {"_state": object, "bucket": dist.GradBucket,  # type: ignore[attr-defined]
                                 "return": torch.futures.Future[torch.Tensor]}
         model.register_comm_hook(None, hook)
         return model
@@ -181,7 +181,10 @@ class Runner:
     def _tp(self, net: Net, mesh: Any) -> Net:
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (
-            ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module,
+            ColwiseParallel,
+            RowwiseParallel,
+            SequenceParallel,
+            parallelize_module,
         )
         sp = self.comp.options.sequence_parallel
         seq = Shard(1) if sp else Replicate()
@@ -246,7 +249,7 @@ class Runner:
                 for st in stages:
                     st._inference_mode = InferenceMode.STATIC
 
-            schedule._warmup_p2p = static
+            schedule._warmup_p2p = static  # type: ignore[method-assign]
         return net, schedule
 
     def _optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
@@ -309,12 +312,12 @@ class Runner:
             if self.cfg.exact:
                 from torch.distributed.tensor import Replicate
                 full = logits.redistribute(placements=[Replicate()]).to_local()
-                loss_fn(self.cfg, full, targets).backward()
+                loss_fn(self.cfg, full, targets).backward()  # type: ignore[no-untyped-call]
                 return
             with loss_parallel():
-                loss_fn(self.cfg, logits, targets).backward()
+                loss_fn(self.cfg, logits, targets).backward()  # type: ignore[no-untyped-call]
             return
-        loss_fn(self.cfg, logits, targets).backward()
+        loss_fn(self.cfg, logits, targets).backward()  # type: ignore[no-untyped-call]
 
 
 def reduce_partial_gradients(model: nn.Module) -> None:
@@ -329,13 +332,16 @@ def reduce_partial_gradients(model: nn.Module) -> None:
             p.grad = g.redistribute(g.device_mesh, p.placements)
 
 
-def measure(comp: Composition, cfg: NetConfig, rank: int, world: int, *, steps: int = 3,
+def measure(comp: Composition, cfg: NetConfig, rank: int, world: int, *, steps: int | None = None,
             gradient_as_bucket_view: bool = False) -> Measured:
     """Run ``steps`` steps on the current process group (fake or real) and measure the last.
 
-    DDP rebuilds its buckets after the first iteration, so the measured step is the third.
+    The measured step is a steady one: the second (optimizer state exists), or for DDP the
+    third, since DDP rebuilds its buckets in gradient-ready order after the first iteration.
     """
     runner = Runner(comp, cfg, rank, world, fake=True, gradient_as_bucket_view=gradient_as_bucket_view)
+    if steps is None:
+        steps = 3 if runner.engine in (Engine.DDP, Engine.ZERO1) else 2
     model, schedule = runner.build()
     opt = runner._optimizer(model)
     for i in range(steps - 1):

@@ -20,7 +20,6 @@ import tempfile
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +31,7 @@ from checker._torch._net import Net, NetConfig, batch, init_exact_, loss_fn
 from formal._program import StepProgram, derive_program
 from formal._strategies import Composition
 from formal._verdict import Status
-from formal._vocab import Axis, OpKind, Phase, State
+from formal._vocab import Axis, OpKind, Phase
 
 # Small enough that float32 stays exact for two steps at every replica count up to 4
 # (``reference_is_exact`` checks it); two steps, so the second forward reads what the first
@@ -108,7 +107,7 @@ def reference(cfg: NetConfig, replicas: int, dtype: torch.dtype = torch.float32,
     for step in range(steps):
         opt.zero_grad()
         ids, targets = batch(cfg, samples, seed=1000 + step)
-        loss_fn(cfg, net(ids), targets.to(dtype), 1.0 / replicas).backward()
+        loss_fn(cfg, net(ids), targets.to(dtype), 1.0 / replicas).backward()  # type: ignore[no-untyped-call]
         opt.step()
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
@@ -193,7 +192,8 @@ def equivalence(world: int, selected: list[Case] | None = None) -> list[Outcome]
     chosen = selected if selected is not None else cases(world)
     with tempfile.TemporaryDirectory() as tmp:
         labels = [(c.composition, c.fault.value) for c in chosen]
-        mp.spawn(_worker, args=(world, _free_port(), tmp, labels), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, _free_port(), tmp, labels), nprocs=world,  # type: ignore[attr-defined, no-untyped-call]
+                 join=True)
         per_rank = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world)]
     out: list[Outcome] = []
     for case in chosen:

@@ -23,12 +23,23 @@ from formal._placement import Placement
 from formal._program import Op, StepProgram, derive_program, group_sizes, shard_elements
 from formal._strategies import Composition
 from formal._vocab import (
-    ATTENTION, EMBEDDING, FINAL_NORM, HEAD, LAYER_GROUPS, MLP, NORM, POSITION, ROW_BIAS, Axis, Group,
-    OpKind, State,
+    ATTENTION,
+    EMBEDDING,
+    FINAL_NORM,
+    HEAD,
+    LAYER_GROUPS,
+    MLP,
+    NORM,
+    POSITION,
+    ROW_BIAS,
+    Axis,
+    Group,
+    OpKind,
+    State,
 )
 from formal.errors import ModelError
 
-P, O, G, A = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS, State.ACTIVATIONS
+P, G, A = State.PARAMETERS, State.GRADIENTS, State.ACTIVATIONS
 MiB = 2**20
 
 # The precision the PyTorch runs use: fp32 parameters, gradients and activations, Adam.

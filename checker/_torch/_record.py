@@ -74,8 +74,8 @@ def _nbytes(ts: Iterable[torch.Tensor]) -> int:
 
 def _group_size(arg: Any) -> int:
     if isinstance(arg, str):
-        from torch.distributed.distributed_c10d import _resolve_process_group
-        return int(_resolve_process_group(arg).size())
+        from torch.distributed.distributed_c10d import _resolve_process_group  # type: ignore[attr-defined]
+        return int(_resolve_process_group(arg).size())  # type: ignore[arg-type]
     if isinstance(arg, int):
         return arg
     if isinstance(arg, torch.ScriptObject):
@@ -83,7 +83,7 @@ def _group_size(arg: Any) -> int:
     return int(arg.size())
 
 
-class CommRecorder(TorchDispatchMode):
+class CommRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Logs every c10d / functional collective with its group size and tensor bytes.
 
     DTensor arguments are handed back (``NotImplemented``) so DTensor decomposes its
@@ -91,7 +91,7 @@ class CommRecorder(TorchDispatchMode):
     """
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.calls: list[Call] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -215,7 +215,7 @@ class SavedActivations:
 
     @staticmethod
     def _unpack(x: Any) -> torch.Tensor:
-        return x.tensor if isinstance(x, _Held) else x  # type: ignore[no-any-return]
+        return x.tensor if isinstance(x, _Held) else x
 
     @contextmanager
     def track(self) -> Iterator[SavedActivations]:

@@ -1,0 +1,202 @@
+"""Predicted against measured: our cost model against PyTorch's own engines, per rank.
+
+``python -m checker._torch_validate --table`` prints the table for every strategy at world
+size 8 on the fake process group; ``--equivalence`` runs the bit-for-bit and fault runs on 2
+and 4 real gloo processes; ``check-composition COMPOSITION --validate torch`` validates one.
+Needs the torch extra (``pip install -e '.[torch]'``); nothing in the core imports this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from checker._parse import parse
+from formal._strategies import Composition
+
+# Every engine at world size 8: DDP, FSDP2 (reshard after forward, and not), DTensor TP (with
+# and without sequence parallelism), FSDP+TP, HSDP, pipelining (GPipe and 1F1B, 16 micro-batches
+# so that 1F1B's in-flight min(p, m) = 8 differs from GPipe's 16).
+TABLE_COMPOSITIONS: tuple[str, ...] = (
+    "ddp8", "fsdp8", "fsdp-sgo8", "tp8", "tp8xsp", "tp2xfsdp4", "hsdp4xdpr2", "pp8xm16xgpipe", "pp8xm16",
+)
+ACTIVATION_TOLERANCE = 0.10  # Korthikanti's per-layer count against everything autograd saves
+
+
+@dataclass(frozen=True)
+class Row:
+    quantity: str
+    predicted: int
+    measured: int
+
+    @property
+    def error(self) -> float:
+        return 0.0 if self.measured == self.predicted else (self.predicted - self.measured) / self.measured
+
+
+@dataclass(frozen=True)
+class Comparison:
+    composition: Composition
+    engine: str
+    stage: str
+    rows: tuple[Row, ...]  # parameters, gradients, optimizer, model states, activations
+    predicted_calls: tuple[object, ...]
+    measured_calls: tuple[object, ...]
+    seconds: float
+
+    def row(self, quantity: str) -> Row:
+        return next(r for r in self.rows if r.quantity == quantity)
+
+    @property
+    def calls_equal(self) -> bool:
+        return Counter(self.predicted_calls) == Counter(self.measured_calls)
+
+    @property
+    def model_states_exact(self) -> bool:
+        return all(r.error == 0 for r in self.rows if r.quantity != "activations")
+
+    @property
+    def activations_within(self) -> bool:
+        return abs(self.row("activations").error) <= ACTIVATION_TOLERANCE
+
+    @property
+    def ok(self) -> bool:
+        return self.model_states_exact and self.calls_equal and self.activations_within
+
+
+def validate(text: str, devices: int | None = None, rank: int = 0) -> Comparison:
+    """Run ``text`` with PyTorch on a fake process group (one rank) and compare."""
+    from checker._torch._engine import fake_group, measure
+    from checker._torch._net import NetConfig
+    from checker._torch._predict import predict
+
+    comp = parse(text, devices=devices)
+    cfg = NetConfig()
+    start = time.perf_counter()
+    teardown = fake_group(comp.devices, rank)
+    try:
+        measured = measure(comp, cfg, rank, comp.devices)
+    finally:
+        teardown()
+    predicted = predict(comp, cfg.formal(), rank=rank)
+    rows = (
+        Row("parameters", predicted.parameters, measured.parameters),
+        Row("gradients", predicted.gradients, measured.gradients),
+        Row("optimizer", predicted.optimizer, measured.optimizer),
+        Row("model states", predicted.parameters + predicted.gradients + predicted.optimizer,
+            measured.parameters + measured.gradients + measured.optimizer),
+        Row("activations", predicted.activations, measured.activations),
+    )
+    return Comparison(comp, measured.engine.value, measured.stage, rows, predicted.calls,
+                      tuple(sorted(measured.calls)), time.perf_counter() - start)
+
+
+def _pct(x: float) -> str:
+    return "exact" if x == 0 else f"{x:+.2%}"
+
+
+def format_comparison(c: Comparison) -> str:
+    """Predicted against measured, side by side, for one composition."""
+    lines = [f"{c.composition} on {c.engine}, rank 0 ({c.stage} stage), world {c.composition.devices}, "
+             f"{c.seconds:.1f} s", f"  {'bytes per rank':<16}{'predicted':>12}{'measured':>12}{'error':>10}"]
+    for r in c.rows:
+        lines.append(f"  {r.quantity:<16}{r.predicted:>12}{r.measured:>12}{_pct(r.error):>10}")
+    pred, meas = Counter(c.predicted_calls), Counter(c.measured_calls)
+    lines.append(f"  {'collectives':<40}{'predicted':>10}{'recorded':>10}")
+    for call in sorted(set(pred) | set(meas), key=str):
+        mark = "" if pred[call] == meas[call] else "   <- differs"
+        lines.append(f"  {call!s:<40}{pred[call]:>10}{meas[call]:>10}{mark}")
+    lines.append(f"  model states exact: {c.model_states_exact}; collective list equal: {c.calls_equal}; "
+                 f"activations within {ACTIVATION_TOLERANCE:.0%}: {c.activations_within}")
+    return "\n".join(lines)
+
+
+def format_table(comparisons: Sequence[Comparison]) -> str:
+    """One line per strategy: model states, activations and collectives, predicted against measured."""
+    head = (f"{'composition':<14}{'engine':<20}{'model states pred':>18}{'measured':>10}{'err':>7}"
+            f"{'activ. pred':>12}{'measured':>10}{'err':>8}{'calls pred':>11}{'recorded':>9}{'equal':>7}")
+    lines = [head, "-" * len(head)]
+    for c in comparisons:
+        ms, act = c.row("model states"), c.row("activations")
+        lines.append(f"{c.composition!s:<14}{c.engine:<20}{ms.predicted:>18}{ms.measured:>10}{_pct(ms.error):>7}"
+                     f"{act.predicted:>12}{act.measured:>10}{_pct(act.error):>8}"
+                     f"{len(c.predicted_calls):>11}{len(c.measured_calls):>9}{c.calls_equal!s:>7}")
+    worst = max(comparisons, key=lambda c: abs(c.row("activations").error))
+    lines.append(f"worst activation error: {_pct(worst.row('activations').error)} ({worst.composition}); "
+                 f"model states exact in {sum(c.model_states_exact for c in comparisons)}/{len(comparisons)}, "
+                 f"collective lists equal in {sum(c.calls_equal for c in comparisons)}/{len(comparisons)}")
+    return "\n".join(lines)
+
+
+def format_equivalence(world: int) -> tuple[str, bool]:
+    from checker._torch._exact import EXACT, equivalence, reference_is_exact
+
+    start = time.perf_counter()
+    outcomes = equivalence(world)
+    lines = [f"world {world} (gloo, {world} processes): exact-arithmetic premise "
+             f"(float32 reference == float64): {reference_is_exact(EXACT, world)}; {time.perf_counter() - start:.1f} s"]
+    for o in outcomes:
+        z3 = "z3 absent" if o.z3 is None else f"z3 {o.z3.name}"
+        lines.append(f"  {o.case.label():<28} bit-for-bit {o.matches!s:<6} ranks agree {o.ranks_agree!s:<6} "
+                     f"max |diff| {o.max_difference:<10g} {z3:<12} as predicted: {o.expected}")
+    return "\n".join(lines), all(o.expected for o in outcomes)
+
+
+def as_json(c: Comparison) -> dict[str, Any]:
+    return {
+        "composition": str(c.composition), "engine": c.engine, "rank": 0, "stage": c.stage,
+        "bytes": {r.quantity: {"predicted": r.predicted, "measured": r.measured, "error": r.error} for r in c.rows},
+        "collectives": {"predicted": [str(x) for x in c.predicted_calls],
+                        "recorded": [str(x) for x in c.measured_calls], "equal": c.calls_equal},
+        "model_states_exact": c.model_states_exact, "activations_within": c.activations_within,
+    }
+
+
+def cli_validation(text: str, devices: int | None) -> tuple[dict[str, Any], str]:
+    """For ``check-composition --validate torch``: the JSON object and the side-by-side text.
+
+    Raises ``InputError`` (one clear line, exit 2) without torch or without an engine."""
+    from formal.errors import CompositionError, InputError
+    try:
+        import torch  # noqa: F401
+    except ImportError as err:
+        raise InputError("--validate torch: PyTorch is not installed (pip install -e '.[torch]')") from err
+    try:
+        c = validate(text, devices)
+    except CompositionError as err:
+        raise InputError(f"--validate torch: {err}") from err
+    note = ("validated on the small model of checker._torch._net (not --model), fp32 Adam, "
+            "fake process group")
+    return as_json(c), note + "\n" + format_comparison(c)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m checker._torch_validate", description=__doc__)
+    parser.add_argument("compositions", nargs="*", help="compositions to validate (default: the table's)")
+    parser.add_argument("--table", action="store_true", help="the table at world size 8")
+    parser.add_argument("--equivalence", action="store_true", help="bit-for-bit runs on 2 and 4 gloo processes")
+    args = parser.parse_args(argv)
+    ok = True
+    if args.table or not (args.compositions or args.equivalence):
+        comparisons = [validate(t) for t in TABLE_COMPOSITIONS]
+        print(format_table(comparisons))
+        ok &= all(c.ok for c in comparisons)
+    for text in args.compositions:
+        c = validate(text)
+        print(format_comparison(c))
+        ok &= c.ok
+    if args.equivalence:
+        for world in (2, 4):
+            text, good = format_equivalence(world)
+            print(text)
+            ok &= good
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

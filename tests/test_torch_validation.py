@@ -1,0 +1,115 @@
+"""Predicted against measured on PyTorch's own engines (fake process group, world size 8).
+
+CI installs the torch extra, so these run there; without torch they are skipped, with a reason.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+pytest.importorskip("torch", reason="the PyTorch validation needs the torch extra: pip install -e '.[torch]'")
+
+from checker._parse import parse
+from checker._torch._net import NetConfig
+from checker._torch._predict import Implementation, parameter_tensors, predict
+from checker._torch_validate import ACTIVATION_TOLERANCE, TABLE_COMPOSITIONS, Comparison, validate
+from formal._vocab import OpKind
+
+_CACHE: dict[str, Comparison] = {}
+
+
+def compared(text: str) -> Comparison:
+    if text not in _CACHE:
+        _CACHE[text] = validate(text)
+    return _CACHE[text]
+
+
+@pytest.mark.parametrize("text", TABLE_COMPOSITIONS)
+def test_model_states_per_rank_are_predicted_exactly(text: str) -> None:
+    c = compared(text)
+    for row in c.rows:
+        if row.quantity != "activations":
+            assert row.predicted == row.measured, (text, row)
+
+
+@pytest.mark.parametrize("text", TABLE_COMPOSITIONS)
+def test_collective_list_is_predicted_exactly(text: str) -> None:
+    c = compared(text)
+    assert Counter(c.predicted_calls) == Counter(c.measured_calls), text
+    assert c.measured_calls, f"{text}: nothing recorded"
+
+
+@pytest.mark.parametrize("text", TABLE_COMPOSITIONS)
+def test_activations_within_tolerance(text: str) -> None:
+    act = compared(text).row("activations")
+    assert abs(act.error) <= ACTIVATION_TOLERANCE, (text, act)
+
+
+def test_each_named_effect_is_needed() -> None:
+    """Switching an implementation effect off breaks the match it explains (no dead options)."""
+    model = NetConfig().formal()
+    cases = [
+        ("fsdp8", Implementation(fsdp_root_unsharded=False), "calls"),
+        ("ddp8", Implementation(ddp_bucket_copy=False), "gradients"),
+        ("ddp8", Implementation(ddp_first_bucket_bytes=25 * 2**20), "calls"),
+        ("tp8", Implementation(tp_embedding_full_gradient=False), "gradients"),
+        ("tp8", Implementation(tp_vocab_parallel_io=False), "calls"),
+        ("tp8xsp", Implementation(tp_row_bias_before_reduction=False), "calls"),
+    ]
+    for text, impl, what in cases:
+        c = compared(text)
+        p = predict(parse(text, devices=8), model, impl)
+        if what == "calls":
+            assert Counter(p.calls) != Counter(c.measured_calls), (text, impl)
+        else:
+            assert p.gradients != c.row("gradients").measured, (text, impl)
+
+
+def test_gpipe_holds_every_micro_batch_and_1f1b_the_pipeline_depth() -> None:
+    gpipe, one = compared("pp8xm16xgpipe").row("activations"), compared("pp8xm16").row("activations")
+    assert gpipe.measured > 1.9 * one.measured  # 16 against min(p, m) = 8 micro-batches in flight
+    assert gpipe.predicted == 2 * one.predicted
+
+
+def test_fsdp_traffic_is_one_and_a_half_ddp() -> None:
+    """pytorch-ground-truth.md: full shard gathers twice and reduce-scatters once (3 Psi in
+    ZeRO units, minus the root kept unsharded), DDP all-reduces once (2 Psi)."""
+    def volume(text: str) -> dict[OpKind, int]:
+        out: dict[OpKind, int] = {}
+        for call in compared(text).measured_calls:
+            out[call.kind] = out.get(call.kind, 0) + call.bytes  # type: ignore[attr-defined]
+        return out
+    ddp, fsdp = volume("ddp8"), volume("fsdp8")
+    params = sum(t.elements for t in parameter_tensors(NetConfig().formal())) * 4
+    assert ddp == {OpKind.ALL_REDUCE: params}
+    assert fsdp[OpKind.REDUCE_SCATTER] == params
+    assert params < fsdp[OpKind.ALL_GATHER] < 2 * params
+
+
+def test_tensor_layout_adds_up_to_the_formal_groups() -> None:
+    model = NetConfig().formal()
+    assert sum(t.elements for t in parameter_tensors(model)) == model.parameter_count()
+
+
+def test_cli_prints_predicted_and_measured(capsys: pytest.CaptureFixture[str]) -> None:
+    from click.testing import CliRunner
+
+    from checker.cli import main
+    result = CliRunner().invoke(main, ["check", "hsdp4xdpr2", "--validate", "torch", "--json"])
+    assert result.exit_code == 0, result.output
+    import json
+    doc = json.loads(result.output)
+    v = doc["validation"]
+    assert v["model_states_exact"] and v["collectives"]["equal"]
+    assert v["bytes"]["parameters"]["predicted"] == v["bytes"]["parameters"]["measured"]
+
+
+def test_cli_rejects_a_composition_without_an_engine() -> None:
+    from click.testing import CliRunner
+
+    from checker.cli import main
+    result = CliRunner().invoke(main, ["check", "tp2xzero3xpp4", "--validate", "torch"])
+    assert result.exit_code == 2
+    assert "no PyTorch engine" in result.output

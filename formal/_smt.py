@@ -586,6 +586,7 @@ class _Check:
     state: State
     rule: str  # the rule its failure breaks, e.g. "refresh"
     label: str  # the tracked name, e.g. "refresh[P.attention, dp]"
+    target: str  # what is read, e.g. "[P.attention, dp]" (the label of another rule it may break)
     values: tuple[_T, ...]  # a read: one value; coverage: every holder's value (none: lost)
     expected: _T
     where: tuple[tuple[str, Any], ...]
@@ -694,7 +695,8 @@ class _AxisRun:
             label = f"fetch_before_use[P.{self.group.name}]"
         else:
             label = f"{rule}[{self.names[state.value]}]"
-        self.checks.append(_Check(state, rule, label, values, expected, tuple(where.items())))
+        self.checks.append(_Check(state, rule, label, f"[{self.names[state.value]}]", values, expected,
+                                  tuple(where.items())))
 
     def compute_rule(self, full: bool) -> str:
         entry = self.entry[P]
@@ -856,21 +858,18 @@ class _AxisRun:
 
 def _classify_read(check: _Check, value: _T) -> tuple[str, str]:
     """The rule a differing read breaks (and its label), from the provenance of the value."""
-    expected = check.expected
-    target = check.label[check.label.index("["):]
+    target = check.target
     if check.rule == "coverage":
         return check.rule, check.label
-    if value.head == "junk":
-        if check.rule in ("gather_before_use", "fetch_before_use", "alignment", "coverage"):
+    if value.head == "junk":  # nothing was written where the read looked
+        if check.rule in ("gather_before_use", "fetch_before_use", "alignment"):
             return check.rule, check.label
         return "coverage", f"coverage{target}"
-    if value.chunks() != expected.chunks():
-        if check.rule == "alignment":
-            return check.rule, check.label
-        return "alignment", f"alignment{target}"
-    if any(value == t for t in expected.subterms()):
-        return "refresh", f"refresh{target}" if check.rule != "alignment" else check.label
-    return ("agreement", f"agreement{target}") if check.rule != "alignment" else (check.rule, check.label)
+    if value.chunks() != check.expected.chunks():  # another element's value
+        return "alignment", check.label if check.rule == "alignment" else f"alignment{target}"
+    if any(value == t for t in check.expected.subterms()):  # an earlier version of this element
+        return "refresh", f"refresh{target}"
+    return "agreement", f"agreement{target}"
 
 
 _EXPLAIN = {

@@ -1,0 +1,19 @@
+"""Machine-checked obligations for placement semantics: run ``python -m proofs``.
+
+``all_obligations()`` lists every obligation (sufficiency, necessity, composition, costs) in a
+stable order; ``proofs/README.md`` maps each paper claim to its written proof, its obligation and
+its Lean theorem.
+"""
+
+from __future__ import annotations
+
+from proofs._obligation import Obligation, Result, discharge
+
+
+def all_obligations() -> list[Obligation]:
+    from proofs import composition, costs, necessity, sufficiency
+
+    return sufficiency.obligations() + necessity.obligations() + composition.obligations() + costs.obligations()
+
+
+__all__ = ["Obligation", "Result", "all_obligations", "discharge"]

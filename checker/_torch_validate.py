@@ -48,6 +48,7 @@ class Comparison:
     predicted_calls: tuple[object, ...]
     measured_calls: tuple[object, ...]
     seconds: float
+    rank: int = 0
 
     def row(self, quantity: str) -> Row:
         return next(r for r in self.rows if r.quantity == quantity)
@@ -93,7 +94,7 @@ def validate(text: str, devices: int | None = None, rank: int = 0) -> Comparison
         Row("activations", predicted.activations, measured.activations),
     )
     return Comparison(comp, measured.engine.value, measured.stage, rows, predicted.calls,
-                      tuple(sorted(measured.calls)), time.perf_counter() - start)
+                      tuple(sorted(measured.calls)), time.perf_counter() - start, rank)
 
 
 def _pct(x: float) -> str:
@@ -102,7 +103,7 @@ def _pct(x: float) -> str:
 
 def format_comparison(c: Comparison) -> str:
     """Predicted against measured, side by side, for one composition."""
-    lines = [f"{c.composition} on {c.engine}, rank 0 ({c.stage} stage), world {c.composition.devices}, "
+    lines = [f"{c.composition} on {c.engine}, rank {c.rank} ({c.stage} stage), world {c.composition.devices}, "
              f"{c.seconds:.1f} s", f"  {'bytes per rank':<16}{'predicted':>12}{'measured':>12}{'error':>10}"]
     for r in c.rows:
         lines.append(f"  {r.quantity:<16}{r.predicted:>12}{r.measured:>12}{_pct(r.error):>10}")
@@ -149,7 +150,7 @@ def format_equivalence(world: int) -> tuple[str, bool]:
 
 def as_json(c: Comparison) -> dict[str, Any]:
     return {
-        "composition": str(c.composition), "engine": c.engine, "rank": 0, "stage": c.stage,
+        "composition": str(c.composition), "engine": c.engine, "rank": c.rank, "stage": c.stage,
         "bytes": {r.quantity: {"predicted": r.predicted, "measured": r.measured, "error": r.error} for r in c.rows},
         "collectives": {"predicted": [str(x) for x in c.predicted_calls],
                         "recorded": [str(x) for x in c.measured_calls], "equal": c.calls_equal},

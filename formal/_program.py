@@ -281,7 +281,8 @@ def _sync_gradients(pl: Placement, g: Group, size: sp.Expr, m: sp.Expr,
         how = Reduce.MEAN if axis.splits_data else Reduce.SUM
         entry = pl.entry(G, g, axis)
         elements = shard_elements(pl, G, g, size, axis)
-        participants = sp.Integer(2) if axis is Axis.PP else None
+        # the first and the last stage (a tied embedding); one stage when pp has degree 1
+        participants = sp.Integer(2) if axis is Axis.PP and d != 1 else None
         o_entry = pl.entry(O, g, axis)
         if entry.mode.is_sharded:
             scatter.append(Op(OpKind.REDUCE_SCATTER, G, g, axis, Phase.GRAD_SYNC, elements, count, how,

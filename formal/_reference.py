@@ -20,12 +20,12 @@ than one device, so only exact arithmetic makes "matches" mean bit for bit.
   bit for bit. Two rationals that differ map to the same residue only by accident (probability
   about degree/PRIME on random data), which is why a mismatch-free run of an invalid program is
   re-run on fresh data before it counts. SGD and SGD with momentum are rational; Adam is not.
-* ``FLOAT64``: small integer data and weights, dyadic learning rate and momentum. The first
-  step's reads are exact (bit for bit); later steps multiply dyadic rationals whose denominators
-  outgrow the 53-bit mantissa, so they are compared within ``FLOAT_TOLERANCE`` (relative), many
-  orders of magnitude below the smallest violation's effect (a missing or doubled summand moves a
-  gradient by at least one ``1/tokens`` unit, relative effect > 1e-4 on these sizes). Adam runs
-  only here (its square root is not rational).
+* ``FLOAT64``: small integer data, dyadic weights (eighths), dyadic learning rate and momentum.
+  Every value is a dyadic rational, but the model is a polynomial of high degree in its weights
+  and a distributed program sums in another order, so the last bits can differ: reads are
+  compared within ``FLOAT_TOLERANCE`` (relative, 2^-30), many orders of magnitude below the
+  smallest violation's effect (a missing or doubled summand changes a gradient by a relative
+  amount of order 1/d, at least 1e-3 here). Adam runs only here (its square root is not rational).
 
 ``train_single_device`` is the public entry point; the proofs helper uses it to replay a
 counterexample concretely.
@@ -33,6 +33,7 @@ counterexample concretely.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -50,12 +51,12 @@ Array = npt.NDArray[Any]
 IndexArray = npt.NDArray[np.intp]
 
 PRIME = 67_108_859  # the largest prime below 2^26: a product of two residues is below 2^52
-FLOAT_TOLERANCE = 2.0**-30  # relative, for FLOAT64 reads after the first step
+FLOAT_TOLERANCE = 2.0**-30  # relative, for every FLOAT64 read
 
 
 class Arithmetic(StrEnum):
     FIELD = "field"  # exact: integers mod PRIME
-    FLOAT64 = "float64"  # exact on the first step, then within FLOAT_TOLERANCE
+    FLOAT64 = "float64"  # within FLOAT_TOLERANCE
 
 
 class OptimizerKind(StrEnum):
@@ -178,13 +179,16 @@ class ReferenceModel:
             source="formal._reference: the executable reference model")
 
     def groups(self) -> tuple[Group, ...]:
-        return tuple(self.transformer().group_elements())
+        return tuple(_sizes(self))
 
     def size(self, group: Group) -> int:
-        return self.transformer().group_elements()[group]
+        return _sizes(self)[group]
 
     def tensors(self, group: Group) -> tuple[Tensor, ...]:
         """The group's tensors and how TP splits them (Megatron column/row/vocabulary parallel)."""
+        return _tensors(self, group)
+
+    def _tensors(self, group: Group) -> tuple[Tensor, ...]:
         L_, h, f, V = self.layers, self.hidden, self.ffn, self.vocab
         if group is ATTENTION:
             idx = np.arange(L_ * 4 * h * h).reshape(L_, 4 * h * h)
@@ -218,16 +222,34 @@ class ReferenceModel:
         return f"{group.name}[{position}]"
 
 
+@functools.cache
+def _sizes(model: ReferenceModel) -> dict[Group, int]:
+    return model.transformer().group_elements()
+
+
+@functools.cache
+def _tensors(model: ReferenceModel, group: Group) -> tuple[Tensor, ...]:
+    return model._tensors(group)
+
+
 Params = dict[Group, Array]
 
 
+FLOAT_WEIGHT_SCALE = Fraction(1, 8)  # dyadic: keeps float64 values far from overflow
+
+
 def initial_parameters(model: ReferenceModel, numbers: Numbers, seed: int) -> Params:
-    """Small integer weights in [-2, 2] (norms in [1, 2], never zero)."""
+    """Small integer weights in [-2, 2] (norms in [1, 2], never zero); in float64 times 1/8.
+
+    The model is a polynomial of degree about 4 x layers in its weights, so integer weights
+    would overflow float64 after a step; dyadic eighths keep the values moderate.
+    """
     rng = np.random.default_rng(seed)
     out: Params = {}
     for g in model.groups():
         low = 1 if g in (NORM, FINAL_NORM) else -2
-        out[g] = numbers.encode(rng.integers(low, 3, size=model.size(g)))
+        ints = rng.integers(low, 3, size=model.size(g))
+        out[g] = numbers.encode(ints) if numbers.kind is Arithmetic.FIELD else ints * float(FLOAT_WEIGHT_SCALE)
     return out
 
 
@@ -426,7 +448,7 @@ def train_single_device(model: ReferenceModel, data: tuple[Batch, ...], optimize
 
 
 __all__ = [
-    "FLOAT_TOLERANCE", "PRIME", "Arithmetic", "Batch", "Numbers", "Optimizer", "OptimizerKind",
+    "FLOAT_TOLERANCE", "FLOAT_WEIGHT_SCALE", "PRIME", "Arithmetic", "Batch", "Numbers", "Optimizer", "OptimizerKind",
     "ReferenceModel", "StepRecord", "Tensor", "initial_parameters", "loss_and_gradients", "make_data",
     "train_single_device",
 ]

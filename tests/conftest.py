@@ -1,0 +1,39 @@
+"""Hypothesis profiles: ``ci`` (the default: a few minutes on two cores) and ``thorough``.
+
+Select with ``pytest --hypothesis-profile=thorough`` (or ``HYPOTHESIS_PROFILE=thorough``). The
+differential tests scale their example counts from the active profile's ``max_examples``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", max_examples=100, deadline=None, derandomize=True, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "thorough", max_examples=2_000, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+_SUMMARY = pytest.StashKey[list[str]]()
+
+
+@pytest.fixture
+def summary_lines(request: pytest.FixtureRequest) -> list[str]:
+    """Lines a test wants printed at the end of the run (case counts, disagreements, times)."""
+    return request.config.stash.setdefault(_SUMMARY, [])
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int,
+                            config: pytest.Config) -> None:
+    lines = config.stash.get(_SUMMARY, [])
+    if lines:
+        terminalreporter.section("differential testing")
+        for line in lines:
+            terminalreporter.write_line(line)

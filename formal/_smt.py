@@ -44,7 +44,7 @@ rotations cancel, is outside this argument; no derived program has one.)
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
@@ -746,7 +746,8 @@ class _AxisRun:
             for st in (P, O):
                 for k in range(self.d):
                     holders = tuple(dict.fromkeys(h[k] for (_, _, s), h in self.hold.items() if s is st and k in h))
-                    self.check(st, "coverage", holders, self.ref[st][k], step=step, chunk=k, at="end of step")
+                    self.check(st, "coverage", holders, self.ref[st][k], step=step, op=len(self.ops), chunk=k,
+                               at="end of step")
             for key in self.hold:
                 if key[2] is G:
                     self.hold[key] = {}  # gradients live for one step
@@ -882,62 +883,108 @@ _EXPLAIN = {
 }
 
 
+def _time(check: _Check) -> tuple[int, int]:
+    where = dict(check.where)
+    return int(where["step"]), int(where["op"])
+
+
+def _root_causes(run: _AxisRun, solver: _Solver, terms: _Z3Terms, distinct: list[_Check],
+                 indicator: dict[int, z3.BoolRef], define: Callable[[_Check], z3.BoolRef], goal: z3.BoolRef,
+                 found: dict[str, tuple[str, dict[str, Any], int]]) -> float:
+    """Fill ``found`` with every rule that can fail first, each with a decoded counterexample."""
+    checks = [(indicator[id(c)] if id(c) in indicator else define(c), c) for c in distinct]
+    definitions = [lit for lit in solver.literals if not lit.eq(goal)]
+    rule_of = {id(c): (_classify_read(c, c.values[0]) if c.values else ("coverage", c.label)) for _, c in checks}
+    earlier_ok: dict[tuple[int, int], z3.BoolRef] = {}
+    previous: list[z3.BoolRef] = []
+    for t in sorted({_time(c) for _, c in checks}):  # earlier_ok[t]: no read before t fails
+        earlier_ok[t] = z3.Bool(f"ok_before_{t[0]}_{t[1]}")
+        solver.solver.add(earlier_ok[t] == (z3.And(*previous) if previous else z3.BoolVal(True)))
+        previous = [earlier_ok[t], *[z3.Not(lit) for lit, c in checks if _time(c) == t]]
+    first_failure = {id(c): z3.And(lit, earlier_ok[_time(c)]) for lit, c in checks}
+    seconds = 0.0
+    while True:
+        open_ = [first_failure[id(c)] for _, c in checks if rule_of[id(c)][1] not in found]
+        if not open_:
+            break
+        answer = solver.check([*definitions, solver.track("root_cause", z3.Or(*open_))])
+        seconds += answer.seconds
+        if answer.model is None:
+            break
+        model = answer.model
+        for _, check in checks:
+            if not z3.is_true(model.eval(first_failure[id(check)], model_completion=True)):
+                continue
+            rule, label = rule_of[id(check)]
+            if label in found:
+                r, w, count = found[label]
+                found[label] = (r, w, count + 1)
+                continue
+            read = check.values[0] if check.values else None
+            witness: dict[str, Any] = {
+                **dict(check.where), "state": check.state.value, "degree": run.degree, "modelled_devices": run.d,
+                "single_device": str(check.expected),
+                "single_device_value": _number(model.eval(terms(check.expected), model_completion=True)),
+            }
+            if check.rule == "coverage":
+                witness["holders"] = [str(v) for v in check.values]
+            elif read is not None:
+                witness["read"] = str(read)
+                witness["read_value"] = _number(model.eval(terms(read), model_completion=True))
+            found[label] = (rule, witness, 1)
+    return seconds
+
+
 def _decide_consistency(run: _AxisRun, timeout_ms: int) -> tuple[Obligation, list[Violation]]:
-    """One obligation for P, O and G of a group along an axis; each check keeps its state's name."""
+    """One obligation for P, O and G of a group along an axis; each check keeps its state's name.
+
+    First z3 decides whether any read can differ from single-device training (checks that
+    differ only by a renaming of chunks, the devices of a symmetric program, are asked once:
+    satisfiability of a disjunct is invariant under renaming). If one can, every failing rule
+    is named with its own counterexample, root causes only: a failure counts when it can happen
+    while every earlier read (in program time: step, then op) is correct, so the knock-on
+    effects of one bug (an update that read the wrong gradient corrupts every later read) are
+    not reported as more bugs, while a second, independent bug is.
+    """
     name = f"{run.group.name}, {run.axis.value}"
     solver = _Solver(timeout_ms)
     terms = _Z3Terms()
-    indicators: list[tuple[z3.BoolRef, _Check, tuple[_T, ...]]] = []
-    seen: set[tuple[str, tuple[int, ...], int, tuple[int, ...]]] = set()
-    exact: set[tuple[str, tuple[_T, ...], _T]] = set()
+    distinct: list[_Check] = []  # up to the same read on another device
+    representatives: list[_Check] = []  # up to a renaming of chunks
+    seen_exact: set[tuple[str, tuple[_T, ...], _T]] = set()
+    seen_renamed: set[tuple[str, tuple[int, ...], int, tuple[int, ...]]] = set()
     for check in run.checks:
-        if (check.label, check.values, check.expected) in exact:
-            continue  # the same read on another device
-        exact.add((check.label, check.values, check.expected))
-        # Satisfiability of one disjunct is invariant under renaming its chunks: checks that
-        # differ only by chunk index (the devices of a symmetric program) are asked once.
+        if (check.label, check.values, check.expected) in seen_exact:
+            continue
+        seen_exact.add((check.label, check.values, check.expected))
+        distinct.append(check)
         names: dict[tuple[str, int], int] = {}
         renaming = tuple(names.setdefault(leaf, len(names))
                          for t in (*check.values, check.expected) for leaf in t.leaves)
         key = (check.label, tuple(v.shape for v in check.values), check.expected.shape, renaming)
-        if key in seen:
-            continue
-        seen.add(key)
-        indicator = z3.Bool(f"fails{len(indicators)}")
+        if key not in seen_renamed:
+            seen_renamed.add(key)
+            representatives.append(check)
+    indicator: dict[int, z3.BoolRef] = {}  # id(check) -> "this read differs"
+
+    def define(check: _Check) -> z3.BoolRef:
+        literal = z3.Bool(f"fails{len(indicator)}")
         expected = terms(check.expected)
         differs = z3.And(*[terms(v) != expected for v in check.values]) if check.values else z3.BoolVal(True)
-        solver.track(check.label, indicator == differs)
-        indicators.append((indicator, check, check.values))
-    solver.track(f"state_consistency[{name}]", z3.Or(*[i for i, _, _ in indicators]) if indicators else False)
-    answer = solver.check()
-    status = _status(answer, violated_when="sat")
-    obligation = Obligation(f"state_consistency[{name}]", Condition.STATE_CONSISTENCY, status,
-                            answer.reason, answer.seconds, answer.core)
-    if answer.model is None:
-        return obligation, []
-    model = answer.model
+        solver.track(check.label, literal == differs)
+        indicator[id(check)] = literal
+        return literal
+
+    goal = solver.track(f"state_consistency[{name}]", z3.Or(*[define(c) for c in representatives])
+                        if representatives else False)
+    first = solver.check()
+    seconds = first.seconds
     found: dict[str, tuple[str, dict[str, Any], int]] = {}
-    for indicator, check, values in indicators:
-        if not z3.is_true(model.eval(indicator, model_completion=True)):
-            continue
-        first = values[0] if values else None
-        rule, label = _classify_read(check, first) if first is not None else ("coverage", check.label)
-        if label in found:
-            r, w, count = found[label]
-            found[label] = (r, w, count + 1)
-            continue
-        where = dict(check.where)
-        witness: dict[str, Any] = {
-            **where, "state": check.state.value, "degree": run.degree, "modelled_devices": run.d,
-            "single_device": str(check.expected),
-            "single_device_value": _number(model.eval(terms(check.expected), model_completion=True)),
-        }
-        if check.rule == "coverage":
-            witness["holders"] = [str(v) for v in values]
-        else:
-            witness["read"] = str(first)
-            witness["read_value"] = _number(model.eval(terms(first), model_completion=True)) if first else None
-        found[label] = (rule, witness, 1)
+    if first.model is not None:
+        seconds += _root_causes(run, solver, terms, distinct, indicator, define, goal, found)
+    status = Status.REFUTED if found else _status(first, violated_when="sat")
+    obligation = Obligation(f"state_consistency[{name}]", Condition.STATE_CONSISTENCY, status,
+                            first.reason, seconds, first.core)
     violations = []
     for label, (rule, witness, count) in found.items():
         state = witness["state"]

@@ -142,3 +142,17 @@ def test_independent_bugs_are_each_reported_and_knock_on_effects_are_not() -> No
     # Two independent bugs: misaligned gradient shards and no refresh. The corrupted updates
     # that the misalignment causes later are consequences, not a third bug.
     assert rules == {"alignment[O/G.attention, dp]", "refresh[P.attention, dp]"}
+
+
+def test_expert_gradients_not_divided_by_ep() -> None:
+    # Megatron-LM PR #5956: each expert receives every rank's tokens, so its gradient is the sum
+    # of rank-normalised contributions and must be divided by the ep degree.
+    from tests.test_smt import MOE
+
+    composition = parse("ep4xdp2")
+    program = derive_program(composition.placement(MOE), MOE)
+    unscaled = program.with_ops(op for op in program.ops if op.kind is not OpKind.SCALE)
+    verdict = decide(composition, unscaled, MOE)
+    violation = next(v for v in verdict.violations if v.rule == "normalisation[G.experts, ep]")
+    assert violation.witness["origin"] == "summed"
+    assert decide(composition, program, MOE).status is Status.PROVED

@@ -200,10 +200,15 @@ def conditions(mesh: Mesh, ft: Features) -> dict[str, z3.BoolRef]:
             out[f"gather_before_backward[{where}]"] = z3.Implies(f.p_sharded, f.gather_backward)
         if ax.cls is AxisClass.SEQUENCE:
             out[f"kv_exchanged[{where}]"] = f.exchange
-        out[f"aligned_gradients[{where}]"] = z3.Implies(
-            f.g_sharded, z3.And(f.o_sharded, f.g_offset == f.o_offset))
+        if ax.cls in (AxisClass.DATA, AxisClass.SEQUENCE, AxisClass.PART):
+            # G's partition is the reduce-scatter's; without a reduction (complete gradients) each
+            # device holds what it computed, and the compute partition is P's (next rule).
+            out[f"aligned_gradients[{where}]"] = z3.Implies(
+                f.g_sharded, z3.And(f.o_sharded, f.g_offset == f.o_offset))
         out[f"aligned_parameters[{where}]"] = z3.Implies(
             f.p_sharded, z3.And(f.o_sharded, f.p_offset == f.o_offset))
+        if ax.cls.computes_sharded:
+            continue  # P is sharded along a compute-split axis: refresh rules have nothing to say
         out[f"aligned_refresh[{where}]"] = z3.Implies(
             z3.And(f.o_sharded, z3.Not(f.p_sharded), z3.Or(f.refresh_end, f.refresh_start)),
             f.refresh_offset == f.o_offset)
@@ -212,6 +217,52 @@ def conditions(mesh: Mesh, ft: Features) -> dict[str, z3.BoolRef]:
     out["fetch_before_forward"] = z3.Implies(ft.offload, ft.fetch_forward)
     out["fetch_before_backward"] = z3.Implies(ft.offload, ft.fetch_backward)
     return out
+
+
+# --- constant folding: with a concrete program most branches disappear while the terms are built ---
+
+def _flat(args: tuple[object, ...]) -> list[z3.BoolRef]:
+    if len(args) == 1 and isinstance(args[0], list | tuple):
+        return list(args[0])
+    return list(args)  # type: ignore[arg-type]
+
+
+def _and(*args: object) -> z3.BoolRef:
+    xs = [x for x in _flat(args) if not z3.is_true(x)]
+    if any(z3.is_false(x) for x in xs):
+        return z3.BoolVal(False)
+    return z3.BoolVal(True) if not xs else xs[0] if len(xs) == 1 else z3.And(xs)
+
+
+def _or(*args: object) -> z3.BoolRef:
+    xs = [x for x in _flat(args) if not z3.is_false(x)]
+    if any(z3.is_true(x) for x in xs):
+        return z3.BoolVal(True)
+    return z3.BoolVal(False) if not xs else xs[0] if len(xs) == 1 else z3.Or(xs)
+
+
+def _not(x: z3.BoolRef) -> z3.BoolRef:
+    if z3.is_true(x):
+        return z3.BoolVal(False)
+    if z3.is_false(x):
+        return z3.BoolVal(True)
+    return z3.Not(x)
+
+
+def _implies(a: z3.BoolRef, b: z3.BoolRef) -> z3.BoolRef:
+    return _or(_not(a), b)
+
+
+def _if(c: z3.BoolRef, a: z3.ExprRef | float, b: z3.ExprRef | float) -> z3.ExprRef:
+    if z3.is_true(c):
+        return a  # type: ignore[return-value]
+    if z3.is_false(c):
+        return b  # type: ignore[return-value]
+    return z3.If(c, a, b)
+
+
+def _eq(x: z3.ArithRef, k: int) -> z3.BoolRef:
+    return z3.BoolVal(x.as_long() == k) if z3.is_int_value(x) else x == k
 
 
 # --- the semantics ---------------------------------------------------------------------------------
@@ -261,7 +312,7 @@ def owns(ax: MeshAxis, e: int, offset: z3.ArithRef, c: int) -> z3.BoolRef:
     block = e // q
     if z3.is_int_value(offset):
         return z3.BoolVal((block + offset.as_long()) % ax.degree == c)
-    return z3.Or([offset == o for o in range(ax.degree) if (block + o) % ax.degree == c])
+    return _or([offset == o for o in range(ax.degree) if (block + o) % ax.degree == c])
 
 
 def _with(coords: Coords, axis: int, value: int) -> Coords:
@@ -273,7 +324,7 @@ def _from_owner(ax: MeshAxis, axis: int, e: Coords, offset: z3.ArithRef, i: Coor
     """The value ``table`` holds at the owner (along ``axis``) of element ``e``, seen from ``i``."""
     out: Value = junk()
     for c in reversed(range(ax.degree)):
-        out = z3.If(owns(ax, e[axis], offset, c), table(_with(i, axis, c)), out)
+        out = _if(owns(ax, e[axis], offset, c), table(_with(i, axis, c)), out)
     return out
 
 
@@ -291,12 +342,12 @@ class Step:
 
     def goal(self) -> z3.BoolRef:
         parts = [read == want for _, read, want in self.reads]
-        parts += [z3.Implies(live, value == want) for _, live, value, want in self.post]
+        parts += [_implies(live, value == want) for _, live, value, want in self.post]
         parts += [cov for _, cov in self.coverage]
-        return z3.And(parts)
+        return _and(parts)
 
     def invariant(self) -> z3.BoolRef:
-        return z3.And([p for _, p in self.pre])
+        return _and([p for _, p in self.pre])
 
 
 def run(mesh: Mesh, ft: Features, contribution: Contribution, update: Update, junk: Junk,
@@ -309,7 +360,7 @@ def run(mesh: Mesh, ft: Features, contribution: Contribution, update: Update, ju
 
     def held(sharded: Callable[[AxisFeatures], z3.BoolRef], offset: Callable[[AxisFeatures], z3.ArithRef],
              i: Coords, e: Coords) -> z3.BoolRef:
-        return z3.And([z3.Or(z3.Not(sharded(f)), owns(ax, e[a], offset(f), i[a]))
+        return _and([_or(_not(sharded(f)), owns(ax, e[a], offset(f), i[a]))
                        for a, (ax, f) in enumerate(zip(mesh, ft.axes, strict=True))])
 
     def held_p(i: Coords, e: Coords) -> z3.BoolRef:
@@ -325,7 +376,7 @@ def run(mesh: Mesh, ft: Features, contribution: Contribution, update: Update, ju
         for i in devs:
             for e in elems:
                 pulled = _from_owner(ax, a, e, f.refresh_offset, i, lambda c, e=e, prev=prev: prev[(c, e)], junk)
-                p1[(i, e)] = z3.If(z3.And(f.refresh_start, z3.Not(f.p_sharded)), pulled, prev[(i, e)])
+                p1[(i, e)] = _if(_and(f.refresh_start, _not(f.p_sharded)), pulled, prev[(i, e)])
 
     # 1. reads.
     def read(i: Coords, e: Coords, gather: Callable[[AxisFeatures], z3.BoolRef],
@@ -337,10 +388,10 @@ def run(mesh: Mesh, ft: Features, contribution: Contribution, update: Update, ju
             from_owner = _from_owner(ax, a, e, f.p_offset, src, lambda c: pick(a + 1, c), junk)
             if ax.cls.computes_sharded:  # the computation for e runs on its owner
                 return from_owner
-            local = z3.If(z3.Or(z3.Not(f.p_sharded), owns(ax, e[a], f.p_offset, src[a])),
+            local = _if(_or(_not(f.p_sharded), owns(ax, e[a], f.p_offset, src[a])),
                           pick(a + 1, src), junk())
-            return z3.If(z3.And(f.p_sharded, gather(f)), from_owner, local)
-        return z3.If(ft.offload, z3.If(fetch, host[e], junk()), pick(0, i))
+            return _if(_and(f.p_sharded, gather(f)), from_owner, local)
+        return _if(ft.offload, _if(fetch, host[e], junk()), pick(0, i))
 
     view_f = {i: [read(i, e, lambda f: f.gather_forward, ft.fetch_forward) for e in elems] for i in devs}
     view_b = {i: [read(i, e, lambda f: f.gather_backward, ft.fetch_backward) for e in elems] for i in devs}
@@ -370,7 +421,7 @@ def run(mesh: Mesh, ft: Features, contribution: Contribution, update: Update, ju
     lg: dict[tuple[Coords, Coords], Value] = {}
     for i in devs:
         for e in elems:
-            computes = z3.And([owns(ax, e[a], f.p_offset, i[a]) for a, (ax, f)
+            computes = _and([owns(ax, e[a], f.p_offset, i[a]) for a, (ax, f)
                                in enumerate(zip(mesh, ft.axes, strict=True))
                                if ax.cls.computes_sharded])
             # Without K/V exchange a token block sees only its own block along SEQUENCE axes.
@@ -378,8 +429,8 @@ def run(mesh: Mesh, ft: Features, contribution: Contribution, update: Update, ju
             for s, a in enumerate(sample_axes):
                 if seq_flags[s]:
                     local = tuple(not (t == s) for t in range(len(sample_axes)))
-                    value = z3.If(ft.axes[a].exchange, value, contributions(i, e, view_f[i], view_b[i], local))
-            lg[(i, e)] = z3.If(computes, value, junk())
+                    value = _if(ft.axes[a].exchange, value, contributions(i, e, view_f[i], view_b[i], local))
+            lg[(i, e)] = _if(computes, value, junk())
 
     single_view = [p[e] for e in elems]
     single_g = {e: z3.Sum([contribution(k, e, j, single_view, single_view, k, everything)
@@ -397,15 +448,15 @@ def run(mesh: Mesh, ft: Features, contribution: Contribution, update: Update, ju
             for i in devs:
                 for e in elems:
                     total = z3.Sum([src[(_with(i, a, c), e)] for c in range(d)])
-                    total = z3.If(f.mean, total / d, total)
-                    out[(i, e)] = z3.If(z3.Or(z3.Not(f.g_sharded), owns(ax, e[a], f.g_offset, i[a])),
+                    total = _if(f.mean, total / d, total)
+                    out[(i, e)] = _if(_or(_not(f.g_sharded), owns(ax, e[a], f.g_offset, i[a])),
                                         total, junk())
             return out
 
-        once = reduce(g)
-        twice = reduce(once)
-        g = {key: z3.If(f.scaled, 1 / z3.RealVal(d), 1) *
-             z3.If(f.reductions == 0, g[key], z3.If(f.reductions == 1, once[key], twice[key]))
+        once = reduce(g) if not z3.is_true(_eq(f.reductions, 0)) else g
+        twice = reduce(once) if not (z3.is_true(_eq(f.reductions, 0)) or z3.is_true(_eq(f.reductions, 1))) else g
+        g = {key: _if(f.scaled, 1 / z3.RealVal(d), 1) *
+             _if(_eq(f.reductions, 0), g[key], _if(_eq(f.reductions, 1), once[key], twice[key]))
              for key in g}
 
     # 4. the element-wise update on the optimizer's shards.
@@ -416,14 +467,14 @@ def run(mesh: Mesh, ft: Features, contribution: Contribution, update: Update, ju
     for i in devs:
         for e in elems:
             updates = held_o(i, e)
-            p_read = z3.If(ft.offload, host[e], z3.If(held_p(i, e), p1[(i, e)], junk()))
-            reads.append((f"optimizer read of P{e} on {i}", z3.If(updates, p_read, p[e]), p[e]))
-            reads.append((f"optimizer read of O{e} on {i}", z3.If(updates, o_dev[(i, e)], o[e]), o[e]))
-            reads.append((f"optimizer read of G{e} on {i}", z3.If(updates, g[(i, e)], single_g[e]), single_g[e]))
+            p_read = _if(ft.offload, host[e], _if(held_p(i, e), p1[(i, e)], junk()))
+            reads.append((f"optimizer read of P{e} on {i}", _if(updates, p_read, p[e]), p[e]))
+            reads.append((f"optimizer read of O{e} on {i}", _if(updates, o_dev[(i, e)], o[e]), o[e]))
+            reads.append((f"optimizer read of G{e} on {i}", _if(updates, g[(i, e)], single_g[e]), single_g[e]))
             up_p, up_o = update(p_read, o_dev[(i, e)], g[(i, e)])
             new_p[(i, e)] = up_p
-            p2[(i, e)] = z3.If(z3.And(updates, held_p(i, e), z3.Not(ft.offload)), up_p, p1[(i, e)])
-            o2[(i, e)] = z3.If(updates, up_o, o_dev[(i, e)])
+            p2[(i, e)] = _if(_and(updates, held_p(i, e), _not(ft.offload)), up_p, p1[(i, e)])
+            o2[(i, e)] = _if(updates, up_o, o_dev[(i, e)])
 
     # 5. refresh at end.
     for a, (ax, f) in enumerate(zip(mesh, ft.axes, strict=True)):
@@ -431,7 +482,7 @@ def run(mesh: Mesh, ft: Features, contribution: Contribution, update: Update, ju
         for i in devs:
             for e in elems:
                 pulled = _from_owner(ax, a, e, f.refresh_offset, i, lambda c, e=e, prev=prev: prev[(c, e)], junk)
-                p2[(i, e)] = z3.If(z3.And(f.refresh_end, z3.Not(f.p_sharded)), pulled, prev[(i, e)])
+                p2[(i, e)] = _if(_and(f.refresh_end, _not(f.p_sharded)), pulled, prev[(i, e)])
 
     # The host copy (offloaded parameters) is written by the optimizer-shard owner of each element.
     def canonical(e: Coords) -> Value:
@@ -439,30 +490,30 @@ def run(mesh: Mesh, ft: Features, contribution: Contribution, update: Update, ju
             if a == n:
                 return new_p[(src, e)]
             ax, f = mesh[a], ft.axes[a]
-            return z3.If(f.o_sharded, _from_owner(ax, a, e, f.o_offset, src, lambda c: pick(a + 1, c), junk),
+            return _if(f.o_sharded, _from_owner(ax, a, e, f.o_offset, src, lambda c: pick(a + 1, c), junk),
                          pick(a + 1, _with(src, a, 0)))
         return pick(0, tuple(0 for _ in mesh))
 
     # Liveness: held, and not overwritten (refresh at start) before the next read.
     def live_p(i: Coords, e: Coords) -> z3.BoolRef:
-        overwritten = z3.Or([z3.And(f.refresh_start, z3.Not(f.p_sharded),
-                                    z3.Not(owns(ax, e[a], f.refresh_offset, i[a])))
+        overwritten = _or([_and(f.refresh_start, _not(f.p_sharded),
+                                    _not(owns(ax, e[a], f.refresh_offset, i[a])))
                              for a, (ax, f) in enumerate(zip(mesh, ft.axes, strict=True))] or [z3.BoolVal(False)])
-        return z3.And(z3.Not(ft.offload), held_p(i, e), z3.Not(overwritten))
+        return _and(_not(ft.offload), held_p(i, e), _not(overwritten))
 
     pre: list[tuple[str, z3.BoolRef]] = []
     coverage: list[tuple[str, z3.BoolRef]] = []
     for e in elems:
         want_p, want_o = update(p[e], o[e], single_g[e])
         for i in devs:
-            pre.append((f"P{e} on {i}", z3.Implies(live_p(i, e), p_dev[(i, e)] == p[e])))
-            pre.append((f"O{e} on {i}", z3.Implies(held_o(i, e), o_dev[(i, e)] == o[e])))
+            pre.append((f"P{e} on {i}", _implies(live_p(i, e), p_dev[(i, e)] == p[e])))
+            pre.append((f"O{e} on {i}", _implies(held_o(i, e), o_dev[(i, e)] == o[e])))
             post.append((f"P{e} on {i} after the step", live_p(i, e), p2[(i, e)], want_p))
             post.append((f"O{e} on {i} after the step", held_o(i, e), o2[(i, e)], want_o))
-        pre.append((f"host P{e}", z3.Implies(ft.offload, host[e] == p[e])))
-        post.append((f"host P{e} after the step", ft.offload, z3.If(ft.offload, canonical(e), host[e]), want_p))
-        coverage.append((f"P{e} held", z3.Or([ft.offload] + [live_p(i, e) for i in devs])))
-        coverage.append((f"O{e} held", z3.Or([held_o(i, e) for i in devs])))
+        pre.append((f"host P{e}", _implies(ft.offload, host[e] == p[e])))
+        post.append((f"host P{e} after the step", ft.offload, _if(ft.offload, canonical(e), host[e]), want_p))
+        coverage.append((f"P{e} held", _or([ft.offload] + [live_p(i, e) for i in devs])))
+        coverage.append((f"O{e} held", _or([held_o(i, e) for i in devs])))
     return Step(reads, post, coverage, pre, single_g, g, p2)
 
 

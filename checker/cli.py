@@ -173,10 +173,14 @@ def main() -> None:
 @click.option("--validate", type=click.Choice(["torch"]), default=None,
               help="Also run the composition with PyTorch (fake process group, small model) and print "
                    "predicted against measured; needs the torch extra.")
+@click.option("--simulate", is_flag=True,
+              help="Also run the composition on the small reference model over simulated devices beside "
+                   "single-device training: match, or the first diverging element.")
 def check(composition: str | None, devices: int | None, model: str | None, params: str | None, precision: str,
           device_memory: str | None, micro_batch: int | None, seq: int | None, as_json: bool,
           from_path: str | None = None, report: str | None = None, strategies_path: str | None = None,
-          explain: bool = False, timeout_ms: int = DEFAULT_TIMEOUT_MS, validate: str | None = None) -> None:
+          explain: bool = False, timeout_ms: int = DEFAULT_TIMEOUT_MS, validate: str | None = None,
+          simulate: bool = False) -> None:
     """Check COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG: memory, communication and verdict.
 
     Exit codes: 0 valid, 1 invalid (a rule is broken), 2 usage or input error, 3 unknown."""
@@ -213,6 +217,9 @@ def check(composition: str | None, devices: int | None, model: str | None, param
         except InputError as err:
             fail(str(err))
             return
+    if simulate:  # issue 4: the executable reference beside the verdict
+        from checker._simulate import run_simulation
+        doc["simulation"], simulation_text = run_simulation(analysis.composition, user)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
@@ -221,6 +228,8 @@ def check(composition: str | None, devices: int | None, model: str | None, param
         print_verdict(verdict, console, explain)
         if validate is not None:
             click.echo(validation_text)
+        if simulate:
+            click.echo(simulation_text)
     sys.exit(verdict_exit(verdict))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -212,3 +213,33 @@ def test_every_generated_composition_trains_like_one_device(case: tuple[object, 
         assert composition.options.offload_parameters, str(result.divergence)  # type: ignore[attr-defined]
         return
     assert not result.cost_mismatches, result.cost_mismatches
+
+
+def _cli(*args: str) -> dict[str, object]:
+    import json
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "checker.cli", *args, "--simulate", "--json"],
+                          capture_output=True, text=True, timeout=300, check=False,
+                          cwd=Path(__file__).resolve().parent.parent)
+    simulation = json.loads(done.stdout)["simulation"]
+    assert isinstance(simulation, dict)
+    return simulation
+
+
+def test_cli_simulate_reports_a_match_with_the_cost_model() -> None:
+    sim = _cli("tp2xzero32xpp2")
+    assert sim["matches"] is True and sim["cost_model_agrees"] is True and sim["comparison"] == "bit-for-bit"
+
+
+def test_cli_simulate_reports_the_first_divergence_of_a_user_program() -> None:
+    sim = _cli("zero14", "--model", "gpt3-1.3b", "--strategies", "examples/broken_zero1_no_refresh.toml")
+    divergence = sim["divergence"]
+    assert sim["matches"] is False and isinstance(divergence, dict)
+    assert (divergence["step"], divergence["phase"], divergence["state"]) == (2, "forward", "P")
+    assert divergence["expected"] != divergence["got"] and "dp=" in str(divergence["coordinates"])
+
+
+def test_cli_simulate_says_why_it_did_not_run() -> None:
+    sim = _cli("tp2xep2", "--model", "mixtral-8x7b")  # the reference model has no experts
+    assert sim["matches"] is None and "not_run" in sim

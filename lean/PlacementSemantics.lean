@@ -1,0 +1,5 @@
+import PlacementSemantics.Basic
+import PlacementSemantics.Sufficiency
+import PlacementSemantics.Necessity
+import PlacementSemantics.Composition
+import PlacementSemantics.Costs

@@ -1,0 +1,119 @@
+/-!
+# Placement semantics: definitions
+
+States, modes and placements (semantics.md section 1), and one data-parallel training step over
+finitely many devices with integer values: each device holds a copy of a parameter, computes
+its gradient contribution at the value it read, the contributions are all-reduced (summed), and
+every device applies plain SGD. The loss is a sum over samples, so the single-device gradient
+is the sum of the per-device contributions at the single-device value (no division: values stay
+integers). Mirrors `proofs/_machine.py` (a data axis) and `proofs/_numeric.py`.
+-/
+
+namespace PlacementSemantics
+
+/-- How a state is held along one axis. -/
+inductive Mode where
+  | replicated
+  | sharded
+  | shardedGather
+  | materialized
+  | offloaded
+  deriving DecidableEq, Repr
+
+/-- The four training states. -/
+inductive StateKind where
+  | parameters
+  | optimizer
+  | gradients
+  | activations
+  deriving DecidableEq, Repr
+
+/-- The placement of one state along one axis: its mode and the offset of its shards
+(shard `k` lives on coordinate `(k + offset) % degree`). -/
+structure Placement where
+  mode : Mode
+  offset : Nat
+  deriving DecidableEq, Repr
+
+/-- Does coordinate `c` hold shard `k` on an axis of degree `d` with this offset? -/
+def owns (d offset k c : Nat) : Bool :=
+  (k + offset) % d == c
+
+/-- The sum of a list of integers. -/
+def total : List Int → Int
+  | [] => 0
+  | x :: xs => x + total xs
+
+/-- The number of devices (copies) in a list. -/
+def count : List Int → Nat
+  | [] => 0
+  | _ :: xs => count xs + 1
+
+/-- `n` copies of the value `w`. -/
+def copiesOf (w : Int) : Nat → List Int
+  | 0 => []
+  | n + 1 => w :: copiesOf w n
+
+/-- Every copy equals `w`: the invariant "every live copy equals the single-device value". -/
+inductive AllEqual (w : Int) : List Int → Prop
+  | nil : AllEqual w []
+  | cons (c : Int) (cs : List Int) : c = w → AllEqual w cs → AllEqual w (c :: cs)
+
+/-- The contributions of devices `i, i+1, ...`, each computed at the copy that device read;
+`g i c` is device `i`'s contribution at value `c` (any function: any model, any data). -/
+def sumContribs (g : Nat → Int → Int) : Nat → List Int → Int
+  | _, [] => 0
+  | i, c :: cs => g i c + sumContribs g (i + 1) cs
+
+/-- The gradient after one all-reduce (sum) along the data axis. -/
+def reduced (g : Nat → Int → Int) (copies : List Int) : Int :=
+  sumContribs g 0 copies
+
+/-- The single-device gradient: every contribution at the single-device value `w`. -/
+def singleGradient (g : Nat → Int → Int) (w : Int) (n : Nat) : Int :=
+  sumContribs g 0 (copiesOf w n)
+
+/-- Plain SGD on every copy with the same gradient `G` and learning rate `lr`. -/
+def update (lr G : Int) : List Int → List Int
+  | [] => []
+  | c :: cs => (c - lr * G) :: update lr G cs
+
+/-- One data-parallel step: read, contribute, all-reduce once, update every replica. -/
+def dpStep (lr : Int) (g : Nat → Int → Int) (copies : List Int) : List Int :=
+  update lr (reduced g copies) copies
+
+/-- One single-device step on `n` samples (one per device). -/
+def singleStep (lr : Int) (g : Nat → Int → Int) (n : Nat) (w : Int) : Int :=
+  w - lr * singleGradient g w n
+
+/-- `k` data-parallel steps. -/
+def dpSteps (lr : Int) (g : Nat → Int → Int) : Nat → List Int → List Int
+  | 0, copies => copies
+  | k + 1, copies => dpSteps lr g k (dpStep lr g copies)
+
+/-- `k` single-device steps. -/
+def singleSteps (lr : Int) (g : Nat → Int → Int) (n : Nat) : Nat → Int → Int
+  | 0, w => w
+  | k + 1, w => singleSteps lr g n k (singleStep lr g n w)
+
+/-- A ZeRO-style sharded update: only the owner (index `owner`) applies SGD; the other
+replicas keep their old value until a refresh. -/
+def shardedUpdate (lr G : Int) (owner : Nat) : Nat → List Int → List Int
+  | _, [] => []
+  | i, c :: cs => (if i == owner then c - lr * G else c) :: shardedUpdate lr G owner (i + 1) cs
+
+/-- The refresh all-gather: every replica receives the owner's value `v`. -/
+def refresh (v : Int) (copies : List Int) : List Int :=
+  copiesOf v (count copies)
+
+/-- A list of rows (one per coordinate of a second axis), flattened. -/
+def concatAll : List (List Int) → List Int
+  | [] => []
+  | r :: rs => r ++ concatAll rs
+
+/-- Reduce along the first axis (each row), then along the second (the row sums). -/
+def rowSums : List (List Int) → List Int
+  | [] => []
+  | r :: rs => total r :: rowSums rs
+
+end PlacementSemantics

@@ -28,10 +28,11 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from enum import StrEnum
+from typing import Any, TypeAlias
 
 import z3
 
-Value = z3.ArithRef
+Value: TypeAlias = Any  # a z3 real term (z3 ships no type information)
 Coords = tuple[int, ...]
 
 
@@ -165,7 +166,7 @@ def symbolic_features(mesh: Mesh, prefix: str = "prog") -> Features:
                 domain.append((f"domain[{f.name}, {idx}]", z3.And(v >= 0, v <= hi)))
         if ax.cls.computes_sharded:
             values["p_sharded"] = z3.BoolVal(True)
-        axes.append(AxisFeatures(**values))  # type: ignore[arg-type]
+        axes.append(AxisFeatures(**values))
     return Features(tuple(axes), z3.Bool(f"{prefix}.offload"), z3.Bool(f"{prefix}.fetch_forward"),
                     z3.Bool(f"{prefix}.fetch_backward"), tuple(domain))
 
@@ -224,7 +225,7 @@ def conditions(mesh: Mesh, ft: Features) -> dict[str, z3.BoolRef]:
 def _flat(args: tuple[object, ...]) -> list[z3.BoolRef]:
     if len(args) == 1 and isinstance(args[0], list | tuple):
         return list(args[0])
-    return list(args)  # type: ignore[arg-type]
+    return list(args)
 
 
 def _and(*args: object) -> z3.BoolRef:
@@ -255,9 +256,9 @@ def _implies(a: z3.BoolRef, b: z3.BoolRef) -> z3.BoolRef:
 
 def _if(c: z3.BoolRef, a: z3.ExprRef | float, b: z3.ExprRef | float) -> z3.ExprRef:
     if z3.is_true(c):
-        return a  # type: ignore[return-value]
+        return a
     if z3.is_false(c):
-        return b  # type: ignore[return-value]
+        return b
     return z3.If(c, a, b)
 
 
@@ -313,6 +314,11 @@ def owns(ax: MeshAxis, e: int, offset: z3.ArithRef, c: int) -> z3.BoolRef:
     if z3.is_int_value(offset):
         return z3.BoolVal((block + offset.as_long()) % ax.degree == c)
     return _or([offset == o for o in range(ax.degree) if (block + o) % ax.degree == c])
+
+
+def _lookup(table: dict[tuple[Coords, Coords], Value], e: Coords) -> Callable[[Coords], Value]:
+    """``device -> table[(device, e)]``."""
+    return lambda c: table[(c, e)]
 
 
 def _with(coords: Coords, axis: int, value: int) -> Coords:
@@ -375,7 +381,7 @@ def run(mesh: Mesh, ft: Features, contribution: Contribution, update: Update, ju
         prev = dict(p1)
         for i in devs:
             for e in elems:
-                pulled = _from_owner(ax, a, e, f.refresh_offset, i, lambda c, e=e, prev=prev: prev[(c, e)], junk)
+                pulled = _from_owner(ax, a, e, f.refresh_offset, i, _lookup(prev, e), junk)
                 p1[(i, e)] = _if(_and(f.refresh_start, _not(f.p_sharded)), pulled, prev[(i, e)])
 
     # 1. reads.
@@ -481,7 +487,7 @@ def run(mesh: Mesh, ft: Features, contribution: Contribution, update: Update, ju
         prev = dict(p2)
         for i in devs:
             for e in elems:
-                pulled = _from_owner(ax, a, e, f.refresh_offset, i, lambda c, e=e, prev=prev: prev[(c, e)], junk)
+                pulled = _from_owner(ax, a, e, f.refresh_offset, i, _lookup(prev, e), junk)
                 p2[(i, e)] = _if(_and(f.refresh_end, _not(f.p_sharded)), pulled, prev[(i, e)])
 
     # The host copy (offloaded parameters) is written by the optimizer-shard owner of each element.

@@ -72,7 +72,7 @@ class LinearModel:
                 out = [u + v for u, v in zip(out, self.x(k2, j), strict=True)]
         return out
 
-    def contribution(self, k: Coords, e: Coords, j: Coords, vf: Sequence[Any], vb: Sequence[Any],
+    def contribution(self, k: Coords, e: Coords, j: Coords, vf: Any, vb: Any,
                      block: Coords, visible: tuple[bool, ...], y: dict[tuple[Coords, Coords], Any]) -> Any:
         del block  # the sample's own block is ``k``; ``visible`` says how far it sees
         xe = self.x_eff(k, j, visible)

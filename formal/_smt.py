@@ -335,6 +335,24 @@ def _scale_home(axes: Sequence[Axis]) -> Axis:
     return next((a for a in axes if a.splits_data), axes[0])
 
 
+PHASE_ORDER: tuple[Phase, ...] = (Phase.FORWARD, Phase.BACKWARD, Phase.GRAD_SYNC, Phase.OPTIMIZER, Phase.REFRESH)
+
+
+def _execution_order(ops: Sequence[Op]) -> list[Op]:
+    """The order a step runs a program's ops in (the simulator's, ``formal/_simulator.py``).
+
+    Phases run in ``PHASE_ORDER``, each phase's ops in program order, except that gradient ops
+    of the backward phase run after the backward computation has produced the gradient.
+    """
+    rank = {phase: i for i, phase in enumerate(PHASE_ORDER)}
+
+    def key(item: tuple[int, Op]) -> tuple[int, int, int]:
+        i, op = item
+        return rank[op.phase], int(op.phase is Phase.BACKWARD and op.state is G), i
+
+    return [op for _, op in sorted(enumerate(ops), key=key)]
+
+
 class _Index:
     """A program's placement and ops looked up by group once (not rescanned per obligation)."""
 
@@ -346,8 +364,8 @@ class _Index:
         self.origins = dict(program.origins)
         self.degrees = {axis: _int_degree(d) for axis, d in pl.mesh}
         self.home = _scale_home(pl.axes)
-        self.ops: dict[Group, list[Op]] = {}  # group -> its ops in program order, group erased
-        for op in program.ops:
+        self.ops: dict[Group, list[Op]] = {}  # group -> its ops in execution order, group erased
+        for op in _execution_order(program.ops):
             self.ops.setdefault(op.group, []).append(_erased(op))
 
     def entry(self, state: State, group: Group, axis: Axis) -> Entry:
@@ -355,13 +373,17 @@ class _Index:
 
 
 def _gradient_ops(index: _Index, group: Group, axis: Axis) -> list[Op]:
-    """G ops of ``group`` on ``axis`` (group erased) that run before its optimizer step reads G."""
+    """G ops of ``group`` on ``axis`` (group erased) that run before its optimizer step reads G.
+
+    Gradient ops of the forward phase run before the backward produces the gradient: they act
+    on an empty buffer and do not count.
+    """
     home = index.home
     out: list[Op] = []
     for op in index.ops.get(group, []):
         if op.kind is OpKind.OPTIMIZER_STEP:
             break
-        if op.state is not G:
+        if op.state is not G or op.phase is Phase.FORWARD:
             continue
         if op.kind.is_reduction and op.axis is axis:
             out.append(op)
@@ -405,7 +427,8 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
     contributions = [z3.Int(f"c{i}") for i in range(k)]
     rest_c = z3.Int("c_rest") if rest else z3.IntVal(0)
     total_c = z3.ToReal(z3.Sum(*contributions) + rest_c) if k > 1 or rest else z3.ToReal(contributions[0])
-    owners = range(k)
+    # A gradient sharded along the axis is read by its one holder (device 0 by symmetry).
+    owners = range(1) if sharded else range(k)
     values = [z3.Real(f"v0_{i}") for i in range(k)]
     rest_v = z3.Real("v0_rest")
     match origin:
@@ -419,7 +442,6 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
             reference = z3.ToReal(z3.Int("r"))
             if sharded:
                 # Other devices hold other elements (their own shards): unrelated values.
-                owners = range(1)
                 others = [z3.ToReal(z3.Int(f"u{i}")) for i in range(1, k)]
                 init = [values[0] == reference] + [values[i] == others[i - 1] for i in range(1, k)]
                 init.append(rest_v == z3.ToReal(z3.Int("u_rest")))
@@ -429,7 +451,20 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
             raise AssertionError(origin)
     solver.track(f"origin[{name}]={origin.value}", z3.And(*init))
     ops = list(case.ops)
+    late: list[Op] = []  # reductions after the gradient was cut down to its shard
+    trimmed = False
     for n, op in enumerate(ops, start=1):
+        if sharded and not trimmed and op.phase in (Phase.OPTIMIZER, Phase.REFRESH):
+            # After gradient synchronisation a sharded gradient is freed outside each device's
+            # shard: only the holder keeps this element (whatever it has reduced so far).
+            trimmed = True
+            kept = [z3.Real(f"t{n}_{i}") for i in range(k)]
+            kept_rest = z3.Real(f"t{n}_rest")
+            solver.track(f"free_outside_shard[{name}]",
+                         z3.And(kept[0] == values[0], *[v == 0 for v in kept[1:]], kept_rest == 0))
+            values, rest_v = kept, kept_rest
+        if trimmed and op.kind.is_reduction:
+            late.append(op)
         new = [z3.Real(f"v{n}_{i}") for i in range(k)]
         new_rest = z3.Real(f"v{n}_rest")
         match op.kind:
@@ -455,7 +490,7 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
     model = answer.model
     ref_value = _number(model.eval(reference, model_completion=True))
     held = {str(i): _number(model.eval(values[i], model_completion=True)) for i in owners}
-    rule, defect = _classify_integrity(origin, ops, axis, degree)
+    rule, defect = _classify_integrity(origin, ops, axis, degree, late)
     witness: dict[str, Any] = {
         "defect": defect, "origin": origin.value, "degree": degree, "modelled_devices": k,
         "contributions": {str(i): _number(model.eval(contributions[i], model_completion=True)) for i in range(k)},
@@ -474,8 +509,12 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
                                   axis.value, explanation, witness)]
 
 
-def _classify_integrity(origin: Origin, ops: list[Op], axis: Axis, degree: int) -> tuple[str, str]:
+def _classify_integrity(origin: Origin, ops: list[Op], axis: Axis, degree: int,
+                        late: list[Op]) -> tuple[str, str]:
     reductions = [op for op in ops if op.kind.is_reduction]
+    if late:
+        return ("reduction_closure", f"reduction after gradient synchronisation ({late[0].phase.value} phase): "
+                f"the gradient sharded along {axis.value} was already freed outside each device's shard")
     if origin is Origin.PARTIAL and not reductions:
         return ("reduction_closure", f"missing reduction: each of the {degree} devices holds a partial "
                 f"sum along {axis.value} and nothing reduces it")
@@ -604,6 +643,7 @@ class _ConsistencyCase:
     entries: tuple[Entry, Entry, Entry]  # P, O, G along the axis
     local: tuple[Mode | None, Mode | None, Mode | None]  # P, O, G axis-free modes
     ops: tuple[Op, ...]
+    computed_sharded: bool  # the computation itself is split along the axis (TP matrices, PP stages)
 
 
 def _consistency_case(index: _Index, group: Group, axis: Axis) -> _ConsistencyCase:
@@ -611,7 +651,8 @@ def _consistency_case(index: _Index, group: Group, axis: Axis) -> _ConsistencyCa
         axis, index.degrees[axis],
         (index.entry(P, group, axis), index.entry(O, group, axis), index.entry(G, group, axis)),
         (index.local.get((P, group)), index.local.get((O, group)), index.local.get((G, group))),
-        tuple(op for op in index.ops.get(group, []) if op.state in (P, O, G) and op.axis in (None, axis)))
+        tuple(op for op in index.ops.get(group, []) if op.state in (P, O, G) and op.axis in (None, axis)),
+        index.placement.computes_sharded(axis, group))
 
 
 @dataclass
@@ -713,9 +754,20 @@ class _AxisRun:
         self.initialise()
         for step in (0, 1):
             gradient = [_T("g", k, step) for k in range(self.d)]
-            updated = False
+            updated = produced = trimmed = False
+            phase: Phase | None = None
             for n, op in enumerate(self.ops):
                 where = {"step": step, "op": n, "phase": op.phase.value, "kind": op.kind.value}
+                if phase in (Phase.FORWARD, Phase.BACKWARD) and op.phase is not phase:
+                    self.free_parameters(after_backward=phase is Phase.BACKWARD)
+                phase = op.phase
+                after_backward = PHASE_ORDER.index(op.phase) > PHASE_ORDER.index(Phase.BACKWARD)
+                if not produced and (after_backward or (op.phase is Phase.BACKWARD and op.state is G)):
+                    self.produce(gradient)  # the backward ran without a listed read of this group
+                    produced = True
+                if not trimmed and op.phase in (Phase.OPTIMIZER, Phase.REFRESH):
+                    self.free_outside_shard()
+                    trimmed = True
                 match op.kind:
                     case OpKind.ALL_GATHER:
                         self.gather(op)
@@ -734,13 +786,16 @@ class _AxisRun:
                             self.hold[(True, i, op.state)].update(self.hold[(False, i, op.state)])
                     case OpKind.COMPUTE:
                         self.compute(op, gradient, where)
+                        produced = produced or op.phase is Phase.BACKWARD
                     case OpKind.OPTIMIZER_STEP:
-                        self.optimizer_step(gradient, where, update_reference=not updated)
+                        self.optimizer_step(op, gradient, where, update_reference=not updated)
                         updated = True
                     case OpKind.SCALE | OpKind.SEND_RECV | OpKind.ALL_TO_ALL:
                         pass  # values, not placements: gradient integrity judges them
                     case _:
                         raise AssertionError(op.kind)
+            if phase in (Phase.FORWARD, Phase.BACKWARD):
+                self.free_parameters(after_backward=phase is Phase.BACKWARD)
             if not updated:
                 self.update_reference(gradient)
             for st in (P, O):
@@ -751,6 +806,23 @@ class _AxisRun:
             for key in self.hold:
                 if key[2] is G:
                     self.hold[key] = {}  # gradients live for one step
+
+    def needs_all(self, full: bool) -> bool:
+        return full or self.entry[P].mode in (Mode.REPLICATED, Mode.OFFLOADED)
+
+    def produce(self, gradient: list[_T]) -> None:
+        """The backward's gradient on every device: the chunks its computation covers."""
+        full = self.needs_all(not self.case.computed_sharded)
+        for i in range(self.d):
+            self.hold[(False, i, G)] = {k: gradient[k] for k in (range(self.d) if full else [i])}
+
+    def free_outside_shard(self) -> None:
+        """After gradient synchronisation a sharded gradient is kept only on its shard."""
+        if not self.entry[G].mode.is_sharded:
+            return
+        for i in range(self.d):
+            own = self.partition(self.entry[G], i)
+            self.hold[(False, i, G)] = {k: v for k, v in self.hold[(False, i, G)].items() if k in own}
 
     def gather(self, op: Op) -> None:
         o = self.off(op.offset)
@@ -782,8 +854,7 @@ class _AxisRun:
                 held[k] = values[k]
 
     def compute(self, op: Op, gradient: list[_T], where: dict[str, Any]) -> None:
-        entry = self.entry[P]
-        full = self.axis in op.full or entry.mode in (Mode.REPLICATED, Mode.OFFLOADED)
+        full = self.needs_all(self.axis in op.full)
         rule = self.compute_rule(full)
         for i in range(self.d):
             held = self.hold[(False, i, P)]
@@ -798,12 +869,19 @@ class _AxisRun:
                 self.check(P, rule, (value,), self.ref[P][k], **where, device=i, chunk=k, holder="device")
             if op.phase is Phase.BACKWARD:
                 self.hold[(False, i, G)] = {k: gradient[k] for k in needed}
-            keep = entry.keep_gathered and op.phase is Phase.FORWARD
-            if self.local[P] is Mode.OFFLOADED and not keep:
+
+    def free_parameters(self, after_backward: bool) -> None:
+        """At the end of the forward and of the backward: transient copies are freed (gathered
+        shards of others, fetched offloaded parameters), unless held through the backward."""
+        entry = self.entry[P]
+        if entry.keep_gathered and not after_backward:
+            return
+        for i in range(self.d):
+            if self.local[P] is Mode.OFFLOADED:
                 self.hold[(False, i, P)] = {}
-            elif entry.mode is Mode.SHARDED_GATHER and not keep:
+            else:
                 own = self.partition(entry, i)
-                self.hold[(False, i, P)] = {k: v for k, v in held.items() if k in own}
+                self.hold[(False, i, P)] = {k: v for k, v in self.hold[(False, i, P)].items() if k in own}
 
     def read_for_update(self, updater: Holder, chunk: int) -> _T:
         """What an update reads for ``chunk``: its copy, else its one shard (misaligned), else junk."""
@@ -817,13 +895,17 @@ class _AxisRun:
             return next(iter(held.values()))
         return self.fresh_junk()
 
-    def optimizer_step(self, gradient: list[_T], where: dict[str, Any], *, update_reference: bool) -> None:
+    def optimizer_step(self, op: Op, gradient: list[_T], where: dict[str, Any], *, update_reference: bool) -> None:
+        """Each holder updates the chunks of the step's partition (``op.offset`` along an axis
+        where the optimizer state is sharded, as the simulator does), reading P, O and G there."""
         host = self.on_host(O)
+        entry = self.entry[O]
+        partition = Entry(entry.mode, op.offset) if entry.mode.is_sharded else entry
         writes: list[tuple[Holder, int, _T]] = []
         for i in range(self.d):
             at = "host" if host else "device"
-            for k in sorted(self.hold[(host, i, O)]):
-                o_value = self.hold[(host, i, O)][k]
+            for k in self.partition(partition, i):
+                o_value = self.read_for_update((host, i, O), k)
                 g_value = self.read_for_update((host, i, G), k)
                 p_value = self.read_for_update((host, i, P), k)
                 ctx = {**where, "device": i, "chunk": k, "holder": at}
@@ -831,10 +913,10 @@ class _AxisRun:
                 self.check(G, "alignment_og", (g_value,), gradient[k], **ctx)
                 self.check(P, "alignment_op", (p_value,), self.ref[P][k], **ctx)
                 args = (p_value, o_value, g_value)
-                writes.append(((host, i, O), k, _T("upd_o", k, args=args)))
-                target = self.write_target((host, i, P), k)
-                if target is not None:
-                    writes.append((target[0], target[1], _T("upd_p", k, args=args)))
+                for state, head in ((O, "upd_o"), (P, "upd_p")):
+                    target = self.write_target((host, i, state), k)
+                    if target is not None:
+                        writes.append((target[0], target[1], _T(head, k, args=args)))
         if update_reference:
             self.update_reference(gradient)
         for holder, k, value in writes:

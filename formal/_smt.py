@@ -27,6 +27,11 @@ Three families of obligations:
   with the single-device value at that point. Two steps make the check judge reads, not
   snapshots: a replica left stale after step 0 but refreshed before its next read is fine.
 
+Execution order (the simulator's, ``formal/_simulator.py``): phases in order, each phase's ops
+in program order, gradient ops of the backward after the backward has produced the gradient;
+transient parameter copies freed at the end of the forward and of the backward; a sharded
+gradient freed outside its shard after gradient synchronisation (see ``_execution_order``).
+
 Why per axis. Collectives act on one axis at a time and placements are given per axis, so a
 group's gradient is the tensor product of per-axis linear maps over the contributions, and a
 chunk's holders along one axis do not depend on how other axes split it; a program is correct

@@ -340,6 +340,11 @@ class _Layout:
             self._masks[key] = keep
         return self._masks[key]
 
+    def structural_axes(self, state: State, group: Group) -> list[Axis]:
+        """Sharded axes that split the group by structure: pipeline stages and TP slices."""
+        return [a for a in self.mesh.axes if self.pl.entry(state, group, a).mode.is_sharded
+                and (a is Axis.PP or (a is Axis.TP and self.pl.computes_sharded(Axis.TP, group)))]
+
     def sharded_axes(self, state: State, group: Group) -> list[Axis]:
         return [a for a in self.mesh.axes if self.pl.entry(state, group, a).mode.is_sharded and a is not Axis.PP
                 and not (a is Axis.TP and self.pl.computes_sharded(Axis.TP, group))]
@@ -593,7 +598,13 @@ class Simulator:
         lay = self.layout
         for dev in self.mesh.devices:
             offsets = {a: op.offset for a in lay.sharded_axes(O, g)}
-            pos = lay.holding(O, g, dev, offsets=offsets)
+            # Along an axis split by structure (TP slices, pipeline stages) an offset rotates
+            # which device's slice this device updates.
+            owner = dev
+            for axis in lay.structural_axes(O, g):
+                d = self.mesh.degree(axis)
+                owner = self.mesh.moved(owner, axis, (self.mesh.coord(dev, axis) - op.offset) % d)
+            pos = lay.holding(O, g, owner, offsets=offsets)
             if not len(pos):
                 continue
             on_host_o = g in self.offloaded[O]

@@ -7,6 +7,7 @@ from typing import Any
 
 import sympy as sp
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from checker._analysis import Analysis
@@ -166,7 +167,11 @@ def verdict_json(verdict: Verdict, explain: bool = False) -> dict[str, Any]:
 
 
 def print_verdict(verdict: Verdict, console: Console, explain: bool = False) -> None:
-    """Verdict per condition, the rules that fired (with witnesses under ``explain``), notes."""
+    """Verdict per condition, the rules that fired (with witnesses under ``explain``), notes.
+
+    Rule names contain brackets (``refresh[P.attention, dp]``): every dynamic text is escaped so
+    that rich does not read it as markup.
+    """
     table = Table(title=f"Verdict: {verdict.status.label.upper()} ({len(verdict.obligations)} z3 obligations)")
     table.add_column("condition")
     table.add_column("status")
@@ -174,24 +179,26 @@ def print_verdict(verdict: Verdict, console: Console, explain: bool = False) -> 
     for condition in Condition:
         fired = sorted({v.rule for v in verdict.violations if v.condition is condition})
         shown = ", ".join(fired[:4]) + (f" (+{len(fired) - 4} more)" if len(fired) > 4 else "")
-        table.add_row(condition.label.replace("_", " "), verdict.condition_status(condition).label, shown or "-")
+        table.add_row(condition.label.replace("_", " "), verdict.condition_status(condition).label,
+                      escape(shown) or "-")
     console.print(table)
     limit = None if explain else 8
     for v in verdict.violations[:limit]:
-        console.print(f"[bold red]{v.rule}[/bold red] ({v.condition.label}): {v.explanation}", highlight=False)
+        console.print(f"[bold red]{escape(v.rule)}[/bold red] ({v.condition.label}): {escape(v.explanation)}",
+                      highlight=False)
         if explain:
             for key, value in v.witness.items():
-                console.print(f"    {key}: {value}", highlight=False)
+                console.print(escape(f"    {key}: {value}"), highlight=False)
     if limit is not None and len(verdict.violations) > limit:
         console.print(f"... {len(verdict.violations) - limit} more violations (--explain or --json lists all)")
     for o in verdict.obligations:
         if o.status is Status.UNKNOWN:
-            console.print(f"[yellow]unknown[/yellow] {o.name}: z3 said {o.reason_unknown!r} (not proved)",
-                          highlight=False)
+            console.print(f"[yellow]unknown[/yellow] {escape(o.name)}: z3 said {escape(repr(o.reason_unknown))} "
+                          "(not proved)", highlight=False)
     if explain:
         console.print("Unsat cores of the proved obligations (tracked constraint names):")
         for o in verdict.obligations:
             if o.status is Status.PROVED and o.core:
-                console.print(f"  {o.name}: {', '.join(o.core)}", highlight=False)
+                console.print(escape(f"  {o.name}: {', '.join(o.core)}"), highlight=False)
     for note in verdict.notes:
-        console.print(f"note: {note}", highlight=False)
+        console.print(escape(f"note: {note}"), highlight=False)

@@ -84,6 +84,7 @@ def test_human_report_has_a_verdict_section_and_explain() -> None:
     proved = run(["dp2xpp2", "--model", "gpt3-1.3b", "--explain"])
     assert proved.returncode == 0 and "Unsat cores" in proved.stdout
     assert "integrity[G.embedding, pp]" in proved.stdout
+    assert "state_consistency[embedding, pp]" in proved.stdout  # brackets are not taken as markup
 
 
 def test_json_explain_lists_every_obligation_with_its_core() -> None:

@@ -27,6 +27,7 @@ MODIFIERS: dict[str, str] = {
     "offload-params": "parameters on the host, fetched before each use (ZeRO-Infinity)",
     "recompute": "full activation recomputation (keep each layer's input only)",
     "selective": "selective recomputation of the attention core (Korthikanti et al. 2022)",
+    "flash": "attention scores never stored (FlashAttention): the same placement as selective",
 }
 
 _TERM = re.compile(r"^([a-z][a-z0-9-]*?)(\d*)$")
@@ -146,7 +147,7 @@ def _modifier_kind(term: str) -> str | None:
         return "offload"
     if term == "offload-params":
         return "offload-params"
-    if term in ("recompute", "full-recompute", "selective", "selective-recompute"):
+    if term in ("recompute", "full-recompute", "selective", "selective-recompute", "flash"):
         return "recompute"
     return None
 

@@ -182,6 +182,7 @@ class _Rule:
     constraint: z3.BoolRef
     explanation: str
     witness: dict[str, Any]
+    axis: Axis | None = None
 
 
 def _composition_rules(composition: Composition, model: Model, devices: int | None,
@@ -209,7 +210,7 @@ def _composition_rules(composition: Composition, model: Model, devices: int | No
             f"orthogonality[{axis.value}]", count <= 1,
             f"axis {axis.value} carries {len(terms)} strategies ({', '.join(map(str, terms))}); "
             "each axis carries one strategy",
-            {"axis": axis.value, "strategies": [str(t) for t in terms]}))
+            {"axis": axis.value, "strategies": [str(t) for t in terms]}, axis))
     if devices is not None:
         total = fact("devices", devices)
         product = " * ".join(f"{a.value}({d})" for a, d in mesh.items())
@@ -233,7 +234,7 @@ def _composition_rules(composition: Composition, model: Model, devices: int | No
             f"divides[{size_name}, {present[-1].value}]", var % divisor == 0,
             f"{size_name} {size} is not divisible by {label} {d} ({size} = {size // d} x {d} + {size % d}); "
             f"{why}",
-            {size_name: size, label: d, "remainder": size % d}))
+            {size_name: size, label: d, "remainder": size % d}, present[-1]))
 
     options = composition.options
     interleaved = options.chunks if options.chunks > 1 else 1
@@ -255,7 +256,7 @@ def _composition_rules(composition: Composition, model: Model, devices: int | No
                 f"({model.layers} = {model.layers // stages} x {stages} + {model.layers % stages}); "
                 "stages hold whole layers",
                 {"layers": model.layers, "pp": mesh[Axis.PP], "chunks": interleaved,
-                 "remainder": model.layers % stages}))
+                 "remainder": model.layers % stages}, Axis.PP))
         divides("seq", model.seq, (Axis.CP,), "context parallelism splits the sequence")
         if options.sequence_parallel:
             divides("seq", model.seq, (Axis.CP, Axis.TP), "sequence parallelism splits the sequence across tp")
@@ -266,23 +267,23 @@ def _composition_rules(composition: Composition, model: Model, devices: int | No
         sp_on = flag("sequence_parallel", True)
         rules.append(_Rule("sp_needs_tp", z3.Implies(sp_on, has[Axis.TP]),
                            "sequence parallelism splits activations across the tp group, and there is no tp axis",
-                           {"sequence_parallel": True, "tp": False}))
+                           {"sequence_parallel": True, "tp": False}, Axis.TP))
     if Axis.EP in mesh:
         moe = flag("moe", model.is_moe)
         rules.append(_Rule("ep_needs_moe", z3.Implies(has[Axis.EP], moe),
                            "expert parallelism needs a mixture-of-experts model, and this model is dense",
-                           {"ep": mesh[Axis.EP], "experts": getattr(model, "experts", 0)}))
+                           {"ep": mesh[Axis.EP], "experts": getattr(model, "experts", 0)}, Axis.EP))
     if Axis.CP in mesh:
         attention = flag("attention", isinstance(model, Transformer))
         rules.append(_Rule("cp_needs_attention", z3.Implies(has[Axis.CP], attention),
                            "context parallelism exchanges keys and values in attention, and a bare "
                            "parameter count has no attention to split",
-                           {"cp": mesh[Axis.CP], "model": type(model).__name__}))
+                           {"cp": mesh[Axis.CP], "model": type(model).__name__}, Axis.CP))
     if interleaved > 1:
         chunks_var = fact("interleaved_chunks", interleaved)
         rules.append(_Rule("interleaved_needs_pp", z3.Implies(chunks_var > 1, has[Axis.PP]),
                            f"an interleaved schedule (v{interleaved}) splits pipeline stages, and there is no pp axis",
-                           {"chunks": interleaved, "pp": False}))
+                           {"chunks": interleaved, "pp": False}, Axis.PP))
     return facts, [(solver.track(r.name, r.constraint), r) for r in rules]
 
 
@@ -318,11 +319,8 @@ def _decide_composition(composition: Composition, model: Model, devices: int | N
         cores.extend(answer.core)
         for lit in broken:
             rule = by_literal[lit.decl().name()][1]
-            axis = rule.name.split(", ")[-1].rstrip("]") if "[" in rule.name else None
-            if rule.name.startswith("orthogonality["):
-                axis = rule.name[len("orthogonality["):-1]
             violations.append(Violation(rule.name, Condition.COMPOSITION, None, None,
-                                        axis if axis in {a.value for a in Axis} else None,
+                                        rule.axis.value if rule.axis is not None else None,
                                         rule.explanation, {**rule.witness, "core": list(answer.core)}))
             remaining.remove(lit)
         status = Status.REFUTED

@@ -143,3 +143,16 @@ def test_verdicts_are_fast_enough_for_differential_testing() -> None:
     assert time.perf_counter() - start < 5.0  # generous: shared CI cores; typically ~0.1-0.3 s
 
 
+
+
+def test_public_api_is_pinned() -> None:
+    import formal._smt as smt
+
+    assert smt.__all__ == ["DEFAULT_TIMEOUT_MS", "MAX_CONSISTENCY_DEVICES", "MAX_EXPLICIT_DEVICES", "clear_cache",
+                           "decide"]
+
+
+def test_composition_violations_name_their_axis() -> None:
+    axes = {v.rule: v.axis for v in verdict_of("dp8xspxv2xpp1", GPT).violations}
+    assert axes["sp_needs_tp"] == "tp"
+    assert {v.rule: v.axis for v in verdict_of("pp5", GPT).violations}["divides[layers, pp]"] == "pp"

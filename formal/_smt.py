@@ -647,6 +647,7 @@ class _ConsistencyCase:
     local: tuple[Mode | None, Mode | None, Mode | None]  # P, O, G axis-free modes
     ops: tuple[Op, ...]
     computed_sharded: bool  # the computation itself is split along the axis (TP matrices, PP stages)
+    held: bool  # parameters gathered once and held through the backward, along any axis (FSDP SGO)
 
 
 def _consistency_case(index: _Index, group: Group, axis: Axis) -> _ConsistencyCase:
@@ -655,7 +656,8 @@ def _consistency_case(index: _Index, group: Group, axis: Axis) -> _ConsistencyCa
         (index.entry(P, group, axis), index.entry(O, group, axis), index.entry(G, group, axis)),
         (index.local.get((P, group)), index.local.get((O, group)), index.local.get((G, group))),
         tuple(op for op in index.ops.get(group, []) if op.state in (P, O, G) and op.axis in (None, axis)),
-        index.placement.computes_sharded(axis, group))
+        index.placement.computes_sharded(axis, group),
+        any(index.entry(P, group, a).keep_gathered for a in index.placement.axes))
 
 
 @dataclass
@@ -877,7 +879,7 @@ class _AxisRun:
         """At the end of the forward and of the backward: transient copies are freed (gathered
         shards of others, fetched offloaded parameters), unless held through the backward."""
         entry = self.entry[P]
-        if entry.keep_gathered and not after_backward:
+        if self.case.held and not after_backward:  # the device keeps its whole copy, on every axis
             return
         for i in range(self.d):
             if self.local[P] is Mode.OFFLOADED:

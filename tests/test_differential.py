@@ -260,9 +260,9 @@ def test_once_disagreements_stay_agreed(text: str, change: str) -> None:
     assert outcome.status is Status.REFUTED  # ...and z3 should too
 
 
-@pytest.mark.xfail(strict=True, reason="known z3 completeness gap (formal/_smt.py judges each axis's copy apart): "
-                   "parameters held through backward along dp (fsdp-sgo) need no second host fetch, on any axis")
 def test_offloaded_parameters_held_through_backward_need_no_second_fetch() -> None:
+    # Was a z3 completeness gap (each axis's copy judged apart); fixed in formal/_smt.py: a copy
+    # held through the backward along one axis is held on every axis.
     from dataclasses import replace
     composition, model, program = _program("fsdp-sgo2xdpr2xoffload-params")
     ops = list(program.ops)

@@ -28,7 +28,9 @@ from formal._model import (
 from formal._placement import Entry, Options, Placement, Recompute, Schedule, Strategy
 from formal._presets import DEFAULT_DEVICE_MEMORY, DEFAULT_DEVICES, DEFAULT_MODEL, PRESETS
 from formal._program import Op, Origin, StepProgram, derive_program, gradient_origins, group_sizes
+from formal._smt import decide
 from formal._strategies import LIBRARY, Composition
+from formal._verdict import Condition, Obligation, Status, Verdict, Violation
 from formal._vocab import Axis, Group, Mode, OpKind, Phase, Reduce, State
 from formal.errors import (
     CompositionError,
@@ -40,6 +42,7 @@ from formal.errors import (
 )
 
 __all__ = [
+    "Condition", "Obligation", "Status", "Verdict", "Violation", "decide",
     "DEFAULT_DEVICES", "DEFAULT_DEVICE_MEMORY", "DEFAULT_MODEL", "DEFAULT_PRECISION", "LIBRARY",
     "PRECISIONS", "PRESETS", "Axis", "Composition", "CompositionError", "Entry", "Ffn", "Group",
     "InputError", "Memory", "Mode", "Model", "ModelError", "Norm", "Op", "OpKind", "Options",

@@ -14,9 +14,6 @@ sum <-> mean, shift a shard boundary (offset + 1 of a reduce-scatter, all-gather
 collectives are not mutated: z3 judges placements and gradient ops, not activation values, so the
 iff property is stated over model-state ops (the simulator's own tests cover activation ops).
 Shifting a boundary includes an optimizer step's own offset (its shard cut against the gradient's).
-Not drawn: FSDP shard-grad-op with parameter offload, where z3 judges each axis's copy apart and
-misses that a copy held through backward along ``dp`` is held on every axis (a known z3
-completeness gap, pinned by ``test_offloaded_parameters_held_through_backward``).
 """
 
 from __future__ import annotations
@@ -86,7 +83,7 @@ def compositions(draw: st.DrawFn, max_devices: int = 8) -> tuple[Composition, Re
         terms.append(recompute)
     if draw(st.integers(0, 4)) == 0:
         terms.append("offload")
-    if data != "fsdp-sgo" and draw(st.integers(0, 5)) == 0:  # see test_offloaded_parameters_held_...
+    if draw(st.integers(0, 5)) == 0:
         terms.append("offload-params")
     composition = parse("x".join(terms))
     tied = draw(st.booleans())

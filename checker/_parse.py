@@ -23,6 +23,7 @@ MODIFIERS: dict[str, str] = {
     "v<N>": "interleaved pipeline schedule with N model chunks per device",
     "gpipe": "GPipe pipeline schedule (all forwards, then all backwards)",
     "1f1b": "1F1B pipeline schedule (the default)",
+    "uneven": "uneven pipeline stages: layers need not divide by pp; the fullest stage holds ceil(L/pp)",
     "offload": "optimizer state, gradients and the update on the host (ZeRO-Offload)",
     "offload-params": "parameters on the host, fetched before each use (ZeRO-Infinity)",
     "recompute": "full activation recomputation (keep each layer's input only)",
@@ -123,6 +124,8 @@ def _modifier(term: str, options: Options, seen: list[str]) -> Options | None:
             return replace(options, chunks=_degree(term, term[1:]), schedule=Schedule.INTERLEAVED)
         case "schedule":
             return replace(options, schedule=Schedule.GPIPE if term == "gpipe" else Schedule.ONE_F_ONE_B)
+        case "uneven":
+            return replace(options, uneven_stages=True)
         case "offload":
             return replace(options, offload_optimizer=True)
         case "offload-params":
@@ -143,6 +146,8 @@ def _modifier_kind(term: str) -> str | None:
         return "v"
     if term in ("gpipe", "1f1b"):
         return "schedule"
+    if term == "uneven":
+        return "uneven"
     if term in ("offload", "offload-optimizer"):
         return "offload"
     if term == "offload-params":

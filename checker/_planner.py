@@ -178,9 +178,10 @@ class Family:
                        offload_parameters=self.offload is Offload.ALL, schedule=pipe.schedule,
                        chunks=pipe.chunks, micro_batches=micro_batches)
 
-    def text(self, degrees: Sequence[int], micro_batches: int) -> str:
+    def text(self, degrees: Sequence[int], micro_batches: int, uneven: bool = False) -> str:
         """The composition in the composition language, canonical (``str(parse(text)) == text``):
-        strategies, then modifiers; degree-1 axes are left out."""
+        strategies, then modifiers; degree-1 axes are left out. ``uneven``: the layers do not
+        divide by pp, so the composition declares uneven stages."""
         d = dict(zip(AXES, degrees, strict=True))
         terms: list[str] = [f"{axis.value}{d[axis]}" for axis in (Axis.TP, Axis.CP, Axis.EP) if d[axis] > 1]
         if self.data is DataParallel.HSDP:
@@ -195,6 +196,8 @@ class Family:
             terms.append("sp")
         if self.pipeline is not None:
             terms += self.pipeline.modifiers
+            if uneven:
+                terms.append("uneven")
         if micro_batches > 1 or self.pipeline is not None:
             terms.append(f"m{micro_batches}")
         match self.recompute:
@@ -405,9 +408,11 @@ class _ActivationKey:
 class Deriver:
     """Derives and caches the component expressions of families for one model and precision."""
 
-    def __init__(self, model: Model, precision: Precision) -> None:
+    def __init__(self, model: Model, precision: Precision, uneven_stages: bool = False) -> None:
         self.model = model.with_micro_batch(1)  # activation terms are scaled by b afterwards
         self.precision = precision
+        # Pipelined families charged ceil(L/p) layers per stage (equal to L/p where p divides L).
+        self.uneven_stages = uneven_stages
         self.sizes = group_sizes(self.model)
         self._states: dict[_StatesKey, Vectorized] = {}
         self._state_traffic: dict[_StateTrafficKey, Vectorized] = {}
@@ -423,6 +428,8 @@ class Deriver:
         if family.pipeline is not None:
             strategies.append(LIBRARY["pp"]())
         options = family.options(cast(int, MICRO_BATCHES))  # the core reads it through sp.sympify
+        if self.uneven_stages and family.pipeline is not None:
+            options = replace(options, uneven_stages=True)
         return Composition(tuple(s.with_degree(2) for s in strategies), options)
 
     def _placement_program(self, family: Family) -> tuple[Any, StepProgram]:
@@ -544,8 +551,10 @@ def family_rules(family: Family, model: Model, uneven: bool, deg: Ints, m: Ints)
         rules["pipeline_needs_pp"] = p > 1
         if family.pipeline.schedule is Schedule.INTERLEAVED:
             v = family.pipeline.chunks
-            if isinstance(model, Transformer) and not uneven:
-                rules["interleaved_divides_layers"] = _divides(p * v, model.layers)
+            if isinstance(model, Transformer):
+                # Uneven stages (z3's stages_hold_layers[pp]): every virtual stage holds a layer.
+                rules["interleaved_divides_layers"] = ((p * v <= model.layers) if uneven
+                                                       else _divides(p * v, model.layers))
             # Megatron-LM's interleaved schedule requires m to be a multiple of p.
             rules["interleaved_needs_m_multiple_of_pp"] = m % p == 0
     if family.sequence_parallel:
@@ -584,9 +593,11 @@ class Candidate:
     status: Status | None = None
     verdict_note: str = ""
 
+    uneven: bool = False  # uneven stages allowed and the layers do not divide by pp
+
     @property
     def text(self) -> str:
-        return self.family.text(self.degrees, self.micro_batches)
+        return self.family.text(self.degrees, self.micro_batches, self.uneven)
 
     @property
     def communication(self) -> float:
@@ -733,13 +744,16 @@ class Plan:
 
 def _candidate(plan: Plan, row: int) -> Candidate:
     t = plan.table
+    pp = int(t.degrees[row][_PP])
+    layers = plan.model.layers if isinstance(plan.model, Transformer) else None
+    uneven = plan.workload.uneven_stages and layers is not None and layers % pp != 0
     return Candidate(
         family=plan.families[int(t.family[row])], degrees=tuple(int(x) for x in t.degrees[row]),
         micro_batch=int(t.b[row]), micro_batches=int(t.m[row]), memory=float(t.memory[row]),
         stage="last" if bool(t.last_heavier[row]) else "first",
         traffic=tuple(float(x) for x in t.traffic[row]), host=float(t.host[row]),
         compute_s=float(t.compute_s[row]), bubble_s=float(t.bubble_s[row]),
-        communication_s=float(t.communication_s[row]), host_s=float(t.host_s[row]),
+        communication_s=float(t.communication_s[row]), host_s=float(t.host_s[row]), uneven=uneven,
     )
 
 
@@ -804,13 +818,13 @@ def load_decide() -> tuple[Decide | None, str]:
     return cast(Decide, decide), "z3 (formal._smt.decide)"
 
 
-_DERIVERS: dict[tuple[Model, Precision], Deriver] = {}
+_DERIVERS: dict[tuple[Model, Precision, bool], Deriver] = {}
 
 
-def deriver_for(model: Model, precision: Precision) -> Deriver:
-    key = (model.with_micro_batch(1), precision)
+def deriver_for(model: Model, precision: Precision, uneven_stages: bool = False) -> Deriver:
+    key = (model.with_micro_batch(1), precision, uneven_stages)
     if key not in _DERIVERS:
-        _DERIVERS[key] = Deriver(model, precision)
+        _DERIVERS[key] = Deriver(model, precision, uneven_stages)
     return _DERIVERS[key]
 
 
@@ -832,7 +846,7 @@ def plan(model: Model, cluster: Cluster, workload: Workload = Workload(), precis
     for axis, d in space.pins:
         if d < 1 or n % d:
             raise InputError(f"--fix {axis.value}={d}: must divide --devices {n}")
-    deriver = deriver_for(model, precision)
+    deriver = deriver_for(model, precision, workload.uneven_stages)
     timing = StepTimeModel(cluster)
     families = space.families(model)
     tokens = global_batch * (model.seq if isinstance(model, Transformer) else 0)

@@ -76,6 +76,7 @@ def to_json(analysis: Analysis) -> dict[str, Any]:
             "offload_optimizer": pl.options.offload_optimizer,
             "offload_parameters": pl.options.offload_parameters, "schedule": pl.options.schedule.value,
             "chunks": pl.options.chunks, "micro_batches": pl.options.micro_batches,
+            "uneven_stages": pl.options.uneven_stages,
         },
         "placement": pl.table(),
         "memory": {

@@ -91,7 +91,8 @@ def _axes_factor(pl: Placement, state: State, group: Group, stage: str) -> sp.Ex
     out: sp.Expr = sp.Integer(1)
     for axis, d in pl.mesh:
         entry = pl.entry(state, group, axis)
-        out = out * (pipeline_factor(group, entry, d, stage) if axis is Axis.PP else axis_factor(entry, d))
+        out = out * (pipeline_factor(group, entry, d, stage, pl.layer_share) if axis is Axis.PP
+                     else axis_factor(entry, d))
     return out
 
 
@@ -148,7 +149,7 @@ def activation_memory(pl: Placement, model: Model, precision: Precision, stage: 
     if not isinstance(model, Transformer):
         return None
     per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
-    layers = sp.Integer(model.layers) / pl.degree(Axis.PP)
+    layers = pl.stage_layers(model.layers)
     sbh = sp.Integer(model.seq * model.micro_batch * model.hidden)
     total = layer_activations(pl, per_layer, sbh, precision)
     return exact(total * layers * in_flight_micro_batches(pl, stage))
@@ -214,9 +215,8 @@ def buffer_memory(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr], p
                 if state is State.PARAMETERS and entry.keep_gathered:
                     held += full * (1 - 1 / d)
                     continue
-                pp = pl.degree(Axis.PP)
                 unit = f"{state.value}:{'layer' if g in LAYER_GROUPS else g.name}"
-                piece = full / (sp.Integer(layer_count) / pp) if g in LAYER_GROUPS else full
+                piece = full / pl.stage_layers(layer_count) if g in LAYER_GROUPS else full
                 units[unit] = units.get(unit, sp.Integer(0)) + piece
     # sp.Max, not max(): with symbolic degrees the units may not be comparable (planner, issue 8).
     largest = {st: sp.Max(sp.Integer(0), *(v for k, v in units.items() if k.startswith(st.value)))

@@ -123,6 +123,7 @@ class Options:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     chunks: int = 1  # virtual stages per device (interleaved schedule)
     micro_batches: int = 1  # per step per data-parallel replica (pipeline or accumulation)
+    uneven_stages: bool = False  # declared uneven pipeline stages: layers need not divide by pp
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,9 @@ class Placement:
     ``local``: axis-free modes (``M`` recomputation, ``O`` offload) per (state, group).
     ``compute_sharded``: per axis, the groups whose computation is split along it.
     ``tied``: groups used on two pipeline stages (tied embeddings).
+    ``layer_share``: the fraction of the transformer layers the fullest pipeline stage holds
+    when uneven stages are declared (ceil(L/p)/L, Megatron-LM / Llama 3 layout); ``None``
+    means the layers split evenly (1/p).
     """
 
     mesh: tuple[tuple[Axis, sp.Expr], ...]
@@ -143,6 +147,13 @@ class Placement:
     options: Options
     tied: frozenset[Group] = frozenset()
     user_program: bool = False  # the step program is given, not derived (user TOML)
+    layer_share: sp.Expr | None = None
+
+    def stage_layers(self, layers: int) -> sp.Expr:
+        """Transformer layers on the fullest pipeline stage: L/p, or ceil(L/p) when uneven."""
+        if self.layer_share is None:
+            return sp.Integer(layers) / self.degree(Axis.PP)
+        return sp.Integer(layers) * self.layer_share
 
     @property
     def axes(self) -> tuple[Axis, ...]:

@@ -112,11 +112,13 @@ def group_sizes(model: Model) -> dict[Group, sp.Expr]:
     return {g: sp.Integer(n) for g, n in model.group_elements().items()}
 
 
-def pipeline_factor(group: Group, entry: Entry, p: sp.Expr, stage: str) -> sp.Expr:
+def pipeline_factor(group: Group, entry: Entry, p: sp.Expr, stage: str,
+                    layer_share: sp.Expr | None = None) -> sp.Expr:
     """Memory factor along pp on a stage (``first``, ``last`` or ``middle``).
 
-    Layers are split evenly (1/p); first-stage groups live on stage 0 only, last-stage groups on
-    stage p-1 only; a tied embedding (``R`` along pp) on both.
+    Layers are split evenly (1/p), or, with declared uneven stages, ``layer_share`` of them
+    (ceil(L/p)/L: every stage is charged the fullest stage's layers); first-stage groups live on
+    stage 0 only, last-stage groups on stage p-1 only; a tied embedding (``R`` along pp) on both.
     """
     if entry.mode is Mode.REPLICATED and group not in LAYER_GROUPS:
         return sp.Integer(1) if stage in ("first", "last") or p == 1 else sp.Integer(0)
@@ -128,7 +130,7 @@ def pipeline_factor(group: Group, entry: Entry, p: sp.Expr, stage: str) -> sp.Ex
         return sp.Integer(1) if stage == "first" or p == 1 else sp.Integer(0)
     if group in LAST_STAGE_GROUPS:
         return sp.Integer(1) if stage == "last" or p == 1 else sp.Integer(0)
-    return 1 / p
+    return 1 / p if layer_share is None else layer_share
 
 
 def axis_factor(entry: Entry, d: sp.Expr) -> sp.Expr:
@@ -167,7 +169,7 @@ def shard_elements(pl: Placement, state: State, group: Group, size: sp.Expr, ski
         if entry.mode in (Mode.OFFLOADED, Mode.MATERIALIZED):
             entry = Entry(Mode.REPLICATED)
         if axis is Axis.PP:
-            out = out * pipeline_factor(group, entry, d, stage)
+            out = out * pipeline_factor(group, entry, d, stage, pl.layer_share)
         else:
             out = out * axis_factor(entry, d)
     return exact(out)
@@ -327,7 +329,7 @@ class _ActivationOps:
 
     def _layers_per_stage(self) -> sp.Expr:
         assert isinstance(self.model, Transformer)
-        return sp.Integer(self.model.layers) / self.pl.degree(Axis.PP)
+        return self.pl.stage_layers(self.model.layers)
 
     def _tensor(self, group: Group, skip: Axis, per_token: sp.Expr) -> sp.Expr:
         """Elements of one activation tensor of one micro-batch on one device (bsh-sized)."""

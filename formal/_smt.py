@@ -250,13 +250,20 @@ def _composition_rules(composition: Composition, model: Model, devices: int | No
             var = fact("layers", model.layers)
             stages = mesh[Axis.PP] * interleaved
             chunks = fact("chunks", interleaved)
-            rules.append(_Rule(
-                "divides[layers, pp]", var % (degree[Axis.PP] * chunks) == 0,
-                f"layers {model.layers} are not divisible by pp {mesh[Axis.PP]} x chunks {interleaved} "
-                f"({model.layers} = {model.layers // stages} x {stages} + {model.layers % stages}); "
-                "stages hold whole layers",
-                {"layers": model.layers, "pp": mesh[Axis.PP], "chunks": interleaved,
-                 "remainder": model.layers % stages}, Axis.PP))
+            if options.uneven_stages:  # declared uneven stages: every (virtual) stage holds a layer
+                rules.append(_Rule(
+                    f"stages_hold_layers[{Axis.PP.value}]", degree[Axis.PP] * chunks <= var,
+                    f"pp {mesh[Axis.PP]} x chunks {interleaved} = {stages} stages exceed the {model.layers} "
+                    "layers; uneven stages still hold at least one whole layer each",
+                    {"layers": model.layers, "pp": mesh[Axis.PP], "chunks": interleaved}, Axis.PP))
+            else:
+                rules.append(_Rule(
+                    "divides[layers, pp]", var % (degree[Axis.PP] * chunks) == 0,
+                    f"layers {model.layers} are not divisible by pp {mesh[Axis.PP]} x chunks {interleaved} "
+                    f"({model.layers} = {model.layers // stages} x {stages} + {model.layers % stages}); "
+                    "stages hold whole layers (declare uneven stages with the 'uneven' modifier)",
+                    {"layers": model.layers, "pp": mesh[Axis.PP], "chunks": interleaved,
+                     "remainder": model.layers % stages}, Axis.PP))
         divides("seq", model.seq, (Axis.CP,), "context parallelism splits the sequence")
         if options.sequence_parallel:
             divides("seq", model.seq, (Axis.CP, Axis.TP), "sequence parallelism splits the sequence across tp")

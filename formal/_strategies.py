@@ -220,7 +220,17 @@ class Composition:
             compute_sharded=compute,
             options=self.options,
             tied=tied,
+            layer_share=_layer_share(model, self.options, degrees),
         )
+
+
+def _layer_share(model: Model, options: Options, degrees: dict[Axis, sp.Expr]) -> sp.Expr | None:
+    """Declared uneven stages: the fullest stage holds ceil(L/p) of the L layers (Megatron-LM's
+    layout; Llama 3 405B puts 126 layers on 16 stages, 8 on the fullest). None: even split."""
+    if not options.uneven_stages or not isinstance(model, Transformer) or Axis.PP not in degrees:
+        return None
+    layers = sp.Integer(model.layers)
+    return sp.ceiling(layers / degrees[Axis.PP]) / layers
 
 
 def _apply_strategy(rows: dict[Key, dict[Axis, Entry]], strategy: Strategy) -> None:

@@ -19,6 +19,9 @@ Three families of obligations:
   program records. The obligation asks z3 for contributions on which some device's gradient
   differs from the single-device one (the mean of the contributions along data axes, their sum
   otherwise: a tied embedding on ``pp``, sequence-parallel norms on ``tp``). Unsat: proved.
+  When the optimizer runs on the host (ZeRO-Offload) it reads the host copy of the gradient: a
+  device-to-host copy snapshots the device value at that point (none of it before the backward),
+  and reductions after it do not reach the host (``transfer_after_reduction``).
 * **State consistency**, one obligation per group and axis (for P, O and G): the program runs
   for two consecutive steps over chunks of the tensor with per-device (and per-host) holdings
   whose values are z3 terms (initial values, per-step gradients, and the optimizer update as
@@ -29,8 +32,10 @@ Three families of obligations:
 
 Execution order (the simulator's, ``formal/_simulator.py``): phases in order, each phase's ops
 in program order, gradient ops of the backward after the backward has produced the gradient;
-transient parameter copies freed at the end of the forward and of the backward; a sharded
-gradient freed outside its shard after gradient synchronisation (see ``_execution_order``).
+with m > 1 micro-batches, gradient-synchronisation ops done per micro-batch before the ones done
+once per step; transient parameter copies freed at the end of the forward and of the backward; a
+sharded gradient freed outside its shard after gradient synchronisation (see ``_execution_order``).
+A collective along an axis of degree 1 exchanges nothing: it is the identity.
 
 Why per axis. Collectives act on one axis at a time and placements are given per axis, so a
 group's gradient is the tensor product of per-axis linear maps over the contributions, and a
@@ -348,16 +353,24 @@ def _scale_home(axes: Sequence[Axis]) -> Axis:
 PHASE_ORDER: tuple[Phase, ...] = (Phase.FORWARD, Phase.BACKWARD, Phase.GRAD_SYNC, Phase.OPTIMIZER, Phase.REFRESH)
 
 
-def _execution_order(ops: Sequence[Op]) -> list[Op]:
+def _execution_order(ops: Sequence[Op], micro_batches: object = 1) -> list[Op]:
     """The order a step runs a program's ops in (the simulator's, ``formal/_simulator.py``).
 
     Phases run in ``PHASE_ORDER``, each phase's ops in program order, except that gradient ops
-    of the backward phase run after the backward computation has produced the gradient.
+    of the backward phase run after the backward computation has produced the gradient, and
+    that, with ``m > 1`` micro-batches, gradient-synchronisation ops done once per micro-batch
+    (``count == m``) run with each micro-batch, before the ones done once per step.
     """
     rank = {phase: i for i, phase in enumerate(PHASE_ORDER)}
+    m = micro_batches if isinstance(micro_batches, int) and micro_batches > 1 else None
+
+    def per_micro_batch(op: Op) -> bool:
+        return m is not None and op.phase is Phase.GRAD_SYNC and op.count == m
 
     def key(item: tuple[int, Op]) -> tuple[int, int, int]:
         i, op = item
+        if op.phase is Phase.GRAD_SYNC:
+            return rank[op.phase], int(not per_micro_batch(op)), i
         return rank[op.phase], int(op.phase is Phase.BACKWARD and op.state is G), i
 
     return [op for _, op in sorted(enumerate(ops), key=key)]
@@ -375,25 +388,38 @@ class _Index:
         self.degrees = {axis: _int_degree(d) for axis, d in pl.mesh}
         self.home = _scale_home(pl.axes)
         self.ops: dict[Group, list[Op]] = {}  # group -> its ops in execution order, group erased
-        for op in _execution_order(program.ops):
+        for op in _execution_order(program.ops, pl.options.micro_batches):
             self.ops.setdefault(op.group, []).append(_erased(op))
 
     def entry(self, state: State, group: Group, axis: Axis) -> Entry:
         return self.modes.get((state, group), {}).get(axis, Entry(Mode.REPLICATED))
 
 
-def _gradient_ops(index: _Index, group: Group, axis: Axis) -> list[Op]:
+def _reads_host_gradient(index: _Index, group: Group) -> bool:
+    """The optimizer reads ``group``'s gradient from the host (ZeRO-Offload: G or O offloaded)."""
+    return Mode.OFFLOADED in (index.local.get((G, group)), index.local.get((O, group)))
+
+
+def _gradient_ops(index: _Index, group: Group, axis: Axis, host: bool = False) -> list[Op]:
     """G ops of ``group`` on ``axis`` (group erased) that run before its optimizer step reads G.
 
     Gradient ops of the forward phase run before the backward produces the gradient: they act
-    on an empty buffer and do not count.
+    on an empty buffer and do not count. With ``host`` (the optimizer reads a host copy of the
+    gradient) the device-to-host copies of G, in any phase, are kept too: they are axis-free
+    and the host copy is what the optimizer reads.
     """
     home = index.home
     out: list[Op] = []
     for op in index.ops.get(group, []):
         if op.kind is OpKind.OPTIMIZER_STEP:
             break
-        if op.state is not G or op.phase is Phase.FORWARD:
+        if op.state is not G:
+            continue
+        if op.kind is OpKind.DEVICE_TO_HOST:
+            if host:
+                out.append(op)
+            continue
+        if op.phase is Phase.FORWARD:
             continue
         if op.kind.is_reduction and op.axis is axis:
             out.append(op)
@@ -404,6 +430,8 @@ def _gradient_ops(index: _Index, group: Group, axis: Axis) -> list[Op]:
 
 def _op_label(n: int, op: Op) -> str:
     where = op.axis.value if op.axis is not None else "all"
+    if op.kind.is_transfer:
+        return f"op{n}:{op.kind.value}({op.state.value}.{op.group.name}, {op.phase.value})"
     extra = f", {(op.reduce or Reduce.SUM).value}" if op.kind.is_reduction else f", x{op.scale}"
     return f"op{n}:{op.kind.value}({op.state.value}.{op.group.name}, {where}{extra})"
 
@@ -417,14 +445,17 @@ class _IntegrityCase:
     origin: Origin
     sharded: bool
     ops: tuple[Op, ...]
+    host: bool = False  # the optimizer reads a host copy of the gradient (made by DEVICE_TO_HOST ops)
 
 
 def _integrity_case(index: _Index, group: Group, axis: Axis) -> _IntegrityCase:
     degree = index.degrees[axis]
     if axis is Axis.PP and group in index.placement.tied:
         degree = min(degree, 2)  # a tied embedding lives on the first and the last stage
+    host = _reads_host_gradient(index, group)
     return _IntegrityCase(axis, degree, index.origins.get((group, axis), Origin.COMPLETE),
-                          index.entry(G, group, axis).mode.is_sharded, tuple(_gradient_ops(index, group, axis)))
+                          index.entry(G, group, axis).mode.is_sharded, tuple(_gradient_ops(index, group, axis, host)),
+                          host)
 
 
 def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation, list[Violation]]:
@@ -463,7 +494,18 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
     ops = list(case.ops)
     late: list[Op] = []  # reductions after the gradient was cut down to its shard
     trimmed = False
+    host: list[z3.ArithRef] | None = None  # the host copy of the gradient, once one is made
+    copied = -1  # index in ops of the last device-to-host copy
     for n, op in enumerate(ops, start=1):
+        if op.kind is OpKind.DEVICE_TO_HOST:
+            # A copy of the device value at the time of the transfer: later device-side
+            # reductions do not reach it. Before the backward has produced the gradient (a copy
+            # in the forward or the backward phase) the buffer holds none of it.
+            host = [z3.Real(f"h{n}_{i}") for i in range(k)]
+            incomplete = op.phase in (Phase.FORWARD, Phase.BACKWARD)
+            solver.track(_op_label(n, op), z3.And(*[host[i] == (0 if incomplete else values[i]) for i in range(k)]))
+            copied = n - 1
+            continue
         if sharded and not trimmed and op.phase in (Phase.OPTIMIZER, Phase.REFRESH):
             # After gradient synchronisation a sharded gradient is freed outside each device's
             # shard: only the holder keeps this element (whatever it has reduced so far).
@@ -490,7 +532,8 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
                 raise AssertionError(op.kind)
         solver.track(_op_label(n, op), z3.And(*step))
         values, rest_v = new, new_rest
-    solver.track(f"integrity[{name}]", z3.Or(*[values[i] != reference for i in owners]))
+    read = host if case.host and host is not None else values  # what the optimizer reads
+    solver.track(f"integrity[{name}]", z3.Or(*[read[i] != reference for i in owners]))
     answer = solver.check()
     status = _status(answer, violated_when="sat")
     obligation = Obligation(f"gradient_integrity[{name}]", Condition.GRADIENT_INTEGRITY, status,
@@ -499,8 +542,9 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
         return obligation, []
     model = answer.model
     ref_value = _number(model.eval(reference, model_completion=True))
-    held = {str(i): _number(model.eval(values[i], model_completion=True)) for i in owners}
-    rule, defect = _classify_integrity(origin, ops, axis, degree, late)
+    held = {str(i): _number(model.eval(read[i], model_completion=True)) for i in owners}
+    rule, defect = _classify_integrity(origin, ops, axis, degree, late,
+                                       copied if case.host and host is not None else None)
     witness: dict[str, Any] = {
         "defect": defect, "origin": origin.value, "degree": degree, "modelled_devices": k,
         "contributions": {str(i): _number(model.eval(contributions[i], model_completion=True)) for i in range(k)},
@@ -508,19 +552,38 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
         "disagreeing_devices": [i for i in held if held[i] != ref_value],
         "ops": [str(op) for op in ops],
     }
+    if case.host:
+        witness["read_from"] = "host" if host is not None else "device"
     if rest:
         witness["contributions"]["rest"] = _number(model.eval(rest_c, model_completion=True))
     if origin is Origin.COMPLETE:
         witness["contributions"] = {"complete": ref_value}
     first_bad = witness["disagreeing_devices"][0] if witness["disagreeing_devices"] else "0"
-    explanation = (f"G.{group.name} along {axis.value}: {defect}; device {first_bad} holds "
+    holder = "the host copy of device" if case.host and host is not None else "device"
+    explanation = (f"G.{group.name} along {axis.value}: {defect}; {holder} {first_bad} holds "
                    f"{held.get(first_bad)} where single-device training has {ref_value}")
     return obligation, [Violation(f"{rule}[{name}]", Condition.GRADIENT_INTEGRITY, G.value, group.name,
                                   axis.value, explanation, witness)]
 
 
 def _classify_integrity(origin: Origin, ops: list[Op], axis: Axis, degree: int,
-                        late: list[Op]) -> tuple[str, str]:
+                        late: list[Op], copied: int | None = None) -> tuple[str, str]:
+    """The rule a wrong gradient breaks. ``copied``: the index of the device-to-host copy the
+    optimizer reads (only the ops before it reach the host)."""
+    if copied is not None:
+        copy = ops[copied]
+        if copy.phase in (Phase.FORWARD, Phase.BACKWARD):
+            return ("transfer_after_reduction", f"the gradient is copied to the host in the {copy.phase.value} "
+                    "phase, before the backward has produced it: the host optimizer reads an incomplete gradient")
+        after = [op for op in ops[copied + 1:] if op.kind.is_reduction or op.kind is OpKind.SCALE]
+        if after:
+            what = f"{after[0].kind.value}" + (f" ({after[0].reduce.value})" if after[0].reduce else "")
+            return ("transfer_after_reduction", f"the gradient is copied to the host before its {what} along "
+                    f"{axis.value}: the host optimizer reads the gradient as it was at the copy, and the "
+                    "later device-side op does not reach it")
+        ops = ops[:copied]
+        late = [op for op in late if op in ops]
+    ops = [op for op in ops if not op.kind.is_transfer]
     reductions = [op for op in ops if op.kind.is_reduction]
     if late:
         return ("reduction_closure", f"reduction after gradient synchronisation ({late[0].phase.value} phase): "
@@ -780,6 +843,8 @@ class _AxisRun:
                 if not trimmed and op.phase in (Phase.OPTIMIZER, Phase.REFRESH):
                     self.free_outside_shard()
                     trimmed = True
+                if op.kind.is_collective and self.degree == 1:
+                    continue  # one device along the axis: a collective exchanges nothing (the identity)
                 match op.kind:
                     case OpKind.ALL_GATHER:
                         self.gather(op)

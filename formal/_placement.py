@@ -8,15 +8,13 @@ that the step program, the cost model, the z3 encoding, the simulator and the re
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 import sympy as sp
 
 from formal._vocab import (
-    ACTIVATION_GROUPS,
-    EMBEDDING,
     Axis,
     Group,
     Mode,
@@ -194,14 +192,7 @@ class Placement:
         return out
 
 
-ACTIVATION_KEYS = tuple((State.ACTIVATIONS, g) for g in ACTIVATION_GROUPS)
-
-
-def mapping_of(pairs: Mapping[Axis, sp.Expr] | tuple[tuple[Axis, sp.Expr], ...]) -> dict[Axis, sp.Expr]:
-    return dict(pairs.items()) if isinstance(pairs, Mapping) else dict(pairs)
-
-
 __all__ = [
-    "EMBEDDING", "Entry", "Key", "Options", "Placement", "R", "Recompute", "S", "SG", "Schedule",
+    "Entry", "Key", "Options", "Placement", "R", "Recompute", "S", "SG", "Schedule",
     "Strategy",
 ]

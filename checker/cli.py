@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ from checker._parse import MODIFIERS, parse
 from checker._report import print_human, print_verdict, to_json, verdict_json
 from checker._toml import StrategyFile
 from checker._toml import load as load_strategies
-from formal._model import PRECISIONS, Model, ParameterCount
+from formal._hf import load_hf_config
+from formal._model import PRECISIONS, Model, ParameterCount, Transformer
 from formal._presets import DEFAULT_DEVICE_MEMORY, DEFAULT_DEVICES, DEFAULT_MODEL, PRESETS
 from formal._smt import DEFAULT_TIMEOUT_MS, decide
 from formal._strategies import LIBRARY, Composition
@@ -91,7 +93,6 @@ def load_model(model: str | None, params: str | None, micro_batch: int | None, s
         if name in PRESETS:
             chosen = PRESETS[name]
         elif name.endswith(".json") and Path(name).exists():
-            from formal._hf import load_hf_config  # an optional reader; see issue 7
             chosen = load_hf_config(Path(name))
         else:
             raise InputError(f"--model {name}: unknown model (presets: {', '.join(sorted(PRESETS))})")
@@ -100,9 +101,6 @@ def load_model(model: str | None, params: str | None, micro_batch: int | None, s
             raise InputError(f"--micro-batch {micro_batch}: must be at least 1")
         chosen = chosen.with_micro_batch(micro_batch)
     if seq is not None:
-        from dataclasses import replace
-
-        from formal._model import Transformer
         if seq < 1:
             raise InputError(f"--seq {seq}: must be at least 1")
         if isinstance(chosen, Transformer):

@@ -733,23 +733,22 @@ class Simulator:
         return out
 
     # ---- the model on the mesh -----------------------------------------------------------
+    def _index(self, dev: Device, group: Group, which: int, layer: int | None) -> Array:
+        """Flat indices of one tensor on a device, cut to its TP slice when compute-sharded."""
+        t = self.model.tensors(group)[which]
+        index = t.index if layer is None else t.index[layer]
+        if t.tp_dim is not None and self.t > 1 and self.pl.computes_sharded(Axis.TP, group):
+            r = self.mesh.coord(dev, Axis.TP)
+            n_ = index.shape[t.tp_dim]
+            index = np.take(index, range(r * n_ // self.t, (r + 1) * n_ // self.t), axis=t.tp_dim)
+        return index
+
     def _w(self, dev: Device, group: Group, which: int, layer: int | None = None) -> Array:
         """A device's working copy of one tensor, cut to its TP slice when compute-sharded."""
-        t = self.model.tensors(group)[which]
-        index = t.index if layer is None else t.index[layer]
-        if t.tp_dim is not None and self.t > 1 and self.pl.computes_sharded(Axis.TP, group):
-            r = self.mesh.coord(dev, Axis.TP)
-            n_ = index.shape[t.tp_dim]
-            index = np.take(index, range(r * n_ // self.t, (r + 1) * n_ // self.t), axis=t.tp_dim)
-        return self.P_read[dev][group][index]
+        return self.P_read[dev][group][self._index(dev, group, which, layer)]
 
     def _add_grad(self, dev: Device, group: Group, which: int, layer: int | None, value: Array) -> None:
-        t = self.model.tensors(group)[which]
-        index = t.index if layer is None else t.index[layer]
-        if t.tp_dim is not None and self.t > 1 and self.pl.computes_sharded(Axis.TP, group):
-            r = self.mesh.coord(dev, Axis.TP)
-            n_ = index.shape[t.tp_dim]
-            index = np.take(index, range(r * n_ // self.t, (r + 1) * n_ // self.t), axis=t.tp_dim)
+        index = self._index(dev, group, which, layer)
         arr = self.fresh[dev][group]
         arr[index] = self.n.add(arr[index], value)
 

@@ -25,6 +25,21 @@ _SUMMARY = pytest.StashKey[list[str]]()
 
 
 @pytest.fixture
+def z3_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every z3 query answers ``unknown`` (reason "timeout"), as a real timeout would."""
+    import formal._smt as smt
+
+    real = smt._solve
+
+    def gives_up(tracked: smt._Solver, assumptions: object) -> smt._Answer:
+        answer = real(tracked, assumptions)  # type: ignore[arg-type]
+        return smt._Answer("unknown", "timeout", (), None, answer.seconds)
+
+    monkeypatch.setattr(smt, "_solve", gives_up)
+    monkeypatch.setattr(smt, "_MEMO", {})  # remembered answers would bypass the patched solver
+
+
+@pytest.fixture
 def summary_lines(request: pytest.FixtureRequest) -> list[str]:
     """Lines a test wants printed at the end of the run (case counts, disagreements, times)."""
     return request.config.stash.setdefault(_SUMMARY, [])

@@ -116,17 +116,7 @@ def test_a_rule_violation_is_a_verdict_not_an_input_error() -> None:
         assert result.exit_code == 1, (text, result.stderr)
 
 
-def test_unknown_exits_3(monkeypatch: pytest.MonkeyPatch) -> None:
-    import formal._smt as smt
-
-    real = smt._solve
-
-    def gives_up(tracked: smt._Solver, assumptions: object) -> smt._Answer:
-        answer = real(tracked, assumptions)  # type: ignore[arg-type]
-        return smt._Answer("unknown", "timeout", (), None, answer.seconds)
-
-    monkeypatch.setattr(smt, "_solve", gives_up)
-    monkeypatch.setattr(smt, "_MEMO", {})  # remembered answers would bypass the patched solver
+def test_unknown_exits_3(z3_gives_up: None) -> None:
     result = CliRunner().invoke(main, ["check", "dp2"])
     assert result.exit_code == 3
     assert "not proved" in result.stdout

@@ -116,17 +116,7 @@ def test_unknown_is_kept_with_its_reason() -> None:
     assert answer.reason
 
 
-def test_unknown_is_never_reported_proved(monkeypatch: pytest.MonkeyPatch) -> None:
-    import formal._smt as smt
-
-    real = smt._solve
-
-    def gives_up(tracked: smt._Solver, assumptions: object) -> smt._Answer:
-        answer = real(tracked, assumptions)  # type: ignore[arg-type]
-        return smt._Answer("unknown", "timeout", (), None, answer.seconds)
-
-    monkeypatch.setattr(smt, "_solve", gives_up)
-    monkeypatch.setattr(smt, "_MEMO", {})  # remembered answers would bypass the patched solver
+def test_unknown_is_never_reported_proved(z3_gives_up: None) -> None:
     verdict = verdict_of("tp2xzero34")
     assert verdict.status is Status.UNKNOWN
     assert all(o.status is Status.UNKNOWN and o.reason_unknown == "timeout" for o in verdict.obligations)

@@ -19,6 +19,9 @@ from formal._placement import Entry, Placement, Recompute, Schedule
 from formal._program import StepProgram, axis_factor, pipeline_factor, shard_elements
 from formal._vocab import (
     ACTIVATION_GROUPS,
+    FIRST_STAGE_ACTIVATIONS,
+    IO_ACTIVATION_GROUPS,
+    LAST_STAGE_ACTIVATIONS,
     LAYER_GROUPS,
     MODEL_STATES,
     Axis,
@@ -145,14 +148,43 @@ def in_flight_micro_batches(pl: Placement, stage: str = "first") -> sp.Expr:
 
 
 def activation_memory(pl: Placement, model: Model, precision: Precision, stage: str = "first") -> sp.Expr | None:
-    """Activation bytes on a device: Korthikanti's per-layer bytes through the placement."""
+    """Activation bytes on a device: Korthikanti's per-layer bytes (section 4.1) for the stage's
+    layers, plus the input and output layers' bytes (section 4.3) where the stage holds them,
+    both through the placement, times the micro-batches in flight on the stage."""
     if not isinstance(model, Transformer):
         return None
     per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
     layers = pl.stage_layers(model.layers)
     sbh = sp.Integer(model.seq * model.micro_batch * model.hidden)
-    total = layer_activations(pl, per_layer, sbh, precision)
-    return exact(total * layers * in_flight_micro_batches(pl, stage))
+    total = layer_activations(pl, per_layer, sbh, precision) * layers
+    io = model.io_activation_bytes(precision.activations, precision.mask_bytes, precision.logits_bytes)
+    total += io_activations(pl, io, stage)
+    return exact(total * in_flight_micro_batches(pl, stage))
+
+
+def holds_io_activations(pl: Placement, group: Group, stage: str) -> bool:
+    """Whether a device of ``stage`` keeps an input/output-layer activation group: the input
+    embeddings' on the first stage, the output layer's and the loss's on the last, all of them
+    without a pipeline. A symbolic pp degree (the planner) means a pipeline of two or more."""
+    p = pl.degree(Axis.PP)
+    if Axis.PP not in pl.axes or (p.is_number and p == 1):
+        return True
+    if group in FIRST_STAGE_ACTIVATIONS:
+        return stage == "first"
+    if group in LAST_STAGE_ACTIVATIONS:
+        return stage == "last"
+    raise AssertionError(group)
+
+
+def io_activations(pl: Placement, io_bytes: Mapping[Group, sp.Expr], stage: str = "first") -> sp.Expr:
+    """Input/output-layer activation bytes one device keeps for one micro-batch on ``stage``
+    (Korthikanti et al. 2022, section 4.3), through the placement. Works on symbolic sizes."""
+    total: sp.Expr = sp.Integer(0)
+    for g in IO_ACTIVATION_GROUPS:
+        if (State.ACTIVATIONS, g) not in set(pl.keys()) or not holds_io_activations(pl, g, stage):
+            continue
+        total += io_bytes[g] * _tensor_factor(pl, g)
+    return total
 
 
 def layer_activations(pl: Placement, per_layer: Mapping[Group, sp.Expr], sbh: sp.Expr,

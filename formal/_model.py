@@ -15,13 +15,16 @@ from formal._vocab import (
     ATTENTION,
     ATTN_SCORES,
     EMBEDDING,
+    EMBEDDING_IO,
     EXPERTS,
     FINAL_NORM,
     HEAD,
     LAYER_IO,
     LINEAR_INNER,
+    LOGITS,
     MLP,
     NORM,
+    OUTPUT_IO,
     POSITION,
     ROUTER,
     ROW_BIAS,
@@ -148,6 +151,13 @@ class Transformer:
         return layer_activation_bytes(sp.Integer(self.seq), sp.Integer(self.micro_batch), sp.Integer(self.hidden),
                                       sp.Integer(self.heads), element_bytes, mask_bytes)
 
+    def io_activation_bytes(self, element_bytes: int = 2, mask_bytes: int = 1,
+                            logits_bytes: int = 4) -> dict[Group, sp.Expr]:
+        """Activation bytes of the input and output layers for one micro-batch, before any
+        parallelism: ``io_activation_bytes`` for this model's sizes."""
+        return io_activation_bytes(sp.Integer(self.seq), sp.Integer(self.micro_batch), sp.Integer(self.hidden),
+                                   sp.Integer(self.vocab), element_bytes, mask_bytes, logits_bytes)
+
     def with_micro_batch(self, micro_batch: int) -> Transformer:
         return replace(self, micro_batch=micro_batch)
 
@@ -162,6 +172,25 @@ def layer_activation_bytes(seq: sp.Expr, micro_batch: sp.Expr, hidden: sp.Expr, 
         LAYER_IO: (4 * element_bytes + 2 * mask_bytes) * sbh,
         LINEAR_INNER: 12 * element_bytes * sbh,
         ATTN_SCORES: (2 * element_bytes + mask_bytes) * as2b,
+    }
+
+
+def io_activation_bytes(seq: sp.Expr, micro_batch: sp.Expr, hidden: sp.Expr, vocab: sp.Expr,
+                        element_bytes: int = 2, mask_bytes: int = 1, logits_bytes: int = 4) -> dict[Group, sp.Expr]:
+    """The input and output layers' activations (Korthikanti et al. 2022, section 4.3).
+
+    Input: the dropout on the input embeddings keeps a mask, ``sbh`` 1-byte elements
+    (position and word embeddings themselves keep nothing large). Output: the final LayerNorm
+    and the output projection each keep their input, ``2sbh`` bytes each at 16 bits, and the
+    cross-entropy keeps the logits in 32-bit floats, ``4sbv`` bytes. With sequence and tensor
+    parallelism and one micro-batch in flight the paper sums them as
+    ``sbh/t + 4sbh/t (1 + v/h)``; the placement decides the split here.
+    """
+    sbh = seq * micro_batch * hidden
+    return {
+        EMBEDDING_IO: mask_bytes * sbh,
+        OUTPUT_IO: 2 * element_bytes * sbh,
+        LOGITS: logits_bytes * seq * micro_batch * vocab,
     }
 
 
@@ -221,6 +250,7 @@ class Precision:
     activations: int = 2  # 16-bit activations (Korthikanti's formulas assume this)
     gradient_wire: int = 2  # bytes per gradient element sent by reductions
     mask_bytes: int = 1  # bytes per dropout-mask element (Korthikanti: 1-byte masks)
+    logits_bytes: int = 4  # bytes per logit the loss keeps (Korthikanti 4.3: fp32 cross-entropy)
     source: str = ""
     description: str = ""
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)

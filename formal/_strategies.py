@@ -28,11 +28,15 @@ from formal._vocab import (
     ATTENTION,
     ATTN_SCORES,
     EMBEDDING,
+    EMBEDDING_IO,
     EXPERTS,
     HEAD,
+    IO_ACTIVATION_GROUPS,
     LAYER_IO,
     LINEAR_INNER,
+    LOGITS,
     MLP,
+    OUTPUT_IO,
     WEIGHTS,
     Axis,
     Group,
@@ -116,6 +120,9 @@ def tp() -> Strategy:
     for state in (P, O, G):
         entries += [((state, g), S) for g in sorted(TP_SHARDED)]
     entries += [((A, LAYER_IO), R), ((A, LINEAR_INNER), S), ((A, ATTN_SCORES), S)]
+    # Korthikanti 4.3: the embedding dropout and the output layer's inputs are whole on every
+    # rank (split only by sequence parallelism); the logits are vocabulary-parallel.
+    entries += [((A, EMBEDDING_IO), R), ((A, OUTPUT_IO), R), ((A, LOGITS), S)]
     return Strategy("tp", Axis.TP, None, tuple(entries), TP_SHARDED,
                     "Megatron tensor parallelism: column/row-parallel matrices, vocab-parallel "
                     "embedding, replicated LayerNorm", "Shoeybi et al. 2019, Megatron-LM, section 3")
@@ -197,8 +204,9 @@ class Composition:
         }
         param_groups = tuple(model.group_elements())
         act_groups = ACTIVATION_GROUPS if isinstance(model, Transformer) else ()
+        io_groups = IO_ACTIVATION_GROUPS if isinstance(model, Transformer) else ()
         keys: list[Key] = [(st, g) for st in (P, O, G) for g in param_groups]
-        keys += [(A, g) for g in act_groups]
+        keys += [(A, g) for g in act_groups + io_groups]
         rows: dict[Key, dict[Axis, Entry]] = {k: {} for k in keys}
         for strategy in self.strategies:
             _apply_strategy(rows, strategy)
@@ -240,10 +248,12 @@ def _apply_strategy(rows: dict[Key, dict[Axis, Entry]], strategy: Strategy) -> N
 
 def _apply_sequence_parallel(rows: dict[Key, dict[Axis, Entry]]) -> None:
     # Korthikanti et al. 2022, section 4.2.2: the 10sbh of LayerNorm/dropout activations are
-    # split along the sequence across the tensor-parallel group.
-    key = (A, LAYER_IO)
-    if key in rows and Axis.TP in rows[key]:
-        rows[key][Axis.TP] = S
+    # split along the sequence across the tensor-parallel group; section 4.3: so are the input
+    # embeddings' dropout and the final LayerNorm's and output projection's inputs.
+    for group in (LAYER_IO, EMBEDDING_IO, OUTPUT_IO):
+        key = (A, group)
+        if key in rows and Axis.TP in rows[key]:
+            rows[key][Axis.TP] = S
 
 
 def _apply_tied_embeddings(rows: dict[Key, dict[Axis, Entry]], model: Model,

@@ -129,7 +129,18 @@ LAST_STAGE_GROUPS: frozenset[Group] = frozenset({HEAD, FINAL_NORM})
 LAYER_IO = Group("layer_io")  # 10sbh: norm inputs, linear inputs, dropout masks; replicated by TP
 LINEAR_INNER = Group("linear_inner")  # 24sbh: Q, K, V, attention out, FFN inner; split by TP
 ATTN_SCORES = Group("attn_scores")  # 5as^2b: softmax, its dropout mask and output; split by TP
-ACTIVATION_GROUPS: tuple[Group, ...] = (LAYER_IO, LINEAR_INNER, ATTN_SCORES)
+ACTIVATION_GROUPS: tuple[Group, ...] = (LAYER_IO, LINEAR_INNER, ATTN_SCORES)  # the per-layer ones
+
+# Activation groups of the input and output layers, once per model (Korthikanti et al. 2022,
+# section 4.3): the first stage keeps the input embeddings' dropout mask (sbh masks); the last
+# keeps the final norm's and the output projection's inputs (2sbh activations) and the
+# cross-entropy's fp32 logits (4sbv bytes).
+EMBEDDING_IO = Group("embedding_io")  # sbh dropout mask of the input embeddings; sequence-split by SP
+OUTPUT_IO = Group("output_io")  # 2sbh: final norm input, head input; sequence-split by SP
+LOGITS = Group("logits")  # sbv fp32 logits of the loss: vocabulary-split by TP
+IO_ACTIVATION_GROUPS: tuple[Group, ...] = (EMBEDDING_IO, OUTPUT_IO, LOGITS)
+FIRST_STAGE_ACTIVATIONS: frozenset[Group] = frozenset({EMBEDDING_IO})
+LAST_STAGE_ACTIVATIONS: frozenset[Group] = frozenset({OUTPUT_IO, LOGITS})
 
 
 class Phase(StrEnum):

@@ -271,30 +271,70 @@ KORTHIKANTI_CASES = {  # formula key -> composition (t substituted)
 }
 
 
+IO_SYMS = {**SYMS, **{name: sp.Symbol(name, positive=True) for name in ("L", "p", "v", "delta_p1")}}
+IO_FORMULA = sp.sympify(CASES["korthikanti-io-activations"]["formulas"]["extra_first_stage"], locals=IO_SYMS)
+
+
+def korthikanti_io_bytes(key: str, values: dict[sp.Symbol, int], p: int = 1, output: bool | None = None) -> sp.Expr:
+    """Section 4.3's input/output-layer bytes: ``p`` micro-batches of the input embeddings'
+    dropout mask, and the output layer when ``output`` (the paper's delta_{p=1}; default p == 1).
+    The paper states them with sequence parallelism (everything divided by t); without it only
+    the vocabulary-parallel logits are split, so the sbh terms are the formula at t = 1 and the
+    logits term 4sbv/t is kept apart."""
+    delta = int(p == 1) if output is None else int(output)
+    at = {IO_SYMS["p"]: p, IO_SYMS["delta_p1"]: delta}
+    if "sp" in key:
+        return IO_FORMULA.subs(at).subs(values)
+    s_, b_, v_, t_ = values[SYMS["s"]], values[SYMS["b"]], values[IO_SYMS["v"]], values[SYMS["t"]]
+    logits = 4 * s_ * b_ * v_ * delta
+    return IO_FORMULA.subs(at).subs({**values, SYMS["t"]: 1}) - logits + logits / sp.Integer(t_)
+
+
 @pytest.mark.parametrize("key", sorted(KORTHIKANTI_CASES))
 def test_korthikanti_table2_activation_formulas(key: str) -> None:
+    """Table 2 per layer, plus section 4.3's input and output layers (once per model)."""
     formula = sp.sympify(CASES["korthikanti-activations"]["formulas"][key], locals=SYMS)
     for layers, hidden, heads, seq, micro, t in KORTHIKANTI_SIZES:
         model = Transformer("k", layers=layers, hidden=hidden, heads=heads, vocab=1000, seq=seq, micro_batch=micro)
         pl = parse(KORTHIKANTI_CASES[key].format(t=t)).placement(model)
         ours = activation_memory(pl, model, PRECISIONS["zero"])
-        values = {SYMS["s"]: seq, SYMS["b"]: micro, SYMS["h"]: hidden, SYMS["a"]: heads, SYMS["t"]: t}
-        assert ours == layers * formula.subs(values), (key, layers, hidden)
+        values = {SYMS["s"]: seq, SYMS["b"]: micro, SYMS["h"]: hidden, SYMS["a"]: heads, SYMS["t"]: t,
+                  IO_SYMS["L"]: layers, IO_SYMS["v"]: 1000}
+        io_values = values if "{t}" in KORTHIKANTI_CASES[key] else {**values, SYMS["t"]: 1}  # no tp axis
+        assert ours == layers * formula.subs(values) + korthikanti_io_bytes(key, io_values), (key, layers, hidden)
 
 
 def test_korthikanti_first_stage_holds_p_micro_batches() -> None:
     """Section 4.2.3: under 1F1B the first stage holds p micro-batches of L/p layers, i.e. the
     whole model's activations of one micro-batch when m >= p; interleaving multiplies by
-    1 + (p-1)/(p v)."""
+    1 + (p-1)/(p v). Section 4.3: it also keeps p micro-batches of the input embeddings' dropout
+    mask, sbhp/t, and none of the output layer's activations (the delta_{p=1} term)."""
     model = Transformer("k", layers=8, hidden=64, heads=4, vocab=1000, seq=32)
-    one = activation_memory(parse("dp1").placement(model), model, PRECISIONS["zero"])
-    assert one is not None
+    values = {SYMS["s"]: 32, SYMS["b"]: 1, SYMS["h"]: 64, SYMS["a"]: 4, SYMS["t"]: 1,
+              IO_SYMS["L"]: 8, IO_SYMS["v"]: 1000}
+    layers_one = 8 * sp.sympify(CASES["korthikanti-activations"]["formulas"]["none"], locals=SYMS).subs(values)
     for p, m in ((2, 8), (4, 8), (4, 2)):
+        live = min(p, m)  # micro-batches in flight; the paper's p when m >= p
+        embedding = korthikanti_io_bytes("none", values, p) * sp.Rational(live, p)
         first = activation_memory(parse(f"pp{p}xm{m}").placement(model), model, PRECISIONS["zero"], "first")
-        assert first == one * sp.Rational(min(p, m), p)
+        assert first == layers_one * sp.Rational(live, p) + embedding
         for v in (2, 4):
             inter = activation_memory(parse(f"pp{p}xm{m}xv{v}").placement(model), model, PRECISIONS["zero"])
-            assert inter == one * sp.Rational(min(p, m), p) * (1 + sp.Rational(p - 1, p * v))
+            assert inter == (layers_one * sp.Rational(live, p) + embedding) * (1 + sp.Rational(p - 1, p * v))
+
+
+def test_korthikanti_output_layer_lives_on_the_last_stage() -> None:
+    """Section 4.3's output layer (final norm and head inputs 4sbh, fp32 logits 4sbv), on the
+    last stage only, once per micro-batch it holds: 1 under 1F1B, m under GPipe."""
+    model = Transformer("k", layers=8, hidden=64, heads=4, vocab=1000, seq=32)
+    values = {SYMS["s"]: 32, SYMS["b"]: 1, SYMS["h"]: 64, SYMS["a"]: 4, SYMS["t"]: 1,
+              IO_SYMS["L"]: 8, IO_SYMS["v"]: 1000}
+    layers_one = 8 * sp.sympify(CASES["korthikanti-activations"]["formulas"]["none"], locals=SYMS).subs(values)
+    output = korthikanti_io_bytes("none", values, p=0, output=True)
+    assert output == 4 * 32 * 64 * (1 + sp.Rational(1000, 64))  # 4sbh(1 + v/h), t = 1
+    for p, m, schedule, live in ((2, 8, "", 1), (4, 8, "xgpipe", 8)):
+        last = activation_memory(parse(f"pp{p}xm{m}{schedule}").placement(model), model, PRECISIONS["zero"], "last")
+        assert last == (layers_one / p + output) * live
 
 
 # --- PTD-P (Narayanan et al. 2021): bubble and communication ----------------------------------

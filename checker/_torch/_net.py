@@ -123,6 +123,8 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             x = self.embed(x)
+            if self.cfg.dropout:  # Megatron's embedding dropout (Korthikanti 4.3: an sbh mask)
+                x = F.dropout(x, self.cfg.dropout, self.training)
         for block in self.layers.values():
             x = block(x)
         if self.norm is not None:

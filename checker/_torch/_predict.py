@@ -17,9 +17,10 @@ from dataclasses import dataclass, replace
 import sympy as sp
 
 from checker._torch._record import Call
-from formal._costs import activation_memory, in_flight_micro_batches, memory
+from formal._costs import activation_memory, holds_io_activations, in_flight_micro_batches, memory
+from formal._exact import exact
 from formal._model import PRECISIONS, Ffn, Norm, Precision, Transformer
-from formal._placement import Placement
+from formal._placement import Placement, Schedule
 from formal._program import Op, StepProgram, derive_program, group_sizes, shard_elements
 from formal._strategies import Composition
 from formal._vocab import (
@@ -30,6 +31,7 @@ from formal._vocab import (
     LAYER_GROUPS,
     MLP,
     NORM,
+    OUTPUT_IO,
     POSITION,
     ROW_BIAS,
     Axis,
@@ -79,9 +81,10 @@ class Implementation:
     # per token (max, sum of exponentials, target logit), fp32.
     tp_loss_reductions: int = 3
     # DTensor ``ColwiseParallel(input_layouts=Shard(1))`` saves the all-gathered input of the
-    # QKV and FC1 matmuls for backward; Megatron (Korthikanti et al. 2022, section 4.2.2) keeps
-    # only the sequence shard and all-gathers it again in backward. Two of LAYER_IO's four
-    # activations per sbh are then held whole, not split by tp.
+    # QKV and FC1 matmuls (and of the head) for backward; Megatron (Korthikanti et al. 2022,
+    # sections 4.2.2 and 4.3) keeps only the sequence shard and all-gathers it again in
+    # backward. Two of LAYER_IO's four activations per sbh, and one of OUTPUT_IO's two, are
+    # then held whole, not split by tp.
     sp_saves_gathered_inputs: bool = True
     # PyTorch's CPU dropout keeps the scaled float noise, not a 1-byte mask: 4-byte masks.
     dropout_mask_bytes: int = 4
@@ -208,8 +211,11 @@ def _sequence_parallel_gathered_inputs(pl: Placement, model: Transformer, impl: 
         return sp.Integer(0)
     sbh = sp.Integer(model.seq * model.micro_batch * model.hidden)
     layers = sp.Integer(model.layers) / pl.degree(Axis.PP)
-    extra = 2 * precision.activations * sbh * (1 - 1 / t)  # the QKV and FC1 inputs, whole
-    return sp.nsimplify(extra * layers * in_flight_micro_batches(pl, stage))
+    whole = precision.activations * sbh * (1 - 1 / t)  # one gathered input beyond its shard
+    extra = 2 * whole * layers  # the QKV and FC1 inputs
+    if holds_io_activations(pl, OUTPUT_IO, stage):
+        extra += whole  # the head's input
+    return exact(extra * in_flight_micro_batches(pl, stage))
 
 
 def _has_ddp_buckets(program: StepProgram) -> bool:
@@ -250,6 +256,8 @@ def _calls(pl: Placement, program: StepProgram, model: Transformer, impl: Implem
         wire = precision.wire_bytes_of(op.state)
         count = _int(op.count)
         if op.state is A:
+            if op.kind is OpKind.SEND_RECV and op.axis is Axis.PP:
+                count = _pipeline_transfers(pl, count, rank)
             yield from [Call(op.kind, n, _int(op.elements) * wire)] * count
             continue
         group_tensors = [t for t in mine if t.group is op.group]
@@ -259,6 +267,20 @@ def _calls(pl: Placement, program: StepProgram, model: Transformer, impl: Implem
     yield from _ddp_bucket_calls(pl, program, mine, impl, precision)
     yield from _fsdp_unit_calls(pl, program, mine, impl, precision, stage)
     yield from _vocab_parallel_calls(pl, model, impl, precision, stage)
+
+
+def _pipeline_transfers(pl: Placement, count: int, rank: int) -> int:
+    """This rank's send and receive calls for the program's stage-to-stage transfer, which
+    runs ``count`` = m x chunks times per phase on each boundary between adjacent stages.
+
+    A rank is an end of one boundary per chunk it holds, on both sides, except the first stage
+    of the whole pipeline (nothing before it) and the last (nothing after): with one chunk, the
+    first and last stages send or receive m times per phase, a middle stage m times each way."""
+    chunks = pl.options.chunks if pl.options.schedule is Schedule.INTERLEAVED else 1
+    m, rest = divmod(count, chunks)
+    assert rest == 0, (count, chunks)
+    stage = stage_of(pl, rank)
+    return m * (2 * chunks - (stage == "first") - (stage == "last"))
 
 
 def _state_calls(pl: Placement, op: Op, n: int, wire: int, count: int, ts: list[Tensor],

@@ -2,7 +2,8 @@
 
 ``python -m checker._torch_validate --table`` prints the table for every strategy at world
 size 8 on the fake process group; ``--equivalence`` runs the bit-for-bit and fault runs on 2
-and 4 real gloo processes; ``check-composition COMPOSITION --validate torch`` validates one.
+and 4 real gloo processes; ``--gloo`` measures every rank on 2 and 4 gloo processes against
+the prediction and the fake group; ``check-composition COMPOSITION --validate torch`` validates one.
 Needs the torch extra (``pip install -e '.[torch]'``); nothing in the core imports this module.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 
 from checker._parse import parse
 from formal._strategies import Composition
+from formal._vocab import Axis
 
 # Every engine at world size 8: DDP, FSDP2 (reshard after forward, and not), DTensor TP (with
 # and without sequence parallelism), FSDP+TP, HSDP, pipelining (GPipe and 1F1B, 16 micro-batches
@@ -26,6 +28,20 @@ TABLE_COMPOSITIONS: tuple[str, ...] = (
     "ddp8", "fsdp8", "fsdp-sgo8", "tp8", "tp8xsp", "tp2xfsdp4", "hsdp4xdpr2", "pp8xm16xgpipe", "pp8xm16",
 )
 ACTIVATION_TOLERANCE = 0.10  # Korthikanti's per-layer count against everything autograd saves
+
+
+def table_ranks(text: str) -> tuple[int, ...]:
+    """The ranks the table measures: the first and the last (for a pipeline, the first and the
+    last stage), and a middle stage of a pipeline of more than two stages."""
+    comp = parse(text)
+    last = comp.devices - 1
+    p = comp.mesh().get(Axis.PP, 1)
+    middle = (p // 2 - 1,) if p > 2 else ()  # pipeline rank r runs stage r (pp is the only axis)
+    return tuple(sorted({0, last, *middle}))
+
+
+# (composition, rank): every strategy's first and last rank, and a pipeline's middle stage.
+TABLE_RUNS: tuple[tuple[str, int], ...] = tuple((t, r) for t in TABLE_COMPOSITIONS for r in table_ranks(t))
 
 
 @dataclass(frozen=True)
@@ -70,20 +86,36 @@ class Comparison:
         return self.model_states_exact and self.calls_equal and self.activations_within
 
 
+def _measure_on_fake_group(text: str, devices: int | None, rank: int) -> Any:
+    from checker._torch._engine import fake_group, measure
+    from checker._torch._net import NetConfig
+
+    comp = parse(text, devices=devices)
+    teardown = fake_group(comp.devices, rank)
+    try:
+        return measure(comp, NetConfig(), rank, comp.devices)
+    finally:
+        teardown()
+
+
+def measure_isolated(text: str, devices: int | None = None, rank: int = 0) -> Any:
+    """One fake-group measurement in a forked child, so no run inherits another's distributed
+    state: DeviceMesh equality ignores the rank and the group names, so meshes cached by an
+    earlier run of another rank resolve to process groups that no longer exist."""
+    import multiprocessing
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        return pool.apply(_measure_on_fake_group, (text, devices, rank))
+
+
 def validate(text: str, devices: int | None = None, rank: int = 0) -> Comparison:
     """Run ``text`` with PyTorch on a fake process group (one rank) and compare."""
-    from checker._torch._engine import fake_group, measure
     from checker._torch._net import NetConfig
     from checker._torch._predict import predict
 
     comp = parse(text, devices=devices)
     cfg = NetConfig()
     start = time.perf_counter()
-    teardown = fake_group(comp.devices, rank)
-    try:
-        measured = measure(comp, cfg, rank, comp.devices)
-    finally:
-        teardown()
+    measured = measure_isolated(text, devices, rank)
     predicted = predict(comp, cfg.formal(), rank=rank)
     rows = (
         Row("parameters", predicted.parameters, measured.parameters),
@@ -119,31 +151,36 @@ def format_comparison(c: Comparison) -> str:
 
 def format_table(comparisons: Sequence[Comparison]) -> str:
     """One line per strategy: model states, activations and collectives, predicted against measured."""
-    head = (f"{'composition':<14}{'engine':<20}{'model states pred':>18}{'measured':>10}{'err':>7}"
+    head = (f"{'composition':<14}{'rank':>5} {'stage':<7}{'engine':<20}"
+            f"{'model states pred':>18}{'measured':>10}{'err':>7}"
             f"{'activ. pred':>12}{'measured':>10}{'err':>8}{'calls pred':>11}{'recorded':>9}{'equal':>7}")
     lines = [head, "-" * len(head)]
     for c in comparisons:
         ms, act = c.row("model states"), c.row("activations")
-        lines.append(f"{c.composition!s:<14}{c.engine:<20}{ms.predicted:>18}{ms.measured:>10}{_pct(ms.error):>7}"
+        lines.append(f"{c.composition!s:<14}{c.rank:>5} {c.stage:<7}{c.engine:<20}"
+                     f"{ms.predicted:>18}{ms.measured:>10}{_pct(ms.error):>7}"
                      f"{act.predicted:>12}{act.measured:>10}{_pct(act.error):>8}"
                      f"{len(c.predicted_calls):>11}{len(c.measured_calls):>9}{c.calls_equal!s:>7}")
     worst = max(comparisons, key=lambda c: abs(c.row("activations").error))
-    lines.append(f"worst activation error: {_pct(worst.row('activations').error)} ({worst.composition}); "
+    lines.append(f"worst activation error: {_pct(worst.row('activations').error)} ({worst.composition}, "
+                 f"rank {worst.rank}); "
                  f"model states exact in {sum(c.model_states_exact for c in comparisons)}/{len(comparisons)}, "
                  f"collective lists equal in {sum(c.calls_equal for c in comparisons)}/{len(comparisons)}")
     return "\n".join(lines)
 
 
 def format_equivalence(world: int) -> tuple[str, bool]:
-    from checker._torch._exact import EXACT, equivalence, reference_is_exact
+    from checker._torch._exact import equivalence
 
     start = time.perf_counter()
     outcomes = equivalence(world)
     lines = [f"world {world} (gloo, {world} processes): exact-arithmetic premise "
-             f"(float32 reference == float64): {reference_is_exact(EXACT, world)}; {time.perf_counter() - start:.1f} s"]
+             f"(float32 reference == float64, every run): {all(o.premise for o in outcomes)}; "
+             f"{time.perf_counter() - start:.1f} s"]
     for o in outcomes:
         z3 = "z3 absent" if o.z3 is None else f"z3 {o.z3.name}"
-        lines.append(f"  {o.case.label():<28} bit-for-bit {o.matches!s:<6} ranks agree {o.ranks_agree!s:<6} "
+        agree = str(o.ranks_agree) if o.shared else "n/a"  # n/a: no parameter on two ranks (pipeline)
+        lines.append(f"  {o.case.label():<32} bit-for-bit {o.matches!s:<6} ranks agree {agree:<6} "
                      f"max |diff| {o.max_difference:<10g} {z3:<12} as predicted: {o.expected}")
     return "\n".join(lines), all(o.expected for o in outcomes)
 
@@ -181,10 +218,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("compositions", nargs="*", help="compositions to validate (default: the table's)")
     parser.add_argument("--table", action="store_true", help="the table at world size 8")
     parser.add_argument("--equivalence", action="store_true", help="bit-for-bit runs on 2 and 4 gloo processes")
+    parser.add_argument("--gloo", action="store_true",
+                        help="measure every rank on 2 and 4 gloo processes, against the prediction and the fake group")
+    parser.add_argument("--large", action="store_true",
+                        help="a 0.5 B-parameter model under FakeTensorMode with MemTracker (checker._torch._large)")
     args = parser.parse_args(argv)
     ok = True
-    if args.table or not (args.compositions or args.equivalence):
-        comparisons = [validate(t) for t in TABLE_COMPOSITIONS]
+    if args.table or not (args.compositions or args.equivalence or args.gloo or args.large):
+        comparisons = [validate(t, rank=r) for t, r in TABLE_RUNS]
         print(format_table(comparisons))
         ok &= all(c.ok for c in comparisons)
     for text in args.compositions:
@@ -196,7 +237,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             text, good = format_equivalence(world)
             print(text)
             ok &= good
+    if args.gloo:
+        ok &= _print_gloo()
+    if args.large:
+        from checker._torch._large import LARGE_RUNS, compare_large, format_large, large_ok
+        large = [compare_large(t, rank=r) for t, r in LARGE_RUNS]
+        print(format_large(large))
+        ok &= all(large_ok(c, r) for c, r in large)
     return 0 if ok else 1
+
+
+def _print_gloo() -> bool:
+    """Every rank on 2 and 4 gloo processes (``checker._torch._gloo``): the per-rank table."""
+    from checker._torch._gloo import compare_world, format_gloo_table
+    good = True
+    for world in (2, 4):
+        start = time.perf_counter()
+        results = compare_world(world)
+        print(format_gloo_table(world, results, time.perf_counter() - start))
+        good &= all(g.comparison.ok and g.equal_to_fake is True for g in results)
+    return good
 
 
 if __name__ == "__main__":

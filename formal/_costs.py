@@ -147,10 +147,39 @@ def in_flight_micro_batches(pl: Placement, stage: str = "first") -> sp.Expr:
             raise AssertionError(pl.options.schedule)
 
 
-def activation_memory(pl: Placement, model: Model, precision: Precision, stage: str = "first") -> sp.Expr | None:
+def stage_in_flight(pl: Placement, index: int) -> sp.Expr:
+    """Micro-batches pipeline stage ``index`` (0 .. p-1) holds at its peak, in whole-stage units.
+
+    1F1B: stage i runs p - i warm-up forwards before its first backward, so min(p - i, m)
+    (Narayanan et al. 2021, section 2.2); GPipe: m; interleaved: Megatron-LM's warm-up of
+    2 (p - i - 1) + (v - 1) p + 1 chunk-micro-batches, at most m v, each 1/v of the stage.
+    At i = 0 and i = p - 1 these are ``in_flight_micro_batches``' first and last stage.
+    """
+    p = pl.degree(Axis.PP)
+    m = sp.sympify(pl.options.micro_batches)
+    if Axis.PP not in pl.axes or p == 1:
+        return sp.Integer(1)
+    if not 0 <= index < p:
+        raise ValueError(f"stage {index} of a {p}-stage pipeline")
+    match pl.options.schedule:
+        case Schedule.GPIPE:
+            return m
+        case Schedule.ONE_F_ONE_B:
+            return sp.Min(p - index, m)
+        case Schedule.INTERLEAVED:
+            v = sp.Integer(pl.options.chunks)
+            return sp.Min(m * v, 2 * (p - index - 1) + (v - 1) * p + 1) / v
+        case _:
+            raise AssertionError(pl.options.schedule)
+
+
+def activation_memory(pl: Placement, model: Model, precision: Precision, stage: str = "first",
+                      index: int | None = None) -> sp.Expr | None:
     """Activation bytes on a device: Korthikanti's per-layer bytes (section 4.1) for the stage's
     layers, plus the input and output layers' bytes (section 4.3) where the stage holds them,
-    both through the placement, times the micro-batches in flight on the stage."""
+    both through the placement, times the micro-batches in flight on the stage: the first or
+    last stage's (``in_flight_micro_batches``), or, given a pipeline stage ``index``, that
+    stage's own (``stage_in_flight``; a middle stage holds fewer than the first)."""
     if not isinstance(model, Transformer):
         return None
     per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
@@ -159,7 +188,8 @@ def activation_memory(pl: Placement, model: Model, precision: Precision, stage: 
     total = layer_activations(pl, per_layer, sbh, precision) * layers
     io = model.io_activation_bytes(precision.activations, precision.mask_bytes, precision.logits_bytes)
     total += io_activations(pl, io, stage)
-    return exact(total * in_flight_micro_batches(pl, stage))
+    live = in_flight_micro_batches(pl, stage) if index is None else stage_in_flight(pl, index)
+    return exact(total * live)
 
 
 def holds_io_activations(pl: Placement, group: Group, stage: str) -> bool:

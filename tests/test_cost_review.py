@@ -8,7 +8,7 @@ import sympy as sp
 
 from checker._analysis import Analysis, analyze
 from checker._parse import parse
-from formal._costs import in_flight_micro_batches
+from formal._costs import in_flight_micro_batches, stage_in_flight
 from formal._model import PRECISIONS, ParameterCount, Transformer
 from formal._presets import PRESETS
 from formal._vocab import Axis, OpKind, State
@@ -45,6 +45,22 @@ def test_last_stage_holds_fewer_micro_batches_than_the_first() -> None:
             assert in_flight_micro_batches(il, "last") == sp.Rational(last_chunks, v)
             if m >= p:  # rank 0: 2(p-1) + (v-1)p + 1 chunks, Korthikanti's p (1 + (p-1)/(p v))
                 assert sp.Rational(2 * (p - 1) + (v - 1) * p + 1, v) == in_flight_micro_batches(il, "first")
+
+
+def test_every_stage_holds_its_own_warm_up() -> None:
+    """Stage i of a 1F1B pipeline runs p - i forwards before its first backward (PTD-P, 2.2),
+    so it holds min(p - i, m); the per-stage count meets the first and the last stage's at the
+    ends and never exceeds the first stage's (the bound reported for a middle stage)."""
+    model = Transformer("k", layers=16, hidden=64, heads=4, vocab=1000, seq=32)
+    for text in ("pp4xm16", "pp4xm2", "pp8xm8", "pp4xm16xgpipe", "pp4xm8xv2", "pp4xm8xv4", "pp8xm16xv2"):
+        pl = parse(text).placement(model)
+        p = int(pl.degree(Axis.PP))
+        assert stage_in_flight(pl, 0) == in_flight_micro_batches(pl, "first"), text
+        assert stage_in_flight(pl, p - 1) == in_flight_micro_batches(pl, "last"), text
+        for i in range(p):
+            assert stage_in_flight(pl, i) <= in_flight_micro_batches(pl, "middle"), (text, i)
+            if "x" not in text.removeprefix(f"pp{p}x"):  # plain 1F1B
+                assert stage_in_flight(pl, i) == min(p - i, pl.options.micro_batches), (text, i)
 
 
 def test_most_loaded_stage_is_the_larger_and_reported() -> None:

@@ -14,37 +14,57 @@ pytest.importorskip("torch", reason="the PyTorch validation needs the torch extr
 from checker._parse import parse
 from checker._torch._net import NetConfig
 from checker._torch._predict import Implementation, parameter_tensors, predict
-from checker._torch_validate import ACTIVATION_TOLERANCE, TABLE_COMPOSITIONS, Comparison, validate
+from checker._torch_validate import ACTIVATION_TOLERANCE, TABLE_COMPOSITIONS, TABLE_RUNS, Comparison, validate
 from formal._vocab import OpKind
 
-_CACHE: dict[str, Comparison] = {}
+_CACHE: dict[tuple[str, int], Comparison] = {}
 
 
-def compared(text: str) -> Comparison:
-    if text not in _CACHE:
-        _CACHE[text] = validate(text)
-    return _CACHE[text]
+def compared(text: str, rank: int = 0) -> Comparison:
+    if (text, rank) not in _CACHE:
+        _CACHE[(text, rank)] = validate(text, rank=rank)
+    return _CACHE[(text, rank)]
 
 
-@pytest.mark.parametrize("text", TABLE_COMPOSITIONS)
-def test_model_states_per_rank_are_predicted_exactly(text: str) -> None:
-    c = compared(text)
+def test_the_table_covers_every_strategy_on_its_first_and_last_rank() -> None:
+    for text in TABLE_COMPOSITIONS:
+        ranks = {r for t, r in TABLE_RUNS if t == text}
+        assert {0, parse(text).devices - 1} <= ranks, text
+    assert {r for t, r in TABLE_RUNS if t == "pp8xm16"} == {0, 3, 7}  # first, middle, last stage
+
+
+@pytest.mark.parametrize(("text", "rank"), TABLE_RUNS)
+def test_model_states_per_rank_are_predicted_exactly(text: str, rank: int) -> None:
+    c = compared(text, rank)
     for row in c.rows:
         if row.quantity != "activations":
-            assert row.predicted == row.measured, (text, row)
+            assert row.predicted == row.measured, (text, rank, row)
 
 
-@pytest.mark.parametrize("text", TABLE_COMPOSITIONS)
-def test_collective_list_is_predicted_exactly(text: str) -> None:
-    c = compared(text)
-    assert Counter(c.predicted_calls) == Counter(c.measured_calls), text
-    assert c.measured_calls, f"{text}: nothing recorded"
+@pytest.mark.parametrize(("text", "rank"), TABLE_RUNS)
+def test_collective_list_is_predicted_exactly(text: str, rank: int) -> None:
+    c = compared(text, rank)
+    assert Counter(c.predicted_calls) == Counter(c.measured_calls), (text, rank)
+    assert c.measured_calls, f"{text} rank {rank}: nothing recorded"
 
 
-@pytest.mark.parametrize("text", TABLE_COMPOSITIONS)
-def test_activations_within_tolerance(text: str) -> None:
-    act = compared(text).row("activations")
-    assert abs(act.error) <= ACTIVATION_TOLERANCE, (text, act)
+@pytest.mark.parametrize(("text", "rank"), TABLE_RUNS)
+def test_activations_within_tolerance(text: str, rank: int) -> None:
+    act = compared(text, rank).row("activations")
+    assert abs(act.error) <= ACTIVATION_TOLERANCE, (text, rank, act)
+
+
+def test_the_last_stage_holds_the_output_layer() -> None:
+    """Korthikanti et al. 2022, 4.3: the last stage keeps the final norm's and the head's inputs
+    and the loss's logits; 1F1B's last stage runs one micro-batch at a time, GPipe's all m."""
+    model = NetConfig().formal()
+    per_micro_batch_layers = (compared("pp8xm16", 3).row("activations").predicted
+                              // 8)  # a middle stage: 8 micro-batches of its one layer
+    last = compared("pp8xm16", 7).row("activations")
+    assert last.predicted > per_micro_batch_layers  # the output layer is counted, once
+    logits = model.seq * model.micro_batch * model.vocab * 4
+    assert last.measured >= per_micro_batch_layers + logits  # PyTorch keeps fp32 log-probabilities
+    assert abs(last.error) <= ACTIVATION_TOLERANCE
 
 
 def test_each_named_effect_is_needed() -> None:

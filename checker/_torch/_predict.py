@@ -17,7 +17,13 @@ from dataclasses import dataclass, replace
 import sympy as sp
 
 from checker._torch._record import Call
-from formal._costs import activation_memory, holds_io_activations, in_flight_micro_batches, memory
+from formal._costs import (
+    activation_memory,
+    holds_io_activations,
+    in_flight_micro_batches,
+    memory,
+    stage_in_flight,
+)
 from formal._exact import exact
 from formal._model import PRECISIONS, Ffn, Norm, Precision, Transformer
 from formal._placement import Placement, Schedule
@@ -197,15 +203,16 @@ def predict(comp: Composition, model: Transformer, impl: Implementation = Implem
         grads += _ddp_reduced_bytes(program, precision)
     if impl.tp_embedding_full_gradient:
         grads += _embedding_gradient_replicas(pl, model, precision, stage)
-    act = activation_memory(pl, model, precision, stage)
+    index = rank if int(pl.degree(Axis.PP)) > 1 else None  # pipeline rank r runs stage r
+    act = activation_memory(pl, model, precision, stage, index)
     assert act is not None
-    act += _sequence_parallel_gathered_inputs(pl, model, impl, precision, stage)
+    act += _sequence_parallel_gathered_inputs(pl, model, impl, precision, stage, index)
     calls = tuple(sorted(_calls(pl, program, model, impl, precision, rank)))
     return Prediction(_int(mem.parameters.total), _int(grads), _int(mem.optimizer.total), _int(act), calls, stage)
 
 
 def _sequence_parallel_gathered_inputs(pl: Placement, model: Transformer, impl: Implementation,
-                                       precision: Precision, stage: str) -> sp.Expr:
+                                       precision: Precision, stage: str, index: int | None = None) -> sp.Expr:
     t = pl.degree(Axis.TP)
     if not impl.sp_saves_gathered_inputs or t == 1 or not pl.mode(A, _layer_io(), Axis.TP).is_sharded:
         return sp.Integer(0)
@@ -215,7 +222,7 @@ def _sequence_parallel_gathered_inputs(pl: Placement, model: Transformer, impl: 
     extra = 2 * whole * layers  # the QKV and FC1 inputs
     if holds_io_activations(pl, OUTPUT_IO, stage):
         extra += whole  # the head's input
-    return exact(extra * in_flight_micro_batches(pl, stage))
+    return exact(extra * (in_flight_micro_batches(pl, stage) if index is None else stage_in_flight(pl, index)))
 
 
 def _has_ddp_buckets(program: StepProgram) -> bool:

@@ -227,8 +227,12 @@ class Runner:
             net.head = None
         b = cfg.batch
         hidden = torch.zeros(b, cfg.seq, cfg.hidden)
-        x_in = torch.zeros(b, cfg.seq, dtype=torch.long) if first else hidden
-        y_out = torch.zeros(b, cfg.seq, cfg.vocab) if last else hidden
+        # The activations passed between stages require grad: a stage takes requires_grad of
+        # what it receives from these examples, and without it computes no input gradient, so
+        # the earlier stages would get none (their parameters never trained on real gloo).
+        act = hidden.clone().requires_grad_(True)
+        x_in = torch.zeros(b, cfg.seq, dtype=torch.long) if first else act
+        y_out = torch.zeros(b, cfg.seq, cfg.vocab) if last else act
         # Explicit shapes: the fake group's receive would mislead shape inference.
         stage = PipelineStage(net, self.rank, p, torch.device("cpu"), input_args=(x_in,), output_args=(y_out,),
                               input_grads=(None if first else hidden,), output_grads=(None if last else hidden,))

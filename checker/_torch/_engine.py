@@ -337,13 +337,15 @@ def reduce_partial_gradients(model: nn.Module) -> None:
 
 
 def measure(comp: Composition, cfg: NetConfig, rank: int, world: int, *, steps: int | None = None,
-            gradient_as_bucket_view: bool = False) -> Measured:
+            gradient_as_bucket_view: bool = False, fake: bool = True) -> Measured:
     """Run ``steps`` steps on the current process group (fake or real) and measure the last.
 
     The measured step is a steady one: the second (optimizer state exists), or for DDP the
     third, since DDP rebuilds its buckets in gradient-ready order after the first iteration.
+    ``fake``: the current group is the fake one (pipelining then needs static shapes); False on
+    real gloo processes (``checker._torch._gloo``).
     """
-    runner = Runner(comp, cfg, rank, world, fake=True, gradient_as_bucket_view=gradient_as_bucket_view)
+    runner = Runner(comp, cfg, rank, world, fake=fake, gradient_as_bucket_view=gradient_as_bucket_view)
     if steps is None:
         steps = 3 if runner.engine in (Engine.DDP, Engine.ZERO1) else 2
     model, schedule = runner.build()

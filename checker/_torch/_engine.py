@@ -126,14 +126,10 @@ class Runner:
             case Engine.TP:
                 return self._tp(net, self._mesh1d(Axis.TP)), None
             case Engine.FSDP_TP:
-                from torch.distributed.device_mesh import init_device_mesh
-                mesh = init_device_mesh("cpu", (self.mesh[Axis.DP], self.mesh[Axis.TP]),
-                                        mesh_dim_names=("dp", "tp"))
+                mesh = self._device_mesh((self.mesh[Axis.DP], self.mesh[Axis.TP]), ("dp", "tp"))
                 return self._fsdp(self._tp(net, mesh["tp"]), mesh["dp"]), None
             case Engine.HSDP:
-                from torch.distributed.device_mesh import init_device_mesh
-                mesh = init_device_mesh("cpu", (self.mesh[Axis.DPR], self.mesh[Axis.DP]),
-                                        mesh_dim_names=("dpr", "dp"))
+                mesh = self._device_mesh((self.mesh[Axis.DPR], self.mesh[Axis.DP]), ("dpr", "dp"))
                 return self._fsdp(net, mesh), None
             case Engine.PIPELINE:
                 return self._pipeline(net)
@@ -141,8 +137,16 @@ class Runner:
                 raise AssertionError(self.engine)
 
     def _mesh1d(self, axis: Axis) -> Any:
+        return self._device_mesh((self.mesh[axis],), (axis.value,))
+
+    @staticmethod
+    def _device_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+        """``init_device_mesh`` outside any ``FakeTensorMode``: the mesh holds real rank tensors
+        (``checker._torch._large`` builds and steps large models under fake mode)."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.distributed.device_mesh import init_device_mesh
-        return init_device_mesh("cpu", (self.mesh[axis],), mesh_dim_names=(axis.value,))
+        with unset_fake_temporarily():
+            return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
     def _ddp(self, net: Net) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -171,11 +175,15 @@ class Runner:
         from torch.distributed.fsdp import fully_shard
         reshard = reshard_after_forward(self.comp)
         layers = net.layers if isinstance(net, Net) else net.get_submodule("layers")
-        for block in layers.values():  # type: ignore[operator]
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-        # The root (embedding, final norm, head) keeps PyTorch's default, None: True for a
-        # non-root module, False for the root, whose parameters backward needs at once.
-        fully_shard(net, mesh=mesh, reshard_after_forward=None if reshard else False)
+        # Outside any FakeTensorMode (FSDP+TP concatenates the dp and tp meshes, real tensors);
+        # fake parameters stay fake, their ops dispatch to their own mode.
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        with unset_fake_temporarily():
+            for block in layers.values():  # type: ignore[operator]
+                fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+            # The root (embedding, final norm, head) keeps PyTorch's default, None: True for a
+            # non-root module, False for the root, whose parameters backward needs at once.
+            fully_shard(net, mesh=mesh, reshard_after_forward=None if reshard else False)
         return net
 
     def _tp(self, net: Net, mesh: Any) -> Net:
@@ -298,7 +306,9 @@ class Runner:
             if self.rank == 0:
                 schedule.step(ids)
             elif self.rank == p - 1:
-                schedule.step(target=targets)
+                # The loss is all a training step needs: without return_outputs=False the last
+                # stage keeps every micro-batch's output (the logits) to merge them at the end.
+                schedule.step(target=targets, return_outputs=False)
             else:
                 schedule.step()
         else:

@@ -155,7 +155,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def storage_key(t: torch.Tensor) -> int:
-    return int(local(t).untyped_storage().data_ptr())
+    """The identity of ``t``'s storage (the StorageImpl, not its data pointer, which every
+    ``FakeTensor`` leaves at 0)."""
+    return int(local(t).untyped_storage()._cdata)
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -193,7 +195,7 @@ class SavedActivations:
 
     def _pack(self, t: torch.Tensor) -> Any:
         lt = local(t)
-        key = int(lt.untyped_storage().data_ptr())
+        key = storage_key(lt)
         nbytes = int(lt.untyped_storage().nbytes())
         if isinstance(t, nn.Parameter) or not nbytes or key in self._parameter_storages():
             return t

@@ -15,8 +15,18 @@ from collections.abc import Callable
 
 import sympy as sp
 
-from formal._costs import communication, layer_activations, memory, model_state_paper_units
-from formal._model import DEFAULT_PRECISION, PSI, ParameterCount, a, b, h, layer_activation_bytes, s
+from formal._costs import communication, io_activations, layer_activations, memory, model_state_paper_units
+from formal._model import (
+    DEFAULT_PRECISION,
+    PSI,
+    ParameterCount,
+    a,
+    b,
+    h,
+    io_activation_bytes,
+    layer_activation_bytes,
+    s,
+)
 from formal._placement import Options, Placement, Recompute
 from formal._program import derive_program
 from formal._strategies import LIBRARY, Composition
@@ -107,6 +117,37 @@ def activation_obligation(key: str) -> Outcome:
     return _equal(derive(), closed, key)
 
 
+V = sp.Symbol("V", positive=True, integer=True)
+
+
+def _io_activations(*names: str, sequence_parallel: bool = False, stage: str = "first") -> sp.Expr:
+    """Input/output-layer activation bytes of one micro-batch through the placement, symbolic."""
+    from formal._model import Transformer
+
+    options = Options(sequence_parallel=sequence_parallel)
+    comp = Composition(tuple(LIBRARY[n]().with_degree(2) for n in names), options)
+    pl = comp.placement(Transformer("shape-only", layers=2, hidden=8, heads=2, vocab=16, seq=8), symbolic=True)
+    io = io_activation_bytes(s, b, h, V, DEFAULT_PRECISION.activations, DEFAULT_PRECISION.mask_bytes,
+                             DEFAULT_PRECISION.logits_bytes)
+    return io_activations(pl, io, stage)
+
+
+# Korthikanti et al. 2022, section 4.3: with sequence and tensor parallelism, the input
+# embeddings' dropout keeps sbh/t per micro-batch, and the output layer (p = 1) 4sbh/t (1 + v/h).
+KORTHIKANTI_IO: dict[str, tuple[Callable[[], sp.Expr], sp.Expr]] = {
+    "tensor_sequence_parallel": (lambda: _io_activations("tp", sequence_parallel=True),
+                                 SBH / T + 4 * SBH / T * (1 + V / h)),
+    "pipeline_first_stage": (lambda: _io_activations("tp", "pp", sequence_parallel=True), SBH / T),
+    "pipeline_last_stage": (lambda: _io_activations("tp", "pp", sequence_parallel=True, stage="last"),
+                            4 * SBH / T * (1 + V / h)),
+}
+
+
+def io_activation_obligation(key: str) -> Outcome:
+    derive, closed = KORTHIKANTI_IO[key]
+    return _equal(derive(), closed, f"io {key}")
+
+
 def obligations() -> list[Obligation]:
     out = [Obligation(f"costs.memory[{name}]",
                       f"for all N and Psi, the model-state memory derived from {name}'s placement equals "
@@ -122,4 +163,9 @@ def obligations() -> list[Obligation]:
                               f"for all s, b, h, a, t, the per-layer activation bytes derived from the activation "
                               f"placement equal {closed} (Korthikanti et al. 2022)",
                               "sympy", functools.partial(activation_obligation, key)))
+    for key, (_, closed) in KORTHIKANTI_IO.items():
+        out.append(Obligation(f"costs.io_activations[{key}]",
+                              f"for all s, b, h, V, t, the input/output-layer activation bytes of one micro-batch "
+                              f"derived from the placement equal {closed} (Korthikanti et al. 2022, section 4.3)",
+                              "sympy", functools.partial(io_activation_obligation, key)))
     return out

@@ -7,7 +7,7 @@ fresh solver, and every constraint is tracked under a readable name such as
 names, and sat models are decoded into witnesses (which state, group, axis, device and chunk, the
 value read and the single-device value).
 
-Three families of obligations:
+Four families of obligations:
 
 * **Composition rules** (section 4), one obligation: the composition's degrees and the model's
   sizes are tracked facts (``value[heads]``), the rules tracked assumptions (``divides[heads,
@@ -22,6 +22,10 @@ Three families of obligations:
   When the optimizer runs on the host (ZeRO-Offload) it reads the host copy of the gradient: a
   device-to-host copy snapshots the device value at that point (none of it before the backward),
   and reductions after it do not reach the host (``transfer_after_reduction``).
+* **Activation exchange** (part of gradient integrity; ``formal/_activation_flow.py``), one
+  obligation per exchange the placement needs (tp's partial sums, cp's keys and values, ep's
+  all-to-all, pp's sends, forward and backward): the program's activation ops run over z3
+  values, and z3 looks for values on which a device ends without the single-device value.
 * **State consistency**, one obligation per group and axis (for P, O and G): the program runs
   for two consecutive steps over chunks of the tensor with per-device (and per-host) holdings
   whose values are z3 terms (initial values, per-step gradients, and the optimizer update as
@@ -62,6 +66,7 @@ from typing import Any
 import sympy as sp
 import z3
 
+from formal._activation_flow import decide_activation_exchange
 from formal._model import Model, Transformer
 from formal._placement import Entry
 from formal._program import Op, Origin, StepProgram
@@ -1258,6 +1263,9 @@ def decide(composition: Composition, program: StepProgram, model: Model, *,
             ob, found = _memo(_integrity_case(index, group, axis), group, timeout_ms)
             obligations.append(ob)
             violations += found
+    exchange, found = decide_activation_exchange(program, model, timeout_ms)
+    obligations += exchange
+    violations += found
     labels: set[str] = set()
     for group in pl.groups(P):
         for axis in pl.axes:

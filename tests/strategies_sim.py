@@ -11,8 +11,9 @@ simulator must agree that it is.
 another place in the program, taking that place's phase), re-axis (another axis of the mesh),
 sum <-> mean, shift a shard boundary (offset + 1 of a reduce-scatter, all-gather or optimizer step), average twice
 (a ``1/d`` scale before a mean reduction), skip a refresh, skip a gather. Activation
-collectives are not mutated: z3 judges placements and gradient ops, not activation values, so the
-iff property is stated over model-state ops (the simulator's own tests cover activation ops).
+collectives (tp's partial sums, sequence shards, cp's keys and values, pp's sends) are mutated
+too, by drop, duplicate, reorder, re-axis and sum <-> mean: z3 judges them
+(``formal/_activation_flow.py``) as the simulator runs them.
 Shifting a boundary includes an optimizer step's own offset (its shard cut against the gradient's).
 """
 
@@ -91,8 +92,7 @@ def compositions(draw: st.DrawFn, max_devices: int = 8) -> tuple[Composition, Re
 
 
 def _state_ops(program: StepProgram) -> list[int]:
-    return [i for i, op in enumerate(program.ops)
-            if op.state is not State.ACTIVATIONS and (op.kind.is_collective or op.kind.is_transfer)]
+    return [i for i, op in enumerate(program.ops) if op.kind.is_collective or op.kind.is_transfer]
 
 
 def applicable(program: StepProgram) -> list[tuple[str, int]]:
@@ -109,6 +109,8 @@ def applicable(program: StepProgram) -> list[tuple[str, int]]:
             out.append(("reduce", i))
             if op.reduce is Reduce.MEAN:
                 out.append(("rescale", i))
+        if op.state is State.ACTIVATIONS:
+            continue  # the rest are model-state mutations
         if op.kind in (OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER):
             out.append(("offset", i))
         if op.phase is Phase.REFRESH:

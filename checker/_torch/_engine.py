@@ -105,6 +105,7 @@ class Runner:
     gradient_as_bucket_view: bool = False
     lr: float = 1e-3
     optimizer: str = "adam"  # "adam" (measurement) or "sgd" (exactness runs)
+    stage_input_grads: bool = True  # pipelining: stage inputs require grad (False: the injected fault)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -238,7 +239,7 @@ class Runner:
         # The activations passed between stages require grad: a stage takes requires_grad of
         # what it receives from these examples, and without it computes no input gradient, so
         # the earlier stages would get none (their parameters never trained on real gloo).
-        act = hidden.clone().requires_grad_(True)
+        act = hidden.clone().requires_grad_(self.stage_input_grads)
         x_in = torch.zeros(b, cfg.seq, dtype=torch.long) if first else act
         y_out = torch.zeros(b, cfg.seq, cfg.vocab) if last else act
         # Explicit shapes: the fake group's receive would mislead shape inference.

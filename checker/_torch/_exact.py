@@ -69,6 +69,7 @@ class Fault(StrEnum):
     NO_REFRESH = "no-refresh"
     SKIP_DPR_REDUCTION = "skip-dpr-reduction"
     SKIP_SP_REDUCTION = "skip-sp-grad-reduction"
+    NO_BACKWARD_SEND = "no-backward-send"
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def cases(world: int) -> list[Case]:
     ]
     faults = [
         Case(f"ddp{w}", Fault.SKIP_REDUCTION), Case(f"zero1{w}", Fault.NO_REFRESH),
-        Case(f"tp{w}xsp", Fault.SKIP_SP_REDUCTION),
+        Case(f"tp{w}xsp", Fault.SKIP_SP_REDUCTION), Case(f"pp{w}xm{2 * w}", Fault.NO_BACKWARD_SEND),
         *([Case(f"hsdp{half}xdpr2", Fault.SKIP_DPR_REDUCTION)] if two_d else []),
     ]
     return valid + faults
@@ -148,6 +149,10 @@ def faulty_program(comp: Composition, fault: Fault, cfg: NetConfig | None = None
             return program.with_ops(op for op in program.ops
                                     if not (op.phase is Phase.GRAD_SYNC and op.axis is Axis.TP
                                             and op.kind.is_reduction))
+        case Fault.NO_BACKWARD_SEND:
+            return program.with_ops(op for op in program.ops
+                                    if not (op.phase is Phase.BACKWARD and op.axis is Axis.PP
+                                            and op.kind is OpKind.SEND_RECV))
         case _:
             raise AssertionError(fault)
 
@@ -241,7 +246,8 @@ def _keep_partial_gradients(skipped: list[int]) -> Callable[[nn.Module], None]:
 
 def _run_case(case: Case, rank: int, world: int) -> dict[str, torch.Tensor]:
     comp = parse(case.composition, devices=world)
-    runner = Runner(comp, config_for(comp), rank, world, fake=False, lr=LR, optimizer="sgd")
+    runner = Runner(comp, config_for(comp), rank, world, fake=False, lr=LR, optimizer="sgd",
+                    stage_input_grads=case.fault is not Fault.NO_BACKWARD_SEND)
     model, schedule = runner.build()
     opt = runner._optimizer(model)
     skipped = [0]
@@ -274,6 +280,18 @@ def _run_case(case: Case, rank: int, world: int) -> dict[str, torch.Tensor]:
                 assert runner.engine is Engine.TP and comp.options.sequence_parallel
                 with mock.patch.object(_engine, "reduce_partial_gradients", _keep_partial_gradients(skipped)):
                     runner.step(model, schedule, opt, step)
+            case Fault.NO_BACKWARD_SEND:
+                # The injected fault: stage inputs that do not require grad (the harness's own
+                # bug before it was found), so no stage computes or sends an input gradient.
+                # What reaches the previous stage is no gradient, so the first stage never
+                # learns: checked there (its parameters get no gradient); the other stages
+                # count on that check, since the last one trains on its own loss.
+                assert runner.engine is Engine.PIPELINE
+                runner.step(model, schedule, opt, step)
+                if rank == 0:
+                    skipped[0] += all(p.grad is None or not bool(p.grad.any()) for p in model.parameters())
+                else:
+                    skipped[0] += 1
             case _:
                 raise AssertionError(case.fault)
     if case.fault is not Fault.NONE and not skipped[0]:

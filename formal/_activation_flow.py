@@ -58,7 +58,7 @@ class Site:
 
     @property
     def rule(self) -> str:
-        return f"activation_exchange[A.{self.group.name}, {self.axis.value}, {self.phase.value}]"
+        return f"activation_exchange[A.{self.group.name}, {self.axis.value}, {self.phase.value}, {self.kind.value}]"
 
 
 def required_sites(program: StepProgram, model: Model) -> list[Site]:

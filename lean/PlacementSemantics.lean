@@ -3,3 +3,4 @@ import PlacementSemantics.Sufficiency
 import PlacementSemantics.Necessity
 import PlacementSemantics.Composition
 import PlacementSemantics.Costs
+import PlacementSemantics.Activations

@@ -11,9 +11,10 @@ from proofs._obligation import Obligation, Result, discharge
 
 
 def all_obligations() -> list[Obligation]:
-    from proofs import composition, costs, necessity, sufficiency
+    from proofs import activations, composition, costs, necessity, sufficiency
 
-    return sufficiency.obligations() + necessity.obligations() + composition.obligations() + costs.obligations()
+    return (sufficiency.obligations() + necessity.obligations() + activations.obligations()
+            + composition.obligations() + costs.obligations())
 
 
 __all__ = ["Obligation", "Result", "all_obligations", "discharge"]

@@ -72,7 +72,9 @@ def test_dropping_any_activation_collective_is_refuted(text: str) -> None:
         dropped = program.with_ops(op for j, op in enumerate(program.ops) if j != i)
         op = program.ops[i]
         rules = exchange_violations(text, dropped, model)
-        assert rules == [f"activation_exchange[A.{op.group.name}, {op.axis.value}, {op.phase.value}]"], (text, op)
+        assert op.axis is not None
+        assert rules == [f"activation_exchange[A.{op.group.name}, {op.axis.value}, {op.phase.value}, {op.kind.value}]"
+                         ], (text, op)
 
 
 def test_the_pipeline_without_its_backward_send_is_refuted() -> None:
@@ -83,7 +85,7 @@ def test_the_pipeline_without_its_backward_send_is_refuted() -> None:
     verdict = decide(parse("pp2xm4"), no_backward, model)
     assert verdict.condition_status(Condition.GRADIENT_INTEGRITY) is Status.REFUTED
     (v,) = verdict.violations
-    assert v.rule == "activation_exchange[A.layer_io, pp, backward]"
+    assert v.rule == "activation_exchange[A.layer_io, pp, backward, send_recv]"
     assert v.witness["device_value"] != v.witness["single_device"]
     assert "input gradient" in v.explanation
 

@@ -116,4 +116,18 @@ def rowSums : List (List Int) → List Int
   | [] => []
   | r :: rs => total r :: rowSums rs
 
+/-- Two devices' halves of an activation after an all-reduce along the axis: each holds the sum
+of the partial contributions (Megatron's `g`, a row-parallel output). -/
+def allReduce2 (x y : Int) : Int × Int := (x + y, x + y)
+
+/-- An all-to-all between two devices: device 0 sends its second slot to device 1 and receives
+device 1's first (expert parallelism's token dispatch). -/
+def allToAll2 (a b : Int × Int) : (Int × Int) × (Int × Int) := ((a.1, b.1), (a.2, b.2))
+
+/-- Korthikanti section 4.3 with sequence and tensor parallelism, per micro-batch, in units
+`u = sbh/t` and `w = sbv/t`: the first stage keeps the input embeddings' dropout mask (`u`),
+the last the final norm's and head's inputs (`4u`) and the fp32 logits (`4w`). `first` and
+`last` are 1 when the device is that stage, else 0 (the paper's delta). -/
+def ioActivations (first last u w : Nat) : Nat := first * u + last * (4 * u + 4 * w)
+
 end PlacementSemantics

@@ -84,25 +84,16 @@ theorem tp_sp_activations_le_tp (t u v : Nat) (ht : 1 ≤ t) : tpSpActivations t
   have h : 1 * u ≤ t * u := Nat.mul_le_mul_right u ht
   omega
 
-/-- Korthikanti section 4.3 with sequence and tensor parallelism, per micro-batch, in units
-`u = sbh/t` and `w = sbv/t`: the first stage keeps the input embeddings' dropout mask (`u`),
-the last the final norm's and head's inputs (`4u`) and the fp32 logits (`4w`). `first` and
-`last` are 1 when the device is that stage, else 0 (the paper's delta). -/
-def ioActivations (first last u w : Nat) : Nat := first * u + last * (4 * u + 4 * w)
-
 /-- Without a pipeline one device is both stages: `sbh/t + 4sbh/t (1 + v/h)`. -/
 theorem io_activations_without_pipeline_eq (u w : Nat) : ioActivations 1 1 u w = 5 * u + 4 * w := by
-  simp only [ioActivations]
-  omega
+  simp only [ioActivations] <;> omega
 
 /-- A pipeline's first stage keeps only the dropout mask, `sbh/t` per micro-batch. -/
 theorem io_activations_first_stage_eq (u w : Nat) : ioActivations 1 0 u w = u := by
-  simp only [ioActivations]
-  omega
+  simp only [ioActivations] <;> omega
 
 /-- A pipeline's last stage keeps only the output layer, `4sbh/t (1 + v/h)`. -/
 theorem io_activations_last_stage_eq (u w : Nat) : ioActivations 0 1 u w = 4 * u + 4 * w := by
-  simp only [ioActivations]
-  omega
+  simp only [ioActivations] <;> omega
 
 end PlacementSemantics

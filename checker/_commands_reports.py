@@ -120,6 +120,34 @@ def emit(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: str, as_
     Console(width=max(Console().width, 160)).print(table)
 
 
+CHECK_CSV_COLUMNS = ("section", "name", "stage", "axis", "state", "group", "phase", "elements", "count",
+                     "participants", "bytes", "detail")
+
+
+def check_csv_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """``check --csv``: the report as rows (bytes exact, per device; collectives per step)."""
+    memory = doc["memory"]
+    stage = memory.get("most_loaded_rank", {}).get("pipeline_stage", "")
+    rows: list[dict[str, Any]] = [
+        {"section": "memory", "name": name, "stage": stage, "bytes": value}
+        for name, value in memory["per_device"].items()
+    ]
+    rows.append({"section": "memory", "name": "host", "stage": stage, "bytes": memory.get("host")})
+    for c in doc["communication"]["collectives"]:
+        rows.append({"section": "collective", "name": c["op"], "axis": c["axis"], "state": c["state"],
+                     "group": c["group"], "phase": c["phase"], "elements": c["elements"], "count": c["count"],
+                     "participants": c["participants"], "bytes": c["bytes"]})
+    rows.append({"section": "communication", "name": "per_device_per_step",
+                 "bytes": doc["communication"]["per_device_per_step"]})
+    verdict = doc["verdict"]
+    for key in ("status", "gradient_integrity", "state_consistency", "composition_rules"):
+        rows.append({"section": "verdict", "name": key, "detail": verdict[key]})
+    for v in verdict["violations"]:
+        rows.append({"section": "violation", "name": v["rule"], "axis": v["axis"], "state": v["state"],
+                     "group": v["group"], "detail": v["explanation"]})
+    return rows
+
+
 def _csv_cell(value: Any) -> str:
     if isinstance(value, dict):
         return "; ".join(f"{k}={v}" for k, v in value.items())

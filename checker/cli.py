@@ -35,6 +35,7 @@ EXAMPLES = """
 Examples:
   check-composition tp2xzero3xpp4                  # default model and cluster
   check-composition zero3 --devices 8 --params 7.5e9 --json
+  check-composition tp8xpp4xdp2 --model llama2-13b --csv > steps.csv
   check-composition tp4xspxpp2xm8 --model llama2-7b --device-memory 80GB
   check-composition fsdp8xdpr2 --model gpt3-1.3b   # HSDP: shard 8, replicate 2
   check-composition tp3                            # exit 1: divides[heads, tp] (32 heads)
@@ -160,6 +161,8 @@ def main() -> None:
 @click.option("--micro-batch", type=int, default=None, help="Micro-batch size per replica (Megatron's b).")
 @click.option("--seq", type=int, default=None, help="Sequence length.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report (docs/schema.md).")
+@click.option("--csv", "as_csv", is_flag=True,
+              help="Print one CSV row per memory quantity, collective and verdict condition (exact bytes).")
 @click.option("--from", "from_path", default=None,
               help="Read the composition from a DeepSpeed .json, torchtitan .toml or Megatron arguments file.")
 @click.option("--report", default=None, help="Also write a self-contained HTML report (chart, collectives, verdict).")
@@ -178,10 +181,13 @@ def check(composition: str | None, devices: int | None, model: str | None, param
           device_memory: str | None, micro_batch: int | None, seq: int | None, as_json: bool,
           from_path: str | None = None, report: str | None = None, strategies_path: str | None = None,
           explain: bool = False, timeout_ms: int = DEFAULT_TIMEOUT_MS, validate: str | None = None,
-          simulate: bool = False) -> None:
+          simulate: bool = False, as_csv: bool = False) -> None:
     """Check COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG: memory, communication and verdict.
 
     Exit codes: 0 valid, 1 invalid (a rule is broken), 2 usage or input error, 3 unknown."""
+    if as_json and as_csv:
+        fail("--json and --csv: choose one")
+        return
     try:
         user = load_strategies(strategies_path) if strategies_path is not None else None
         r = resolve_from(from_path, composition, devices, model, params, precision, micro_batch, seq)
@@ -220,6 +226,9 @@ def check(composition: str | None, devices: int | None, model: str | None, param
         doc["simulation"], simulation_text = run_simulation(analysis.composition, user)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
+    elif as_csv:
+        from checker._commands_reports import CHECK_CSV_COLUMNS, check_csv_rows, emit
+        emit(check_csv_rows(doc), CHECK_CSV_COLUMNS, "", True, False)
     else:
         console = Console()
         print_human(analysis, console)

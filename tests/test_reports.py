@@ -169,3 +169,38 @@ def test_headless_chromium_renders_chart_and_verdict(tmp_path: Path) -> None:
     subprocess.run([browser, *flags, f"--screenshot={shot}", "--window-size=1200,1600", page.as_uri()],
                    capture_output=True, timeout=60, check=False)
     assert shot.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_check_csv_carries_the_report_rows_exactly() -> None:
+    """``check --csv``: one row per memory quantity, collective and verdict condition; the
+    bytes are the JSON report's exact integers and the collectives add up to the step total."""
+    import csv as csv_module
+    import io
+    import json as json_module
+
+    from click.testing import CliRunner
+
+    from checker.cli import main as cli_main
+    runner = CliRunner()
+    args = ["check", "tp2xzero3xpp4", "--devices", "64"]
+    as_json = json_module.loads(runner.invoke(cli_main, [*args, "--json"]).output)
+    out = runner.invoke(cli_main, [*args, "--csv"])
+    assert out.exit_code == 0, out.output
+    rows = list(csv_module.DictReader(io.StringIO(out.output)))
+    memory = {r["name"]: int(r["bytes"]) for r in rows if r["section"] == "memory"}
+    assert {k: memory[k] for k in as_json["memory"]["per_device"]} == as_json["memory"]["per_device"]
+    collectives = [r for r in rows if r["section"] == "collective"]
+    assert len(collectives) == len(as_json["communication"]["collectives"])
+    total = next(int(r["bytes"]) for r in rows if r["name"] == "per_device_per_step")
+    assert sum(int(r["bytes"]) for r in collectives) == total == as_json["communication"]["per_device_per_step"]
+    verdict = {r["name"]: r["detail"] for r in rows if r["section"] == "verdict"}
+    assert verdict["status"] == as_json["verdict"]["status"] == "proved"
+
+
+def test_check_csv_and_json_together_is_a_usage_error() -> None:
+    from click.testing import CliRunner
+
+    from checker.cli import main as cli_main
+    out = CliRunner().invoke(cli_main, ["check", "dp8", "--csv", "--json"])
+    assert out.exit_code == 2
+    assert "choose one" in out.output

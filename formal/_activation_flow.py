@@ -9,6 +9,10 @@ computes a different loss and every gradient after it differs from single-device
   must be summed across tp: one all-reduce, or, when sequence parallelism splits the layer
   inputs (``A.layer_io`` sharded along tp), one reduce-scatter to sequence shards and an
   all-gather of those shards before the next column-parallel matrix reads them.
+* **tp, vocabulary-parallel embedding and head** (rows split by vocabulary): the embedding's
+  output is a partial sum (forward; under sequence parallelism reduce-scattered, and its
+  gradient's shards all-gathered in backward); the head's input gradient is one (backward; under
+  sequence parallelism its input's shards are all-gathered in forward).
 * **cp** (sequence split): attention needs every position's keys and values (an all-gather in
   forward, and again in backward under full recomputation); their gradients are partial sums
   of every query shard (one reduce-scatter to their owners in backward).
@@ -37,10 +41,23 @@ import sympy as sp
 import z3
 
 from formal._model import Model, Transformer
-from formal._placement import Recompute
+from formal._placement import Placement, Recompute
 from formal._program import Op, StepProgram
 from formal._verdict import Condition, Obligation, Status, Violation
-from formal._vocab import LAYER_IO, LINEAR_INNER, Axis, Group, OpKind, Phase, Reduce, State
+from formal._vocab import (
+    EMBEDDING,
+    EMBEDDING_IO,
+    HEAD,
+    LAYER_IO,
+    LINEAR_INNER,
+    OUTPUT_IO,
+    Axis,
+    Group,
+    OpKind,
+    Phase,
+    Reduce,
+    State,
+)
 
 MAX_DEVICES = 4
 
@@ -84,6 +101,8 @@ def required_sites(program: StepProgram, model: Model) -> list[Site]:
                                 "sequence shards read whole by the next column-parallel matrix"))
             else:
                 out.append(Site(Axis.TP, ph, LAYER_IO, OpKind.ALL_REDUCE, "sum", f"{partial} (partial sums)"))
+    if split(Axis.TP):
+        out += _vocab_sites(pl)
     if split(Axis.CP):
         out.append(Site(Axis.CP, Phase.FORWARD, LINEAR_INNER, OpKind.ALL_GATHER, "gather",
                         "keys and values of every sequence chunk"))
@@ -101,6 +120,40 @@ def required_sites(program: StepProgram, model: Model) -> list[Site]:
                         "each stage's output to the next stage"))
         out.append(Site(Axis.PP, Phase.BACKWARD, LAYER_IO, OpKind.SEND_RECV, "send",
                         "each stage's input gradient to the previous stage"))
+    return out
+
+
+def _vocab_sites(pl: Placement) -> list[Site]:
+    """The vocabulary-parallel embedding (first stage) and head (last stage) along tp."""
+    keys = set(pl.keys())
+    groups = pl.groups(State.PARAMETERS)
+    head = HEAD if HEAD in groups else EMBEDDING
+
+    def sequence(group: Group) -> bool:
+        source = group if (State.ACTIVATIONS, group) in keys else LAYER_IO
+        return (State.ACTIVATIONS, source) in keys and pl.mode(State.ACTIVATIONS, source, Axis.TP).is_sharded
+
+    out: list[Site] = []
+    if EMBEDDING in groups:
+        seq = sequence(EMBEDDING_IO)
+        if pl.computes_sharded(Axis.TP, EMBEDDING):
+            what = "vocabulary-parallel embedding output (partial sums of each rank's rows)"
+            out.append(Site(Axis.TP, Phase.FORWARD, EMBEDDING_IO, OpKind.REDUCE_SCATTER, "shard-sum",
+                            f"{what}, to sequence shards") if seq else
+                       Site(Axis.TP, Phase.FORWARD, EMBEDDING_IO, OpKind.ALL_REDUCE, "sum", what))
+        if seq:
+            out.append(Site(Axis.TP, Phase.BACKWARD, EMBEDDING_IO, OpKind.ALL_GATHER, "gather",
+                            "sequence shards of the embedding output's gradient, read whole by its backward"))
+    if head in groups:
+        seq = sequence(OUTPUT_IO)
+        if seq:
+            out.append(Site(Axis.TP, Phase.FORWARD, OUTPUT_IO, OpKind.ALL_GATHER, "gather",
+                            "sequence shards of the head's input, read whole by the head"))
+        if pl.computes_sharded(Axis.TP, head):
+            what = "vocabulary-parallel head's input gradient (partial sums over vocabulary shards)"
+            out.append(Site(Axis.TP, Phase.BACKWARD, OUTPUT_IO, OpKind.REDUCE_SCATTER, "shard-sum",
+                            f"{what}, to sequence shards") if seq else
+                       Site(Axis.TP, Phase.BACKWARD, OUTPUT_IO, OpKind.ALL_REDUCE, "sum", what))
     return out
 
 

@@ -17,14 +17,17 @@ from formal._model import Model, Transformer
 from formal._placement import Entry, Placement, Recompute, Schedule
 from formal._vocab import (
     EMBEDDING,
+    EMBEDDING_IO,
     EXPERTS,
     FINAL_NORM,
     FIRST_STAGE_GROUPS,
+    HEAD,
     LAST_STAGE_GROUPS,
     LAYER_GROUPS,
     LAYER_IO,
     LINEAR_INNER,
     NORM,
+    OUTPUT_IO,
     ROUTER,
     ROW_BIAS,
     Axis,
@@ -207,7 +210,8 @@ def derive_program(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr] |
     """Derive the step program of a placement, in order:
 
     1. forward, per micro-batch: gather ``S*`` parameters, fetch offloaded ones, read them,
-       activation collectives (TP, CP, EP, PP sends);
+       activation collectives (TP, CP, EP, PP sends, the vocabulary-parallel embedding's and
+       head's);
     2. backward, per micro-batch: gather again unless held, read, activation collectives;
     3. gradient synchronisation: reduce every partial gradient along its axes (reduce-scatter
        where G is sharded, all-reduce where replicated; mean along data axes, sum otherwise),
@@ -321,7 +325,16 @@ def _refresh_parameters(pl: Placement, g: Group, size: sp.Expr) -> list[Op]:
 
 
 class _ActivationOps:
-    """Collectives on activations (per layer, per micro-batch), from the activation placement."""
+    """Collectives on activations (per layer, per micro-batch), from the activation placement.
+
+    Like the first- and last-stage parameter groups' ops, the activation ops are a union over
+    pipeline stages: the per-layer ones (``A.layer_io``, ``A.linear_inner``) run on every stage,
+    ``count`` = the fullest stage's layers x m; the vocabulary-parallel embedding's
+    (``A.embedding_io``) on the first stage only and the head's (``A.output_io``) on the last only,
+    ``count`` = m (once per micro-batch). ``communication()`` sums every op, so it charges one
+    device with both ends of the pipeline (exact without pp, an upper bound with it); per-stage
+    readers select them with ``formal._costs.holds_io_activations``.
+    """
 
     def __init__(self, pl: Placement, model: Model, m: sp.Expr) -> None:
         self.pl, self.model, self.m = pl, model, m
@@ -358,6 +371,63 @@ class _ActivationOps:
                     Op(OpKind.REDUCE_SCATTER, A, LAYER_IO, Axis.TP, phase, bsh, 2 * per_layer, Reduce.SUM)]
         # Megatron: f/g operators, one all-reduce per attention and per MLP block each way.
         return [Op(OpKind.ALL_REDUCE, A, LAYER_IO, Axis.TP, phase, bsh, 2 * per_layer, Reduce.SUM)]
+
+    def _vocab_setup(self, group: Group) -> tuple[bool, sp.Expr]:
+        """(sequence parallelism at this input/output layer, bsh elements of one micro-batch)."""
+        assert isinstance(self.model, Transformer)
+        source = group if (A, group) in set(self.pl.keys()) else LAYER_IO
+        seq = (A, source) in set(self.pl.keys()) and self.pl.mode(A, source, Axis.TP).is_sharded
+        return seq, self._tensor(source, Axis.TP, sp.Integer(self.model.hidden))
+
+    def _vocab_split(self) -> bool:
+        t = self.pl.degree(Axis.TP)
+        return Axis.TP in self.pl.axes and t != 1
+
+    def _embedding_ops(self, phase: Phase) -> list[Op]:
+        """The vocabulary-parallel embedding's collectives (first stage), once per micro-batch.
+
+        Rows split by vocabulary (Shoeybi et al. 2019, section 3): each rank looks up only its
+        rows, so the output is a partial sum across tp, all-reduced in forward; with sequence
+        parallelism (``A.embedding_io`` sharded along tp; Korthikanti et al. 2022, section 4.3)
+        reduce-scattered to sequence shards, and in backward the gradient's shards all-gathered
+        before the lookup's backward (needed for an unsplit embedding too). ``bsh``: one
+        replica's micro-batch, the whole sequence (of its cp chunk).
+        """
+        if not self._vocab_split() or EMBEDDING not in self.pl.groups(P):
+            return []
+        seq, bsh = self._vocab_setup(EMBEDDING_IO)
+        if phase is Phase.FORWARD:
+            if not self.pl.computes_sharded(Axis.TP, EMBEDDING):
+                return []
+            kind = OpKind.REDUCE_SCATTER if seq else OpKind.ALL_REDUCE
+            return [Op(kind, A, EMBEDDING_IO, Axis.TP, phase, bsh, self.m, Reduce.SUM,
+                       note="vocabulary-parallel embedding output (partial sums), first stage")]
+        return [Op(OpKind.ALL_GATHER, A, EMBEDDING_IO, Axis.TP, phase, bsh, self.m,
+                   note="sequence shards of the embedding's output gradient, first stage")] if seq else []
+
+    def _head_ops(self, phase: Phase) -> list[Op]:
+        """The vocabulary-parallel head's collectives (last stage; with tied embeddings the
+        embedding), once per micro-batch.
+
+        The logits are split by vocabulary, so the head's input gradient is a partial sum across
+        tp, all-reduced in backward; with sequence parallelism (``A.output_io`` sharded along tp)
+        the input's shards are all-gathered in forward (needed for an unsplit head too) and the
+        gradient reduce-scattered back to them. The loss's fp32 per-token reductions (max, sum
+        of exponentials, target logit) are not ops of the program.
+        """
+        groups = self.pl.groups(P)
+        head = HEAD if HEAD in groups else EMBEDDING
+        if not self._vocab_split() or head not in groups:
+            return []
+        seq, bsh = self._vocab_setup(OUTPUT_IO)
+        if phase is Phase.FORWARD:
+            return [Op(OpKind.ALL_GATHER, A, OUTPUT_IO, Axis.TP, phase, bsh, self.m,
+                       note="sequence shards of the head's input, last stage")] if seq else []
+        if not self.pl.computes_sharded(Axis.TP, head):
+            return []
+        kind = OpKind.REDUCE_SCATTER if seq else OpKind.ALL_REDUCE
+        return [Op(kind, A, OUTPUT_IO, Axis.TP, phase, bsh, self.m, Reduce.SUM,
+                   note="vocabulary-parallel head's input gradient (partial sums), last stage")]
 
     def _cp_ops(self, phase: Phase) -> list[Op]:
         if Axis.CP not in self.pl.axes or self.pl.degree(Axis.CP) == 1:
@@ -397,14 +467,16 @@ class _ActivationOps:
         if not self.enabled:
             return []
         ph = Phase.FORWARD
-        return self._tp_ops(ph, False) + self._cp_ops(ph) + self._ep_ops(ph) + self._pp_ops(ph)
+        return (self._embedding_ops(ph) + self._tp_ops(ph, False) + self._cp_ops(ph) + self._ep_ops(ph)
+                + self._pp_ops(ph) + self._head_ops(ph))
 
     def backward(self) -> list[Op]:
         if not self.enabled:
             return []
         ph = Phase.BACKWARD
-        again = self.pl.options.recompute is Recompute.FULL
-        return self._tp_ops(ph, again) + self._cp_ops(ph) + self._ep_ops(ph) + self._pp_ops(ph)
+        again = self.pl.options.recompute is Recompute.FULL  # the embedding and head are not replayed
+        return (self._head_ops(ph) + self._tp_ops(ph, again) + self._cp_ops(ph) + self._ep_ops(ph)
+                + self._pp_ops(ph) + self._embedding_ops(ph))
 
 
 __all__ = [

@@ -28,8 +28,8 @@ it trains, so every update is read again, and reports the first read that differ
 It also counts, per device, the bytes each op sends and how often, the bytes each state holds
 between steps and on the host; ``SimulationResult.cost_mismatches`` compares them with
 ``formal._costs`` for the same program (the most loaded device per op; each stage's memory).
-Model-internal collectives of the vocabulary-parallel embedding and head (not ops of the step
-program) are executed and reported apart as ``unlisted``.
+The vocabulary-parallel embedding's and head's collectives are ops of the program
+(``A.embedding_io``, ``A.output_io``) like every other exchange: a program without them diverges.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ from formal._strategies import Composition
 from formal._vocab import (
     ATTENTION,
     EMBEDDING,
+    EMBEDDING_IO,
     FINAL_NORM,
     FIRST_STAGE_GROUPS,
     HEAD,
@@ -73,6 +74,7 @@ from formal._vocab import (
     LINEAR_INNER,
     MLP,
     NORM,
+    OUTPUT_IO,
     Axis,
     Group,
     Mode,
@@ -141,7 +143,6 @@ class SimulationResult:
     traffic: tuple[OpTraffic, ...]
     memory: tuple[tuple[str, State, int, int], ...]  # (stage, state, simulated bytes, cost-model bytes)
     host: tuple[tuple[str, int, int], ...]  # (stage, simulated host bytes, cost-model host bytes)
-    unlisted: tuple[tuple[str, Fraction], ...]  # model-internal collectives: (what, bytes per device per step)
     complete: bool  # ran every step (False when it stopped at the divergence)
 
     @property
@@ -422,7 +423,6 @@ class Simulator:
         self.s_chunk = s_chunk
         self.ops = program.ops
         self.tally: dict[int, _Tally] = {i: _Tally() for i in range(len(self.ops))}
-        self.unlisted: dict[str, dict[Device, Fraction]] = {}
         self.act_ops: dict[tuple[OpKind, Group, Axis | None, Phase], list[int]] = {}
         for i, op in enumerate(self.ops):
             if op.state is A:
@@ -662,27 +662,18 @@ class Simulator:
     def _instances(self, kind: OpKind, group: Group, axis: Axis, phase: Phase) -> list[int]:
         return self.act_ops.get((kind, group, axis, phase), [])
 
-    def _count(self, index: int | str, devs: Iterable[Device], elements: int, kind: OpKind, k: int) -> None:
+    def _count(self, index: int, devs: Iterable[Device], elements: int, kind: OpKind, k: int) -> None:
         nbytes = elements * self.precision.activations * _ring_share(kind, k)
-        if isinstance(index, str):
-            row = self.unlisted.setdefault(index, {})
-            for d in devs:
-                row[d] = row.get(d, Fraction(0)) + nbytes
-            return
         for d in devs:
             self.tally[index].add(d, elements, nbytes)
 
-    def _act(self, kind: OpKind, group: Group, axis: Axis, phase: Phase, vals: PerDevice, dim: int = 1,
-             internal: str | None = None) -> PerDevice:
-        """An activation collective along ``axis`` at one site of the model, as the program says.
-
-        ``internal``: a collective of the model itself (not an op of the program): always run once.
-        """
+    def _act(self, kind: OpKind, group: Group, axis: Axis, phase: Phase, vals: PerDevice,
+             dim: int = 1) -> PerDevice:
+        """An activation collective along ``axis`` at one site of the model, as the program says."""
         if self.mesh.degree(axis) == 1:
             return vals
         n = self.n
-        instances: list[int | str] = ([internal] if internal is not None
-                                      else list(self._instances(kind, group, axis, phase)))
+        instances = self._instances(kind, group, axis, phase)
         out = dict(vals)
         for grp in self.mesh.groups(axis, vals):
             k = len(grp)
@@ -702,7 +693,7 @@ class Simulator:
                 continue
             current = pieces
             for step_no, index in enumerate(instances):
-                op_reduce = self.ops[index].reduce if isinstance(index, int) else Reduce.SUM
+                op_reduce = self.ops[index].reduce
                 total = n.sum_of(current)
                 if op_reduce is Reduce.MEAN:
                     total = n.scale(total, Fraction(1, k))
@@ -887,9 +878,9 @@ class Simulator:
             emb = self._w(d, EMBEDDING, 0)
             inside = (tokens >= lo) & (tokens < hi)
             x[d] = np.where(inside[..., None], emb[np.clip(tokens - lo, 0, hi - lo - 1)], 0).astype(emb.dtype)
-        if vocab_split:
+        if vocab_split:  # partial sums of the vocabulary-split lookup
             kind = OpKind.REDUCE_SCATTER if self.sp else OpKind.ALL_REDUCE
-            x = self._act(kind, LAYER_IO, Axis.TP, Phase.FORWARD, x, internal="vocabulary-parallel embedding output")
+            x = self._act(kind, EMBEDDING_IO, Axis.TP, Phase.FORWARD, x)
         elif self.sp:
             x = {d: self._sp_split(d, x[d]) for d in x}
         saved: dict[int, dict[Device, tuple[Array, ...]]] = {}
@@ -904,9 +895,8 @@ class Simulator:
                     del saved[layer]  # only the layer input is kept (a checkpoint)
         # head and loss (last stage)
         xf = {d: n.mul(x[d], self._w(d, FINAL_NORM, 0)) for d in x}
-        if self.sp:
-            xf_full = self._act(OpKind.ALL_GATHER, LAYER_IO, Axis.TP, Phase.FORWARD, xf,
-                                internal="gather before the vocabulary-parallel head")
+        if self.sp:  # the head reads the whole sequence
+            xf_full = self._act(OpKind.ALL_GATHER, OUTPUT_IO, Axis.TP, Phase.FORWARD, xf)
         else:
             xf_full = xf
         self.P_read = self._backward_p
@@ -920,10 +910,9 @@ class Simulator:
             grad = n.mm(dlogits.reshape(-1, hi - lo).T, xf_full[d].reshape(-1, h))
             self._add_grad(d, head_group, 0, None, grad)
             dxf_part[d] = n.mm(dlogits, head)
-        if head_split:
+        if head_split:  # the input gradient of the vocabulary-split head: partial sums
             kind = OpKind.REDUCE_SCATTER if self.sp else OpKind.ALL_REDUCE
-            dxf = self._act(kind, LAYER_IO, Axis.TP, Phase.BACKWARD, dxf_part,
-                            internal="input gradient of the vocabulary-parallel head")
+            dxf = self._act(kind, OUTPUT_IO, Axis.TP, Phase.BACKWARD, dxf_part)
         else:
             dxf = {d: self._sp_split(d, v) for d, v in dxf_part.items()}
         dx: PerDevice = {}
@@ -938,12 +927,8 @@ class Simulator:
                 dx = self._layer_backward(layer, dx, saved[layer])
             if c > 0 and lay.chunk_stage(c) != lay.chunk_stage(c - 1):
                 dx = self._send(Phase.BACKWARD, dx, lay.chunk_stage(c - 1))
-        if vocab_split and self.sp:
-            dx = self._act(OpKind.ALL_GATHER, LAYER_IO, Axis.TP, Phase.BACKWARD, dx,
-                           internal="gather before the vocabulary-parallel embedding's backward")
-        elif self.sp:
-            dx = self._act(OpKind.ALL_GATHER, LAYER_IO, Axis.TP, Phase.BACKWARD, dx,
-                           internal="gather before the embedding's backward")
+        if self.sp:  # the lookup's backward reads the whole sequence's gradient
+            dx = self._act(OpKind.ALL_GATHER, EMBEDDING_IO, Axis.TP, Phase.BACKWARD, dx)
         for d in dx:
             tokens, _ = self._batch_of(d, batch, mb)
             lo, hi = self._vocab_range(d)
@@ -1114,11 +1099,10 @@ def simulate_program(program: StepProgram, model: ReferenceModel, *, optimizer: 
     records = train_single_device(model, data, optimizer, numbers, parameters=p0)
     divergence, complete = sim.run(data, records, p0, stop_at_divergence)
     memory, host = sim.memory()
-    unlisted = tuple((what, max(row.values()) / (steps + 1)) for what, row in sim.unlisted.items())
     return SimulationResult(
         matches=divergence is None, divergence=divergence, steps=steps + 1, devices=len(sim.mesh.devices),
         arithmetic=arithmetic, traffic=sim.traffic(steps + 1) if complete else (), memory=memory, host=host,
-        unlisted=unlisted, complete=complete)
+        complete=complete)
 
 
 def simulate(composition: Composition, model: ReferenceModel | None = None, *,

@@ -21,7 +21,7 @@ from formal._model import Transformer
 from formal._program import StepProgram, derive_program
 from formal._smt import decide
 from formal._verdict import Condition, Status
-from formal._vocab import Axis, OpKind, Phase, Reduce, State
+from formal._vocab import EMBEDDING_IO, LAYER_IO, OUTPUT_IO, Axis, OpKind, Phase, Reduce, State
 from tests.strategies import compositions, models
 
 SMALL = Transformer("small", layers=4, hidden=16, heads=4, vocab=32, seq=8)
@@ -75,6 +75,34 @@ def test_dropping_any_activation_collective_is_refuted(text: str) -> None:
         assert op.axis is not None
         assert rules == [f"activation_exchange[A.{op.group.name}, {op.axis.value}, {op.phase.value}, {op.kind.value}]"
                          ], (text, op)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("tp2", {(EMBEDDING_IO.name, Phase.FORWARD, OpKind.ALL_REDUCE, "sum"),
+             (OUTPUT_IO.name, Phase.BACKWARD, OpKind.ALL_REDUCE, "sum")}),
+    ("tp4xsp", {(EMBEDDING_IO.name, Phase.FORWARD, OpKind.REDUCE_SCATTER, "shard-sum"),
+                (EMBEDDING_IO.name, Phase.BACKWARD, OpKind.ALL_GATHER, "gather"),
+                (OUTPUT_IO.name, Phase.FORWARD, OpKind.ALL_GATHER, "gather"),
+                (OUTPUT_IO.name, Phase.BACKWARD, OpKind.REDUCE_SCATTER, "shard-sum")}),
+    ("tp2xpp2xm2", {(EMBEDDING_IO.name, Phase.FORWARD, OpKind.ALL_REDUCE, "sum"),
+                    (OUTPUT_IO.name, Phase.BACKWARD, OpKind.ALL_REDUCE, "sum")}),
+    ("pp2xm4", set()),
+])
+def test_the_vocabulary_parallel_embedding_and_head_need_their_exchanges(
+        text: str, expected: set[tuple[str, Phase, OpKind, str]]) -> None:
+    """tp splits the embedding's and the head's rows by vocabulary: the embedding's output and
+    the head's input gradient are partial sums (Shoeybi et al. 2019, section 3); with sequence
+    parallelism they are reduce-scattered and their shards gathered (Korthikanti et al. 2022,
+    section 4.3)."""
+    model, program = program_of(text)
+    sites = {(s.group.name, s.phase, s.kind, s.need) for s in required_sites(program, model)
+             if s.group is not LAYER_IO and s.axis is Axis.TP}
+    assert sites == expected
+    for group in (EMBEDDING_IO, OUTPUT_IO):
+        without = program.with_ops(op for op in program.ops if op.group != group)
+        rules = exchange_violations(text, without, model)
+        assert sorted(rules) == sorted(f"activation_exchange[A.{g}, tp, {ph.value}, {k.value}]"
+                                       for g, ph, k, _ in expected if g == group.name), (text, group)
 
 
 def test_the_pipeline_without_its_backward_send_is_refuted() -> None:

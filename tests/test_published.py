@@ -21,7 +21,7 @@ from checker._parse import parse
 from formal._costs import activation_memory, bubble_fraction
 from formal._model import PRECISIONS, ParameterCount, Transformer, megatron_parameter_count
 from formal._presets import PRESETS
-from formal._vocab import Axis, OpKind, State
+from formal._vocab import EMBEDDING_IO, LAYER_IO, OUTPUT_IO, Axis, OpKind, State
 
 # A copy of the project's shared/data/published-examples.json, kept beside the tests so that a
 # fresh clone runs them without the shared folder.
@@ -355,18 +355,33 @@ def test_ptdp_tensor_and_pipeline_communication() -> None:
     """Section 3.2: per layer and micro-batch, TP does two all-reduces of b s h in the forward
     pass and two in the backward; with sequence parallelism an all-gather and a reduce-scatter
     replace each all-reduce at the same volume (Korthikanti et al. 2022, 4.2.2). PP sends
-    b s h per micro-batch forward and backward, v times more when interleaved (2.2.2)."""
+    b s h per micro-batch forward and backward, v times more when interleaved (2.2.2).
+
+    The per-layer formula leaves out the vocabulary-parallel input and output layers (Shoeybi
+    et al. 2019, section 3): the embedding table is split by vocabulary, so "an all-reduce (g
+    operator) is required after the input embedding" (forward, first stage), and the output
+    embedding reads its input whole on every rank (Megatron's f: identity forward, all-reduce
+    of its input gradient backward, last stage); each b s h, once per micro-batch. With
+    sequence parallelism (Korthikanti et al. 2022, 4.3) each all-reduce becomes a
+    reduce-scatter and an all-gather in the other pass, at the same volume. The program lists
+    both stages' ops (a union), so one of each."""
     L, h, s, b, t, p, m, v = 8, 64, 32, 2, 4, 2, 8, 2
     model = Transformer("k", layers=L, hidden=h, heads=4, vocab=1024, seq=s, micro_batch=b)
     bsh = b * s * h
     for comp in (f"tp{t}xpp{p}xm{m}", f"tp{t}xspxpp{p}xm{m}"):
         a = analysis(comp, model)
         tp = [x for x in a.traffic if x.axis is Axis.TP and x.state is State.ACTIVATIONS]
-        calls = sum(int(x.count) for x in tp if x.kind in (OpKind.ALL_REDUCE, OpKind.ALL_GATHER))
+        layers = [x for x in tp if x.group is LAYER_IO]
+        vocab = [x for x in tp if x.group is not LAYER_IO]
+        assert {x.group for x in vocab} == {EMBEDDING_IO, OUTPUT_IO}
+        calls = sum(int(x.count) for x in layers if x.kind in (OpKind.ALL_REDUCE, OpKind.ALL_GATHER))
         assert calls == 4 * (L // p) * m  # 2 forward + 2 backward per layer of the stage
         assert all(int(x.elements) == bsh for x in tp)
         ring = Fraction(2 * (t - 1), t)  # all-reduce, or all-gather + reduce-scatter
-        assert sum(Fraction(int(x.bytes)) for x in tp) == 4 * (L // p) * m * bsh * 2 * ring
+        assert sum(Fraction(int(x.bytes)) for x in layers) == 4 * (L // p) * m * bsh * 2 * ring
+        # embedding (first stage) + head (last stage): one exchange each per micro-batch
+        assert sum(int(x.count) for x in vocab if x.kind in (OpKind.ALL_REDUCE, OpKind.ALL_GATHER)) == 2 * m
+        assert sum(Fraction(int(x.bytes)) for x in vocab) == 2 * m * bsh * 2 * ring
     for comp, chunks in ((f"pp{p}xm{m}", 1), (f"pp{p}xm{m}xv{v}", v)):
         sends = [x for x in analysis(comp, model).traffic if x.kind is OpKind.SEND_RECV]
         assert sum(int(x.bytes) for x in sends) == 2 * m * chunks * bsh * 2  # fwd + bwd, 2-byte activations

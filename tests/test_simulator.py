@@ -16,7 +16,7 @@ from hypothesis import given
 from strategies_sim import compositions
 
 from checker._parse import parse
-from formal._program import StepProgram, derive_program
+from formal._program import Op, StepProgram, derive_program
 from formal._reference import (
     PRIME,
     Arithmetic,
@@ -30,7 +30,7 @@ from formal._reference import (
     train_single_device,
 )
 from formal._simulator import reference_for, simulate, simulate_program
-from formal._vocab import Axis, OpKind, Phase, Reduce, State
+from formal._vocab import EMBEDDING_IO, OUTPUT_IO, Axis, Group, OpKind, Phase, Reduce, State
 from formal.errors import InputError, SimulationError
 
 FIELD, FLOAT = Numbers(Arithmetic.FIELD), Numbers(Arithmetic.FLOAT64)
@@ -176,6 +176,26 @@ def _act(kind: OpKind, axis: Axis, phase: Phase) -> object:
 def test_activation_collectives_are_executed_as_the_program_says(text: str, kind: OpKind, axis: Axis, phase: Phase,
                                                                  change: str, matches: bool) -> None:
     assert _mutate_activation(text, _act(kind, axis, phase), change) is matches
+
+
+@pytest.mark.parametrize(("text", "group", "kind", "phase", "change", "matches"), [
+    ("tp2", EMBEDDING_IO, OpKind.ALL_REDUCE, Phase.FORWARD, "drop", False),  # each rank's rows only
+    ("tp2", EMBEDDING_IO, OpKind.ALL_REDUCE, Phase.FORWARD, "duplicate", False),
+    ("tp2", OUTPUT_IO, OpKind.ALL_REDUCE, Phase.BACKWARD, "drop", False),  # head input gradient partial
+    ("tp2", OUTPUT_IO, OpKind.ALL_REDUCE, Phase.BACKWARD, "mean", False),
+    ("tp2xsp", EMBEDDING_IO, OpKind.REDUCE_SCATTER, Phase.FORWARD, "drop", False),
+    ("tp2xsp", EMBEDDING_IO, OpKind.ALL_GATHER, Phase.BACKWARD, "drop", False),
+    ("tp2xsp", OUTPUT_IO, OpKind.ALL_GATHER, Phase.FORWARD, "drop", False),
+    ("tp2xsp", OUTPUT_IO, OpKind.ALL_GATHER, Phase.FORWARD, "duplicate", True),  # idempotent
+    ("tp2xsp", OUTPUT_IO, OpKind.REDUCE_SCATTER, Phase.BACKWARD, "drop", False),
+])
+def test_vocabulary_parallel_collectives_are_ops_of_the_program(text: str, group: Group, kind: OpKind,
+                                                                phase: Phase, change: str, matches: bool) -> None:
+    """The embedding's and head's exchanges run as the program says (they used to be run
+    always, apart from the program, so a program without them still trained correctly)."""
+    def pick(op: Op) -> bool:
+        return op.state is State.ACTIVATIONS and op.group == group and op.kind is kind and op.phase is phase
+    assert _mutate_activation(text, pick, change) is matches
 
 
 def test_sequence_parallel_norm_gradients_are_partial_along_tp() -> None:

@@ -75,7 +75,7 @@ def test_each_named_effect_is_needed() -> None:
         ("ddp8", Implementation(ddp_bucket_copy=False), "gradients"),
         ("ddp8", Implementation(ddp_first_bucket_bytes=25 * 2**20), "calls"),
         ("tp8", Implementation(tp_embedding_full_gradient=False), "gradients"),
-        ("tp8", Implementation(tp_vocab_parallel_io=False), "calls"),
+        ("tp8", Implementation(tp_loss_reductions=0), "calls"),
         ("tp8xsp", Implementation(tp_row_bias_before_reduction=False), "calls"),
     ]
     for text, impl, what in cases:

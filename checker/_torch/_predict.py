@@ -6,7 +6,8 @@ as ``Implementation``: named, documented facts about the engine, each on or off,
 factor. The formal program says *which* collectives run and on how many elements; the
 implementation says how the engine cuts them into calls (FSDP2 one call per ``fully_shard``
 unit, DDP one per gradient bucket, DTensor one per tensor) and which extra collectives its
-layers add (vocabulary-parallel embedding, head and loss).
+layers add (the vocabulary-parallel loss). The vocabulary-parallel embedding's and head's
+activation collectives are ops of the program, run on the stage that holds them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from formal._vocab import (
     EMBEDDING,
     FINAL_NORM,
     HEAD,
+    IO_ACTIVATION_GROUPS,
     LAYER_GROUPS,
     MLP,
     NORM,
@@ -78,11 +80,6 @@ class Implementation:
     # reduction, so under sequence parallelism the bias gradient is complete (Megatron adds it
     # after the reduce-scatter, where the gradient is partial and must be all-reduced).
     tp_row_bias_before_reduction: bool = True
-    # Vocabulary-parallel embedding and head, as Megatron and DTensor build them: the
-    # embedding's partial output is all-reduced (reduce-scattered along the sequence under sp,
-    # all-gathered back in backward); the head's input gradient is all-reduced in backward
-    # (under sp its input is all-gathered in forward and its gradient reduce-scattered).
-    tp_vocab_parallel_io: bool = True
     # ``loss_parallel`` cross-entropy over vocabulary-sharded logits: all-reduces of one value
     # per token (max, sum of exponentials, target logit), fp32.
     tp_loss_reductions: int = 3
@@ -263,6 +260,8 @@ def _calls(pl: Placement, program: StepProgram, model: Transformer, impl: Implem
         wire = precision.wire_bytes_of(op.state)
         count = _int(op.count)
         if op.state is A:
+            if op.group in IO_ACTIVATION_GROUPS and not holds_io_activations(pl, op.group, stage):
+                continue  # the embedding's on the first stage, the head's on the last
             if op.kind is OpKind.SEND_RECV and op.axis is Axis.PP:
                 count = _pipeline_transfers(pl, count, rank)
             yield from [Call(op.kind, n, _int(op.elements) * wire)] * count
@@ -273,7 +272,7 @@ def _calls(pl: Placement, program: StepProgram, model: Transformer, impl: Implem
         yield from _state_calls(pl, op, n, wire, count, group_tensors, impl)
     yield from _ddp_bucket_calls(pl, program, mine, impl, precision)
     yield from _fsdp_unit_calls(pl, program, mine, impl, precision, stage)
-    yield from _vocab_parallel_calls(pl, model, impl, precision, stage)
+    yield from _loss_parallel_calls(pl, model, impl, stage)
 
 
 def _pipeline_transfers(pl: Placement, count: int, rank: int) -> int:
@@ -355,29 +354,14 @@ def _ddp_bucket_calls(pl: Placement, program: StepProgram, ts: list[Tensor], imp
         yield Call(OpKind.ALL_REDUCE, n, size)
 
 
-def _vocab_parallel_calls(pl: Placement, model: Transformer, impl: Implementation, precision: Precision,
-                          stage: str) -> Iterator[Call]:
+def _loss_parallel_calls(pl: Placement, model: Transformer, impl: Implementation, stage: str) -> Iterator[Call]:
+    """``loss_parallel``'s fp32 per-token all-reduces on the last stage, when tp splits the head."""
     t = int(pl.degree(Axis.TP))
-    if t == 1 or not impl.tp_vocab_parallel_io:
-        return
-    m = pl.options.micro_batches
-    bsh = model.micro_batch * model.seq * model.hidden * precision.activations
-    sp_on = pl.mode(A, _layer_io(), Axis.TP).is_sharded
-    p = int(pl.degree(Axis.PP))
-    first, last = stage == "first" or p == 1, stage == "last" or p == 1
-    if first and pl.computes_sharded(Axis.TP, EMBEDDING):
-        if sp_on:
-            yield from [Call(OpKind.REDUCE_SCATTER, t, bsh), Call(OpKind.ALL_GATHER, t, bsh)] * m
-        else:
-            yield from [Call(OpKind.ALL_REDUCE, t, bsh)] * m
     head = HEAD if HEAD in pl.groups(P) else EMBEDDING
-    if last and pl.computes_sharded(Axis.TP, head):
-        if sp_on:
-            yield from [Call(OpKind.ALL_GATHER, t, bsh), Call(OpKind.REDUCE_SCATTER, t, bsh)] * m
-        else:
-            yield from [Call(OpKind.ALL_REDUCE, t, bsh)] * m
-        tokens = model.micro_batch * model.seq * 4  # the loss's statistics are fp32
-        yield from [Call(OpKind.ALL_REDUCE, t, tokens)] * (impl.tp_loss_reductions * m)
+    if t == 1 or not holds_io_activations(pl, OUTPUT_IO, stage) or not pl.computes_sharded(Axis.TP, head):
+        return
+    tokens = model.micro_batch * model.seq * 4  # the loss's statistics are fp32
+    yield from [Call(OpKind.ALL_REDUCE, t, tokens)] * (impl.tp_loss_reductions * pl.options.micro_batches)
 
 
 def _layer_io() -> Group:

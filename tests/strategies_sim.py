@@ -126,8 +126,13 @@ def applicable(program: StepProgram) -> list[tuple[str, int]]:
 def mutations(draw: st.DrawFn, program: StepProgram) -> tuple[StepProgram, str]:
     """One mutation of ``program`` (see the module docstring) and a description of it."""
     choices = applicable(program)
-    assume(choices)  # a program without model-state collectives (pp alone, untied) has nothing to mutate
-    kind, i = draw(st.sampled_from(choices))
+    assume(choices)  # a program without collectives has nothing to mutate
+    # One draw in four mutates an activation op (when there is one), so that the model-state
+    # mutations keep their share as activation ops multiply (the generator-quality test).
+    activation = [c for c in choices if program.ops[c[1]].state is State.ACTIVATIONS]
+    state = [c for c in choices if program.ops[c[1]].state is not State.ACTIVATIONS]
+    pick_activation = bool(activation) and (not state or draw(st.integers(0, 3)) == 0)
+    kind, i = draw(st.sampled_from(activation if pick_activation else state))
     ops = list(program.ops)
     op = ops[i]
     mesh = [a for a, d in program.placement.mesh if int(d) > 1]

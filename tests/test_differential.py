@@ -229,7 +229,7 @@ BROKEN = {
 def test_the_generators_find_each_broken_example(name: str) -> None:
     predicate = BROKEN[name]
     found = find(cases(mutate=True), predicate,
-                 settings=settings(max_examples=20_000, database=None, derandomize=True))
+                 settings=settings(max_examples=10_000, database=None, derandomize=True))
     outcome = evaluate(found)
     assert outcome.status is Status.REFUTED, (name, str(found.composition), found.mutation)
     assert not outcome.matches, (name, str(found.composition), found.mutation)

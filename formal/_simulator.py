@@ -583,8 +583,12 @@ class Simulator:
                     if src is not None:
                         self.P[dev][g][pos] = src[pos]
                 case (OpKind.DEVICE_TO_HOST, State.GRADIENTS):
+                    # What the device holds of its gradient: outside a reduce-scatter's shard
+                    # the buffer is freed, and the host copy gets nothing from there.
                     pos = self.layout.holding(G, g, dev)
-                    self.host.setdefault((G, dev, g), n.zeros(self.model.size(g)))[pos] = self.G[dev][g][pos]
+                    alive = self.live[dev][g][pos]
+                    self.host.setdefault((G, dev, g), n.zeros(self.model.size(g)))[pos] = np.where(
+                        alive, self.G[dev][g][pos], 0)
                 case (OpKind.DEVICE_TO_HOST, State.PARAMETERS):
                     pos = self.layout.holding(P, g, dev)
                     self.host.setdefault((P, dev, g), n.zeros(self.model.size(g)))[pos] = self.P[dev][g][pos]
@@ -655,8 +659,10 @@ class Simulator:
         for g in self.groups:
             for dev in self.mesh.devices:
                 held = self.layout.mask(G, g, dev)
-                arrays[dev][g][~held] = 0
                 live[dev][g] &= held
+                # A reduce-scatter leaves the device its shard: the rest of the buffer is freed
+                # with the placement's (z3's "freed outside the shard"), whatever the mode says.
+                arrays[dev][g][~live[dev][g]] = 0
 
     # ---- activation collectives ----------------------------------------------------------
     def _instances(self, kind: OpKind, group: Group, axis: Axis, phase: Phase) -> list[int]:

@@ -260,6 +260,23 @@ def test_once_disagreements_stay_agreed(text: str, change: str) -> None:
     assert outcome.status is Status.REFUTED  # ...and z3 should too
 
 
+@pytest.mark.parametrize("text", ["fsdp-sgo1xtp2xm1xoffloadxoffload-params", "fsdp-sgo1xtp2xm1", "zero12xtp2"])
+def test_a_reduce_scatter_leaves_only_its_shard(text: str) -> None:
+    """Was a completeness disagreement of the thorough profile: a mean reduce-scatter of the
+    (complete, replicated) norm gradient moved from dp onto tp. z3 refuted it (the optimizer
+    reads chunks freed outside the shard); the simulator kept the whole buffer, whose other
+    chunks happened to hold the right values. Fixed in the simulator: after gradient
+    synchronisation, and in a copy to the host, only the shard a reduce-scatter left is held."""
+    from dataclasses import replace
+    composition, model, program = _program(text)
+    ops = list(program.ops)
+    i = next(k for k, op in enumerate(ops) if op.kind is OpKind.REDUCE_SCATTER and op.state is State.GRADIENTS
+             and op.group.name == "norm" and op.axis is Axis.DP)
+    ops[i] = replace(ops[i], axis=Axis.TP)
+    outcome = evaluate(Case(composition, model, program.with_ops(ops), "reaxis the norm's reduce-scatter onto tp"))
+    assert outcome.status is Status.REFUTED and not outcome.matches, outcome.disagreement
+
+
 def test_offloaded_parameters_held_through_backward_need_no_second_fetch() -> None:
     # Was a z3 completeness gap (each axis's copy judged apart); fixed in formal/_smt.py: a copy
     # held through the backward along one axis is held on every axis.

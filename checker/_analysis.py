@@ -14,7 +14,7 @@ from formal._costs import (
     Memory,
     Traffic,
     bubble_fraction,
-    communication,
+    busiest_stage_traffic,
     in_flight_micro_batches,
     model_state_paper_units,
     most_loaded,
@@ -40,6 +40,7 @@ class Analysis:
     transfers: tuple[tuple[str, object, object, str, sp.Expr], ...]
     device_memory: int | None
     symbolic_memory: Memory
+    traffic_stage: str = "first"  # the pipeline stage whose device sends the most (``traffic``'s)
 
     @property
     def communication_bytes(self) -> sp.Expr:
@@ -74,8 +75,10 @@ def analyze(composition: Composition, model: Model, precision: Precision,
     mem = most_loaded(placement, model, precision, sizes)
     symbolic_pl = composition.placement(model, symbolic=True)
     sym = most_loaded(symbolic_pl, model, precision, sizes)
+    traffic_stage, traffic = busiest_stage_traffic(program, precision)
     return Analysis(
         composition=composition, model=model, precision=precision, placement=placement,
-        program=program, memory=mem, traffic=communication(program, precision),
+        program=program, memory=mem, traffic=traffic,
         transfers=transfers(program, precision), device_memory=device_memory, symbolic_memory=sym,
+        traffic_stage=traffic_stage,
     )

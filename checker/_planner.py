@@ -47,8 +47,10 @@ import sympy as sp
 from checker._numbers import gb
 from checker._parse import parse
 from formal._costs import (
+    STAGES,
     activation_memory,
     bubble_fraction,
+    busiest_stage_traffic,
     ceil_int,
     communication,
     memory,
@@ -453,18 +455,21 @@ class Deriver:
         return self._states[key]
 
     def state_traffic(self, family: Family) -> Vectorized:
-        """Bytes per device per step of model-state collectives, one expression per axis."""
+        """Bytes per device per step of model-state collectives, one expression per axis, for a
+        device of each pipeline stage (first, middle, last: ``op_stage_factor``)."""
         key = _StateTrafficKey(family.data, family.offload, family.pipeline is not None, family.sequence_parallel)
         if key not in self._state_traffic:
             base = replace(family, recompute=Recompute.NONE,
                            pipeline=Pipeline(Schedule.ONE_F_ONE_B) if key.pipelined else None)
             _, program = self._placement_program(base)
             self._state_traffic[key] = Vectorized.of(
-                _per_axis(t for t in communication(program, self.precision) if t.state is not State.ACTIVATIONS))
+                [x for stage in STAGES for x in _per_axis(
+                    t for t in communication(program, self.precision, stage) if t.state is not State.ACTIVATIONS)])
         return self._state_traffic[key]
 
     def activations(self, family: Family) -> Vectorized:
-        """[activation bytes first stage, last stage, bubble fraction, traffic per axis...] at b=1."""
+        """[activation bytes first stage, last stage, bubble fraction, traffic per axis for a device
+        of each pipeline stage (first, middle, last)...] at b=1."""
         key = _ActivationKey(family.pipeline, family.sequence_parallel, family.recompute)
         if key not in self._activations:
             base = replace(family, data=DataParallel.DP, offload=Offload.NONE)
@@ -474,7 +479,9 @@ class Deriver:
                 act = activation_memory(pl, self.model, self.precision, stage)
                 exprs.append(act if act is not None else sp.Integer(0))
             exprs.append(bubble_fraction(pl))
-            exprs += _per_axis(t for t in communication(program, self.precision) if t.state is State.ACTIVATIONS)
+            for stage in STAGES:
+                exprs += _per_axis(t for t in communication(program, self.precision, stage)
+                                   if t.state is State.ACTIVATIONS)
             self._activations[key] = Vectorized.of(exprs)
         return self._activations[key]
 
@@ -914,8 +921,13 @@ def _evaluate(deriver: Deriver, timing: StepTimeModel, family: Family, fi: int, 
     bf = b.astype(np.float64)
     first = first_s + bf * act[0]
     last = last_s + bf * act[1]
-    traffic = straffic + bf[:, None] * np.column_stack(act[3:])
     n = deg.shape[0]
+    # Per pipeline stage (first, middle, last), per axis; the device that sends the most counts
+    # (a middle stage exists beyond two stages; the first wins a tie, as in busiest_stage_traffic).
+    per_stage = (straffic + bf[:, None] * np.column_stack(act[3:])).reshape(n, len(STAGES), len(AXES))
+    totals = per_stage.sum(axis=2)
+    totals[:, 1] = np.where(deg[:, _PP] > 2, totals[:, 1], -np.inf)
+    traffic = per_stage[np.arange(n), np.argmax(totals, axis=1), :]
     return _Table(
         family=np.full(n, fi, dtype=np.int64), degrees=deg, b=b, m=m,
         memory=np.maximum(first, last), last_heavier=last > first, traffic=traffic, host=np.asarray(host),
@@ -942,7 +954,8 @@ def exact_costs(candidate: Candidate, model: Model, precision: Precision) -> tup
     pl = comp.placement(sized)
     program = derive_program(pl, sized)
     mem = most_loaded(pl, sized, precision, group_sizes(sized))
-    return ceil_int(mem.total), ceil_int(total_bytes(communication(program, precision))), mem.stage, program
+    traffic = busiest_stage_traffic(program, precision)[1]
+    return ceil_int(mem.total), ceil_int(total_bytes(traffic)), mem.stage, program
 
 
 _STRUCTURAL = (Condition.GRADIENT_INTEGRITY, Condition.STATE_CONSISTENCY)

@@ -92,6 +92,7 @@ def to_json(analysis: Analysis) -> dict[str, Any]:
         "communication": {
             "unit": "bytes",
             "per_device_per_step": _num(analysis.communication_bytes),
+            "pipeline_stage": analysis.traffic_stage,
             "model_state_psi_units": _exact(analysis.model_state_psi),
             "collectives": collectives,
             "host_transfers": [
@@ -144,8 +145,10 @@ def print_human(analysis: Analysis, console: Console) -> None:
         comm.add_row(op, axis, state, phase, f"{sum(r['count'] for r in rows):,}", f"{moved:,}",
                      f"{moved / 1e9:,.2f}", "-" if state == "activations" else f"{float(psi):.3g}")
     console.print(comm)
+    busiest = doc["communication"].get("pipeline_stage", "first")
+    where = f" (pipeline stage sending the most: {busiest})" if doc["mesh"].get("pp", 1) > 1 else ""
     console.print(f"total {doc['communication']['per_device_per_step']:,} bytes "
-                  f"({gb(doc['communication']['per_device_per_step'])}) per device per step; "
+                  f"({gb(doc['communication']['per_device_per_step'])}) per device per step{where}; "
                   f"model states {float(Fraction(doc['communication']['model_state_psi_units'])):.4g} Psi "
                   "(ZeRO paper units)")
     if doc["communication"]["host_transfers"]:

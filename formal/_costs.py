@@ -16,12 +16,14 @@ import sympy as sp
 from formal._exact import exact
 from formal._model import Model, Precision, Transformer
 from formal._placement import Entry, Placement, Recompute, Schedule
-from formal._program import StepProgram, axis_factor, pipeline_factor, shard_elements
+from formal._program import Op, StepProgram, axis_factor, pipeline_factor, shard_elements
 from formal._vocab import (
     ACTIVATION_GROUPS,
     FIRST_STAGE_ACTIVATIONS,
+    FIRST_STAGE_GROUPS,
     IO_ACTIVATION_GROUPS,
     LAST_STAGE_ACTIVATIONS,
+    LAST_STAGE_GROUPS,
     LAYER_GROUPS,
     MODEL_STATES,
     Axis,
@@ -359,19 +361,71 @@ class Traffic:
     paper_elements: sp.Expr  # ZeRO-paper units: elements x (2 for all-reduce, else 1) x count
 
 
-def communication(program: StepProgram, precision: Precision) -> tuple[Traffic, ...]:
+def pipeline_stages(pl: Placement) -> tuple[str, ...]:
+    """The kinds of pipeline stage a placement has: one without a pipeline, first and last with
+    two stages, and a middle one beyond (a symbolic degree: all three)."""
+    p = pl.degree(Axis.PP)
+    if Axis.PP not in pl.axes or (p.is_number and p == 1):
+        return ("first",)
+    if p.is_number and p == 2:
+        return ("first", "last")
+    return STAGES
+
+
+def op_stage_factor(op: Op, pl: Placement, stage: str) -> sp.Expr:
+    """How often a device of pipeline ``stage`` runs ``op``, relative to the op's ``count``.
+
+    The step program is a union over stages: the first stage's groups (embedding, its
+    activation) run on the first stage only, the last stage's (head, final norm, their
+    activations) on the last, a tied embedding on both; stage-to-stage sends are counted per
+    boundary (m x chunks per phase), and a device ends ``2 x chunks - [first] - [last]`` of
+    its boundaries (a middle stage sends and receives both ways). Without a pipeline: 1.
+    """
+    if len(pipeline_stages(pl)) == 1:
+        return sp.Integer(1)
+    if op.kind is OpKind.SEND_RECV and op.axis is Axis.PP:
+        chunks = pl.options.chunks if pl.options.schedule is Schedule.INTERLEAVED else 1
+        ends = int(stage == "first") + int(stage == "last")
+        return sp.Rational(2 * chunks - ends, chunks)
+    group = op.group
+    if group in pl.tied:
+        return sp.Integer(int(stage in ("first", "last")))
+    if group in FIRST_STAGE_GROUPS or group in FIRST_STAGE_ACTIVATIONS:
+        return sp.Integer(int(stage == "first"))
+    if group in LAST_STAGE_GROUPS or group in LAST_STAGE_ACTIVATIONS:
+        return sp.Integer(int(stage == "last"))
+    return sp.Integer(1)
+
+
+def communication(program: StepProgram, precision: Precision, stage: str | None = None) -> tuple[Traffic, ...]:
+    """Every collective of the program with its per-device volume: the program's union over
+    pipeline stages, or, given ``stage``, what one device of that stage sends (``op_stage_factor``)."""
     out: list[Traffic] = []
     pl = program.placement
     for op in program.ops:
         if not op.kind.is_collective or op.axis is None:
             continue
+        factor = sp.Integer(1) if stage is None else op_stage_factor(op, pl, stage)
+        if factor == 0:
+            continue
+        count = exact(op.count * factor)
         n = op.participants if op.participants is not None else pl.degree(op.axis)
         nbytes = precision.wire_bytes_of(op.state)
-        volume = exact(op.elements * nbytes * ring_factor(op.kind, n) * op.count)
-        paper = exact(op.elements * paper_factor(op.kind) * op.count)
-        out.append(Traffic(op.kind, op.axis, op.state, op.group, op.phase.value, op.elements, op.count,
+        volume = exact(op.elements * nbytes * ring_factor(op.kind, n) * count)
+        paper = exact(op.elements * paper_factor(op.kind) * count)
+        out.append(Traffic(op.kind, op.axis, op.state, op.group, op.phase.value, op.elements, count,
                            n, volume, paper))
     return tuple(out)
+
+
+def busiest_stage_traffic(program: StepProgram, precision: Precision) -> tuple[str, tuple[Traffic, ...]]:
+    """The pipeline stage whose device sends the most per step, and its collectives (the first
+    stage on a tie; without a pipeline, the one kind of device)."""
+    stages = pipeline_stages(program.placement)
+    per_stage = [(st, communication(program, precision, st)) for st in stages]
+    if len(per_stage) == 1 or any(not total_bytes(t).is_number for _, t in per_stage):
+        return per_stage[0]
+    return max(per_stage, key=lambda item: exact(total_bytes(item[1])))
 
 
 def transfers(program: StepProgram, precision: Precision) -> tuple[tuple[str, State, Group, str, sp.Expr], ...]:

@@ -18,7 +18,7 @@ import sympy as sp
 
 from checker._analysis import Analysis, analyze
 from checker._parse import parse
-from formal._costs import activation_memory, bubble_fraction
+from formal._costs import STAGES, activation_memory, bubble_fraction, communication
 from formal._model import PRECISIONS, ParameterCount, Transformer, megatron_parameter_count
 from formal._presets import PRESETS
 from formal._vocab import EMBEDDING_IO, LAYER_IO, OUTPUT_IO, Axis, OpKind, State
@@ -363,28 +363,51 @@ def test_ptdp_tensor_and_pipeline_communication() -> None:
     embedding reads its input whole on every rank (Megatron's f: identity forward, all-reduce
     of its input gradient backward, last stage); each b s h, once per micro-batch. With
     sequence parallelism (Korthikanti et al. 2022, 4.3) each all-reduce becomes a
-    reduce-scatter and an all-gather in the other pass, at the same volume. The program lists
-    both stages' ops (a union), so one of each."""
+    reduce-scatter and an all-gather in the other pass, at the same volume. Per device: the
+    first stage does the embedding's, the last the head's. A device of a pipeline is an end of
+    2v - [first] - [last] stage boundaries (v chunks), each one send or receive per micro-batch
+    and pass."""
     L, h, s, b, t, p, m, v = 8, 64, 32, 2, 4, 2, 8, 2
     model = Transformer("k", layers=L, hidden=h, heads=4, vocab=1024, seq=s, micro_batch=b)
     bsh = b * s * h
+    precision = PRECISIONS["zero"]
     for comp in (f"tp{t}xpp{p}xm{m}", f"tp{t}xspxpp{p}xm{m}"):
-        a = analysis(comp, model)
-        tp = [x for x in a.traffic if x.axis is Axis.TP and x.state is State.ACTIVATIONS]
-        layers = [x for x in tp if x.group is LAYER_IO]
-        vocab = [x for x in tp if x.group is not LAYER_IO]
-        assert {x.group for x in vocab} == {EMBEDDING_IO, OUTPUT_IO}
-        calls = sum(int(x.count) for x in layers if x.kind in (OpKind.ALL_REDUCE, OpKind.ALL_GATHER))
-        assert calls == 4 * (L // p) * m  # 2 forward + 2 backward per layer of the stage
-        assert all(int(x.elements) == bsh for x in tp)
-        ring = Fraction(2 * (t - 1), t)  # all-reduce, or all-gather + reduce-scatter
-        assert sum(Fraction(int(x.bytes)) for x in layers) == 4 * (L // p) * m * bsh * 2 * ring
-        # embedding (first stage) + head (last stage): one exchange each per micro-batch
-        assert sum(int(x.count) for x in vocab if x.kind in (OpKind.ALL_REDUCE, OpKind.ALL_GATHER)) == 2 * m
-        assert sum(Fraction(int(x.bytes)) for x in vocab) == 2 * m * bsh * 2 * ring
+        program = analysis(comp, model).program
+        for stage, vocab_group in (("first", EMBEDDING_IO), ("last", OUTPUT_IO)):
+            tp = [x for x in communication(program, precision, stage)
+                  if x.axis is Axis.TP and x.state is State.ACTIVATIONS]
+            layers = [x for x in tp if x.group is LAYER_IO]
+            vocab = [x for x in tp if x.group is not LAYER_IO]
+            assert {x.group for x in vocab} == {vocab_group}, (comp, stage)
+            calls = sum(int(x.count) for x in layers if x.kind in (OpKind.ALL_REDUCE, OpKind.ALL_GATHER))
+            assert calls == 4 * (L // p) * m  # 2 forward + 2 backward per layer of the stage
+            assert all(int(x.elements) == bsh for x in tp)
+            ring = Fraction(2 * (t - 1), t)  # all-reduce, or all-gather + reduce-scatter
+            assert sum(Fraction(int(x.bytes)) for x in layers) == 4 * (L // p) * m * bsh * 2 * ring
+            # the stage's vocabulary layer: one exchange per micro-batch
+            assert sum(int(x.count) for x in vocab if x.kind in (OpKind.ALL_REDUCE, OpKind.ALL_GATHER)) == m
+            assert sum(Fraction(int(x.bytes)) for x in vocab) == m * bsh * 2 * ring
     for comp, chunks in ((f"pp{p}xm{m}", 1), (f"pp{p}xm{m}xv{v}", v)):
-        sends = [x for x in analysis(comp, model).traffic if x.kind is OpKind.SEND_RECV]
-        assert sum(int(x.bytes) for x in sends) == 2 * m * chunks * bsh * 2  # fwd + bwd, 2-byte activations
+        a = analysis(comp, model)
+        for stage in ("first", "last"):
+            sends = [x for x in communication(a.program, precision, stage) if x.kind is OpKind.SEND_RECV]
+            ends = 2 * chunks - 1  # both devices of a two-stage pipeline are a first or a last stage
+            assert sum(int(x.bytes) for x in sends) == 2 * m * ends * bsh * 2  # fwd + bwd, 2-byte activations
+        assert a.traffic_stage == "first"  # equal traffic: the first stage is reported
+
+
+def test_a_middle_stage_sends_both_ways_and_the_busiest_stage_is_reported() -> None:
+    """pp4: the first and last stage are an end of one boundary, a middle stage of two, so it
+    moves twice the activations; the report gives the stage whose device sends the most."""
+    model = Transformer("k", layers=8, hidden=64, heads=4, vocab=1024, seq=32, micro_batch=2,
+                        tied_embeddings=False)  # no embedding all-reduce between the ends
+    bsh, m = 2 * 32 * 64, 8
+    a = analysis(f"pp4xm{m}", model)
+    precision = PRECISIONS["zero"]
+    per_stage = {st: sum(int(x.bytes) for x in communication(a.program, precision, st)) for st in STAGES}
+    assert per_stage["first"] == per_stage["last"] == 2 * m * bsh * 2
+    assert per_stage["middle"] == 2 * per_stage["first"]
+    assert a.traffic_stage == "middle" and int(a.communication_bytes) == per_stage["middle"]
 
 
 # --- the issue's CLI acceptance: check-composition ... --params 7.5e9 --json -------------------

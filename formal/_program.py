@@ -331,9 +331,9 @@ class _ActivationOps:
     pipeline stages: the per-layer ones (``A.layer_io``, ``A.linear_inner``) run on every stage,
     ``count`` = the fullest stage's layers x m; the vocabulary-parallel embedding's
     (``A.embedding_io``) on the first stage only and the head's (``A.output_io``) on the last only,
-    ``count`` = m (once per micro-batch). ``communication()`` sums every op, so it charges one
-    device with both ends of the pipeline (exact without pp, an upper bound with it); per-stage
-    readers select them with ``formal._costs.holds_io_activations``.
+    ``count`` = m (once per micro-batch). ``communication(program, precision, stage)`` gives one
+    device of a stage its own (``formal._costs.op_stage_factor``); without ``stage`` it sums the
+    union, as the simulator's per-op cost check reads it.
     """
 
     def __init__(self, pl: Placement, model: Model, m: sp.Expr) -> None:

@@ -117,16 +117,21 @@ def validate(text: str, devices: int | None = None, rank: int = 0) -> Comparison
     start = time.perf_counter()
     measured = measure_isolated(text, devices, rank)
     predicted = predict(comp, cfg.formal(), rank=rank)
-    rows = (
+    rows = (*state_rows(predicted, measured), Row("activations", predicted.activations, measured.activations))
+    return Comparison(comp, measured.engine.value, measured.stage, rows, predicted.calls,
+                      tuple(sorted(measured.calls)), time.perf_counter() - start, rank)
+
+
+def state_rows(predicted: Any, measured: Any) -> tuple[Row, ...]:
+    """Parameters, gradients, optimizer state and their sum, predicted against measured (any
+    two objects with those byte counts: a ``Prediction`` and a ``Measured``)."""
+    return (
         Row("parameters", predicted.parameters, measured.parameters),
         Row("gradients", predicted.gradients, measured.gradients),
         Row("optimizer", predicted.optimizer, measured.optimizer),
         Row("model states", predicted.parameters + predicted.gradients + predicted.optimizer,
             measured.parameters + measured.gradients + measured.optimizer),
-        Row("activations", predicted.activations, measured.activations),
     )
-    return Comparison(comp, measured.engine.value, measured.stage, rows, predicted.calls,
-                      tuple(sorted(measured.calls)), time.perf_counter() - start, rank)
 
 
 def _pct(x: float) -> str:

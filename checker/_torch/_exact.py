@@ -131,30 +131,22 @@ def faulty_program(comp: Composition, fault: Fault, cfg: NetConfig | None = None
     """The step program the faulty PyTorch run executes: the derived one minus what it skips."""
     model = (cfg or config_for(comp)).formal()
     program = derive_program(comp.placement(model), model)
-    match fault:
-        case Fault.NONE:
-            return program
-        case Fault.SKIP_REDUCTION:
-            return program.with_ops(op for op in program.ops
-                                    if not (op.phase is Phase.GRAD_SYNC and op.axis is Axis.DP
-                                            and op.kind.is_reduction))
-        case Fault.NO_REFRESH:
-            return program.with_ops(op for op in program.ops
-                                    if not (op.phase is Phase.REFRESH and op.kind is OpKind.ALL_GATHER))
-        case Fault.SKIP_DPR_REDUCTION:
-            return program.with_ops(op for op in program.ops
-                                    if not (op.phase is Phase.GRAD_SYNC and op.axis is Axis.DPR
-                                            and op.kind.is_reduction))
-        case Fault.SKIP_SP_REDUCTION:
-            return program.with_ops(op for op in program.ops
-                                    if not (op.phase is Phase.GRAD_SYNC and op.axis is Axis.TP
-                                            and op.kind.is_reduction))
-        case Fault.NO_BACKWARD_SEND:
-            return program.with_ops(op for op in program.ops
-                                    if not (op.phase is Phase.BACKWARD and op.axis is Axis.PP
-                                            and op.kind is OpKind.SEND_RECV))
-        case _:
-            raise AssertionError(fault)
+    if fault is Fault.NONE:
+        return program
+    phase, axis, kinds = _SKIPPED[fault]
+    return program.with_ops(op for op in program.ops
+                            if not (op.phase is phase and (axis is None or op.axis is axis) and op.kind in kinds))
+
+
+_REDUCTIONS = frozenset({OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER})
+# What each fault's run skips: the ops of this phase, on this axis, of these kinds.
+_SKIPPED: dict[Fault, tuple[Phase, Axis | None, frozenset[OpKind]]] = {  # None: any axis
+    Fault.SKIP_REDUCTION: (Phase.GRAD_SYNC, Axis.DP, _REDUCTIONS),
+    Fault.NO_REFRESH: (Phase.REFRESH, None, frozenset({OpKind.ALL_GATHER})),
+    Fault.SKIP_DPR_REDUCTION: (Phase.GRAD_SYNC, Axis.DPR, _REDUCTIONS),
+    Fault.SKIP_SP_REDUCTION: (Phase.GRAD_SYNC, Axis.TP, _REDUCTIONS),
+    Fault.NO_BACKWARD_SEND: (Phase.BACKWARD, Axis.PP, frozenset({OpKind.SEND_RECV})),
+}
 
 
 def z3_status(case: Case, world: int) -> Status | None:

@@ -23,7 +23,7 @@ from checker._parse import parse
 from checker._torch._engine import Measured, fake_group, measure
 from checker._torch._net import NetConfig
 from checker._torch._predict import predict
-from checker._torch_validate import ACTIVATION_TOLERANCE, Comparison, Row
+from checker._torch_validate import ACTIVATION_TOLERANCE, Comparison, Row, state_rows
 
 # Every engine at world sizes 2 and 4 (FSDP+TP and HSDP need 4 ranks). Pipelines: as many
 # micro-batches as twice the stages, so 1F1B's in-flight min(p, m) differs from GPipe's m.
@@ -129,14 +129,7 @@ def compare(m: RankMeasurement, world: int) -> GlooComparison:
     measured = m.gloo
     comp = parse(m.composition, devices=world)
     predicted = predict(comp, NetConfig().formal(), rank=m.rank)
-    rows = (
-        Row("parameters", predicted.parameters, measured.parameters),
-        Row("gradients", predicted.gradients, measured.gradients),
-        Row("optimizer", predicted.optimizer, measured.optimizer),
-        Row("model states", predicted.parameters + predicted.gradients + predicted.optimizer,
-            measured.parameters + measured.gradients + measured.optimizer),
-        Row("activations", predicted.activations, measured.activations),
-    )
+    rows = (*state_rows(predicted, measured), Row("activations", predicted.activations, measured.activations))
     c = Comparison(comp, measured.engine.value, measured.stage, rows, predicted.calls,
                    tuple(sorted(measured.calls)), m.seconds, m.rank)
     return GlooComparison(c, None if m.fake is None else differences(measured, m.fake))

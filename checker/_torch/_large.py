@@ -38,7 +38,7 @@ from checker._torch._engine import Engine, Measured, Runner, _optimizer_states, 
 from checker._torch._net import NetConfig
 from checker._torch._predict import predict
 from checker._torch._record import CommRecorder, SavedActivations, _Held, local, storage_bytes, storage_key
-from checker._torch_validate import Comparison, Row
+from checker._torch_validate import Comparison, Row, state_rows
 
 # 0.53 B parameters (8 blocks of 50 M, embedding and head of 65.5 M each): few blocks keep the
 # number of dispatched ops (the cost of a fake step) small; the vocabulary makes the logits count.
@@ -303,11 +303,7 @@ def compare_large(text: str, cfg: NetConfig = LARGE, rank: int = 0) -> tuple[Com
     predicted = predict(comp, cfg.formal(), rank=rank)
     m, t = result.measured, result.tracked
     rows = (
-        Row("parameters", predicted.parameters, m.parameters),
-        Row("gradients", predicted.gradients, m.gradients),
-        Row("optimizer", predicted.optimizer, m.optimizer),
-        Row("model states", predicted.parameters + predicted.gradients + predicted.optimizer,
-            m.parameters + m.gradients + m.optimizer),
+        *state_rows(predicted, m),
         Row("tracker parameters", predicted.parameters, t.parameters),
         Row("tracker gradients", predicted.gradients, t.gradients),
         Row("tracker optimizer", predicted.optimizer, t.optimizer),

@@ -526,12 +526,18 @@ class Simulator:
             share = _ring_share(op.kind, k)
             # Along an axis that splits the group by structure (TP rows/columns, pipeline stages)
             # a device's piece is its own slice, not a flat shard: offsets do not apply.
-            structural = axis is Axis.PP or (axis is Axis.TP and self.pl.computes_sharded(Axis.TP, op.group))
+            # A tied embedding is whole on the first and the last stage: along pp its pieces are
+            # flat shards between those two (the participants), as for any replicated group.
+            tied = axis is Axis.PP and op.group in self.pl.tied
+            structural = (axis is Axis.PP and not tied) or (
+                axis is Axis.TP and self.pl.computes_sharded(Axis.TP, op.group))
 
             def piece_of(d: Device, structural: bool = structural, bases: dict[Device, IndexArray] = bases,
-                         deg: int = deg) -> IndexArray:
+                         deg: int = deg, tied: bool = tied, members: list[Device] = members) -> IndexArray:
                 if structural:
                     return np.intersect1d(bases[d], self.layout.compute(op.group, d))
+                if tied:
+                    return _chunk(bases[d], len(members), (members.index(d) - op.offset) % len(members))
                 return _chunk(bases[d], deg, (self.mesh.coord(d, axis) - op.offset) % deg)
 
             for d in members:

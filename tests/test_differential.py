@@ -277,6 +277,23 @@ def test_a_reduce_scatter_leaves_only_its_shard(text: str) -> None:
     assert outcome.status is Status.REFUTED and not outcome.matches, outcome.disagreement
 
 
+@pytest.mark.parametrize("text", ["pp2xzero21xm2", "pp2xzero11xm2", "pp2xfsdp1xm2"])
+def test_a_tied_embedding_reduce_scatter_along_pp_shards_between_the_two_ends(text: str) -> None:
+    """Was a completeness disagreement of the thorough profile: a reduce-scatter of the tied
+    embedding's gradient moved onto pp. z3 cuts it between the first and the last stage (the
+    participants) and refutes the optimizer's read of the other half; the simulator treated pp as
+    structural and kept each end's whole copy. Fixed in the simulator (flat shards between the
+    two ends for a tied group)."""
+    from dataclasses import replace
+    composition, model, program = _program(text, tied=True)
+    ops = list(program.ops)
+    i = next(k for k, op in enumerate(ops) if op.kind is OpKind.REDUCE_SCATTER and op.state is State.GRADIENTS
+             and op.group.name == "embedding")
+    ops[i] = replace(ops[i], axis=Axis.PP)
+    outcome = evaluate(Case(composition, model, program.with_ops(ops), "reaxis the embedding's reduce-scatter onto pp"))
+    assert outcome.status is Status.REFUTED and not outcome.matches, outcome.disagreement
+
+
 def test_offloaded_parameters_held_through_backward_need_no_second_fetch() -> None:
     # Was a z3 completeness gap (each axis's copy judged apart); fixed in formal/_smt.py: a copy
     # held through the backward along one axis is held on every axis.

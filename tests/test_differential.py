@@ -267,13 +267,7 @@ def test_a_reduce_scatter_leaves_only_its_shard(text: str) -> None:
     reads chunks freed outside the shard); the simulator kept the whole buffer, whose other
     chunks happened to hold the right values. Fixed in the simulator: after gradient
     synchronisation, and in a copy to the host, only the shard a reduce-scatter left is held."""
-    from dataclasses import replace
-    composition, model, program = _program(text)
-    ops = list(program.ops)
-    i = next(k for k, op in enumerate(ops) if op.kind is OpKind.REDUCE_SCATTER and op.state is State.GRADIENTS
-             and op.group.name == "norm" and op.axis is Axis.DP)
-    ops[i] = replace(ops[i], axis=Axis.TP)
-    outcome = evaluate(Case(composition, model, program.with_ops(ops), "reaxis the norm's reduce-scatter onto tp"))
+    outcome = _reaxis_reduce_scatter(text, "norm", Axis.TP)
     assert outcome.status is Status.REFUTED and not outcome.matches, outcome.disagreement
 
 
@@ -284,14 +278,20 @@ def test_a_tied_embedding_reduce_scatter_along_pp_shards_between_the_two_ends(te
     participants) and refutes the optimizer's read of the other half; the simulator treated pp as
     structural and kept each end's whole copy. Fixed in the simulator (flat shards between the
     two ends for a tied group)."""
+    outcome = _reaxis_reduce_scatter(text, "embedding", Axis.PP, tied=True)
+    assert outcome.status is Status.REFUTED and not outcome.matches, outcome.disagreement
+
+
+def _reaxis_reduce_scatter(text: str, group: str, axis: Axis, tied: bool = False) -> Outcome:
+    """The derived program with ``group``'s gradient reduce-scatter along dp moved onto ``axis``."""
     from dataclasses import replace
-    composition, model, program = _program(text, tied=True)
+    composition, model, program = _program(text, tied=tied)
     ops = list(program.ops)
     i = next(k for k, op in enumerate(ops) if op.kind is OpKind.REDUCE_SCATTER and op.state is State.GRADIENTS
-             and op.group.name == "embedding")
-    ops[i] = replace(ops[i], axis=Axis.PP)
-    outcome = evaluate(Case(composition, model, program.with_ops(ops), "reaxis the embedding's reduce-scatter onto pp"))
-    assert outcome.status is Status.REFUTED and not outcome.matches, outcome.disagreement
+             and op.group.name == group and op.axis is Axis.DP)
+    ops[i] = replace(ops[i], axis=axis)
+    what = f"reaxis {group}'s reduce-scatter onto {axis.value}"
+    return evaluate(Case(composition, model, program.with_ops(ops), what))
 
 
 def test_offloaded_parameters_held_through_backward_need_no_second_fetch() -> None:

@@ -368,15 +368,8 @@ def measure(comp: Composition, cfg: NetConfig, rank: int, world: int, *, steps: 
     recorder = CommRecorder()
     with recorder, saved.track():
         runner.step(model, schedule, opt, steps - 1)
-    params = list(model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
+    params, grads, per_element, scalars = model_state_tensors(model, opt)
     bucket = sum(runner.bucket_bytes.values()) if not gradient_as_bucket_view else 0
-    per_element: list[torch.Tensor] = []
-    scalars: list[torch.Tensor] = []
-    for state in _optimizer_states(opt):
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                (scalars if local(value).dim() == 0 else per_element).append(value)
     stage = _stage(runner)
     return Measured(
         parameters=storage_bytes(params),
@@ -388,6 +381,21 @@ def measure(comp: Composition, cfg: NetConfig, rank: int, world: int, *, steps: 
         stage=stage,
         engine=runner.engine,
     )
+
+
+def model_state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[
+        list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """A rank's parameters, gradients, per-element optimizer state and per-tensor optimizer
+    scalars (Adam's ``step``), for measuring their storage bytes."""
+    params: list[torch.Tensor] = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    per_element: list[torch.Tensor] = []
+    scalars: list[torch.Tensor] = []
+    for state in _optimizer_states(opt):
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                (scalars if local(value).dim() == 0 else per_element).append(value)
+    return params, grads, per_element, scalars
 
 
 def _optimizer_states(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:

@@ -34,10 +34,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from checker._parse import parse
-from checker._torch._engine import Engine, Measured, Runner, _optimizer_states, _stage, fake_group
+from checker._torch._engine import Engine, Measured, Runner, _stage, fake_group, model_state_tensors
 from checker._torch._net import NetConfig
 from checker._torch._predict import predict
-from checker._torch._record import CommRecorder, SavedActivations, _Held, local, storage_bytes, storage_key
+from checker._torch._record import CommRecorder, SavedActivations, _Held, storage_bytes, storage_key
 from checker._torch_validate import Comparison, Row, state_rows
 
 # 0.53 B parameters (8 blocks of 50 M, embedding and head of 65.5 M each): few blocks keep the
@@ -267,14 +267,7 @@ def measure_large(text: str, cfg: NetConfig = LARGE, rank: int = 0) -> LargeResu
 
 
 def _measured(runner: Runner, model: nn.Module, opt: torch.optim.Optimizer, recorder: CommRecorder) -> Measured:
-    params = list(model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    per_element: list[torch.Tensor] = []
-    scalars: list[torch.Tensor] = []
-    for state in _optimizer_states(opt):
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                (scalars if local(value).dim() == 0 else per_element).append(value)
+    params, grads, per_element, scalars = model_state_tensors(model, opt)
     return Measured(
         parameters=storage_bytes(params), gradients=storage_bytes(grads), optimizer=storage_bytes(per_element),
         optimizer_scalars=storage_bytes(scalars), activations=0, calls=tuple(recorder.calls),

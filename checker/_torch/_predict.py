@@ -23,11 +23,12 @@ from formal._costs import (
     holds_io_activations,
     in_flight_micro_batches,
     memory,
+    op_stage_factor,
     stage_in_flight,
 )
 from formal._exact import exact
 from formal._model import PRECISIONS, Ffn, Norm, Precision, Transformer
-from formal._placement import Placement, Schedule
+from formal._placement import Placement
 from formal._program import Op, StepProgram, derive_program, group_sizes, shard_elements
 from formal._strategies import Composition
 from formal._vocab import (
@@ -35,7 +36,6 @@ from formal._vocab import (
     EMBEDDING,
     FINAL_NORM,
     HEAD,
-    IO_ACTIVATION_GROUPS,
     LAYER_GROUPS,
     MLP,
     NORM,
@@ -260,11 +260,10 @@ def _calls(pl: Placement, program: StepProgram, model: Transformer, impl: Implem
         wire = precision.wire_bytes_of(op.state)
         count = _int(op.count)
         if op.state is A:
-            if op.group in IO_ACTIVATION_GROUPS and not holds_io_activations(pl, op.group, stage):
-                continue  # the embedding's on the first stage, the head's on the last
-            if op.kind is OpKind.SEND_RECV and op.axis is Axis.PP:
-                count = _pipeline_transfers(pl, count, rank)
-            yield from [Call(op.kind, n, _int(op.elements) * wire)] * count
+            # This rank's share of the union over stages: the embedding's ops on the first stage,
+            # the head's on the last, a middle stage's sends both ways (formal's cost model).
+            calls = _int(op.count * op_stage_factor(op, pl, stage))
+            yield from [Call(op.kind, n, _int(op.elements) * wire)] * calls
             continue
         group_tensors = [t for t in mine if t.group is op.group]
         if not group_tensors:
@@ -273,20 +272,6 @@ def _calls(pl: Placement, program: StepProgram, model: Transformer, impl: Implem
     yield from _ddp_bucket_calls(pl, program, mine, impl, precision)
     yield from _fsdp_unit_calls(pl, program, mine, impl, precision, stage)
     yield from _loss_parallel_calls(pl, model, impl, stage)
-
-
-def _pipeline_transfers(pl: Placement, count: int, rank: int) -> int:
-    """This rank's send and receive calls for the program's stage-to-stage transfer, which
-    runs ``count`` = m x chunks times per phase on each boundary between adjacent stages.
-
-    A rank is an end of one boundary per chunk it holds, on both sides, except the first stage
-    of the whole pipeline (nothing before it) and the last (nothing after): with one chunk, the
-    first and last stages send or receive m times per phase, a middle stage m times each way."""
-    chunks = pl.options.chunks if pl.options.schedule is Schedule.INTERLEAVED else 1
-    m, rest = divmod(count, chunks)
-    assert rest == 0, (count, chunks)
-    stage = stage_of(pl, rank)
-    return m * (2 * chunks - (stage == "first") - (stage == "last"))
 
 
 def _state_calls(pl: Placement, op: Op, n: int, wire: int, count: int, ts: list[Tensor],

@@ -50,7 +50,7 @@ def main() -> None:
         command = cli_command(text)
 
         def whole_process(command: list[str] = command) -> None:
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
             if done.returncode not in (0, 1):
                 raise SystemExit(f"{' '.join(command)} failed: {done.stderr.strip()}")
 

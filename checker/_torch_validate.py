@@ -99,12 +99,13 @@ def _measure_on_fake_group(text: str, devices: int | None, rank: int) -> Any:
 
 
 def measure_isolated(text: str, devices: int | None = None, rank: int = 0) -> Any:
-    """One fake-group measurement in a forked child, so no run inherits another's distributed
-    state: DeviceMesh equality ignores the rank and the group names, so meshes cached by an
-    earlier run of another rank resolve to process groups that no longer exist."""
-    import multiprocessing
-    with multiprocessing.get_context("fork").Pool(1) as pool:
-        return pool.apply(_measure_on_fake_group, (text, devices, rank))
+    """One fake-group measurement in a child process of its own, so no run inherits another's
+    distributed state: DeviceMesh equality ignores the rank and the group names, so meshes
+    cached by an earlier run of another rank resolve to process groups that no longer exist.
+    The child comes from a forkserver, never a fork of this (possibly threaded) process, and is
+    waited on with a limit (``checker._torch._isolate``)."""
+    from checker._torch._isolate import run_isolated
+    return run_isolated(_measure_on_fake_group, (text, devices, rank), f"{text} rank {rank}")
 
 
 def validate(text: str, devices: int | None = None, rank: int = 0) -> Comparison:

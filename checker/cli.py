@@ -23,7 +23,7 @@ from checker._toml import load as load_strategies
 from formal._hf import load_hf_config
 from formal._model import PRECISIONS, Model, ParameterCount, Transformer
 from formal._presets import DEFAULT_DEVICE_MEMORY, DEFAULT_DEVICES, DEFAULT_MODEL, PRESETS
-from formal._smt import DEFAULT_TIMEOUT_MS, decide
+from formal._smt import DEFAULT_QUERY_RLIMIT, DEFAULT_RUN_RLIMIT, DEFAULT_TIMEOUT_MS, decide
 from formal._strategies import LIBRARY, Composition
 from formal._verdict import Status, Verdict
 from formal.errors import InputError, PlacementError, SolverError
@@ -169,8 +169,12 @@ def main() -> None:
 @click.option("--strategies", "strategies_path", default=None, metavar="FILE",
               help="A TOML file of user strategies (and optionally a step program); see examples/.")
 @click.option("--explain", is_flag=True, help="Show every obligation: unsat cores of proofs, full counterexamples.")
+@click.option("--rlimit", type=click.IntRange(1, 10**12), default=DEFAULT_RUN_RLIMIT, show_default=True,
+              help="z3 resource units (counted solver steps) for the whole verdict: the deterministic limit, "
+                   "the same answer on every run; what it cuts short is 'unknown' (exit 3), never valid.")
 @click.option("--timeout-ms", type=click.IntRange(1, 3_600_000), default=DEFAULT_TIMEOUT_MS, show_default=True,
-              help="z3 time limit per obligation; a timeout is 'unknown' (exit 3), never valid.")
+              help="Wall-clock limit per z3 query, a safety net for a stalled machine (its outcome can vary "
+                   "between runs); a timeout is 'unknown' (exit 3), never valid.")
 @click.option("--validate", type=click.Choice(["torch"]), default=None,
               help="Also run the composition with PyTorch (fake process group, small model) and print "
                    "predicted against measured; needs the torch extra.")
@@ -181,7 +185,7 @@ def check(composition: str | None, devices: int | None, model: str | None, param
           device_memory: str | None, micro_batch: int | None, seq: int | None, as_json: bool,
           from_path: str | None = None, report: str | None = None, strategies_path: str | None = None,
           explain: bool = False, timeout_ms: int = DEFAULT_TIMEOUT_MS, validate: str | None = None,
-          simulate: bool = False, as_csv: bool = False) -> None:
+          simulate: bool = False, as_csv: bool = False, rlimit: int = DEFAULT_RUN_RLIMIT) -> None:
     """Check COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG: memory, communication and verdict.
 
     Exit codes: 0 valid, 1 invalid (a rule is broken), 2 usage or input error, 3 unknown."""
@@ -201,7 +205,7 @@ def check(composition: str | None, devices: int | None, model: str | None, param
         return
     try:
         verdict = decide(analysis.composition, analysis.program, analysis.model, timeout_ms=timeout_ms,
-                         devices=r.devices)
+                         devices=r.devices, rlimit=rlimit, query_rlimit=min(rlimit, DEFAULT_QUERY_RLIMIT))
     except SolverError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(EXIT_UNKNOWN)

@@ -43,6 +43,7 @@ import z3
 from formal._model import Model, Transformer
 from formal._placement import Placement, Recompute
 from formal._program import Op, StepProgram
+from formal._solver import Solver
 from formal._verdict import Condition, Obligation, Status, Violation
 from formal._vocab import (
     EMBEDDING,
@@ -170,11 +171,10 @@ def _site_ops(program: StepProgram, site: Site) -> list[Op]:
 
 def decide_site(program: StepProgram, site: Site, timeout_ms: int) -> tuple[Obligation, list[Violation]]:
     """One site: run its ops symbolically and ask z3 for a device that ends wrong."""
-    from formal._smt import _Solver  # every query goes through _smt's one wrapper, _solve
 
     ops = _site_ops(program, site)
     d = min(_degree(program.placement.degree(site.axis)), MAX_DEVICES)
-    solver = _Solver(timeout_ms)
+    solver = Solver(timeout_ms)
     fresh = iter(range(10**6))
 
     def junk() -> z3.ArithRef:

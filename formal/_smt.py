@@ -1,7 +1,8 @@
 """z3 decides gradient integrity, state consistency and the composition rules (semantics.md 3-4).
 
 ``decide(composition, program, model)`` returns a three-valued ``Verdict``. Every query goes
-through ``_solve`` (the one wrapper, which keeps ``reason_unknown()``), every obligation gets a
+through ``formal._solver.solve`` (the one wrapper, which keeps ``reason_unknown()`` and holds the
+run to its resource and wall-clock budget), every obligation gets a
 fresh solver, and every constraint is tracked under a readable name such as
 ``reduction_closure[G.norm, tp]`` or ``refresh[P.attention, dp]``: unsat cores come back as those
 names, and sat models are decoded into witnesses (which state, group, axis, device and chunk, the
@@ -57,7 +58,6 @@ rotations cancel, is outside this argument; no derived program has one.)
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -70,6 +70,17 @@ from formal._activation_flow import decide_activation_exchange
 from formal._model import Model, Transformer
 from formal._placement import Entry
 from formal._program import Op, Origin, StepProgram
+from formal._solver import (
+    DEFAULT_QUERY_RLIMIT,
+    DEFAULT_RUN_RLIMIT,
+    DEFAULT_RUN_TIMEOUT_S,
+    DEFAULT_TIMEOUT_MS,
+    Budget,
+    budgeted,
+    current_budget,
+)
+from formal._solver import Answer as _Answer
+from formal._solver import Solver as _Solver
 from formal._strategies import Composition
 from formal._verdict import Condition, Obligation, Status, Verdict, Violation
 from formal._vocab import Axis, Group, Mode, OpKind, Phase, Reduce, State
@@ -78,7 +89,6 @@ from formal.errors import SolverError
 P, O, G = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS  # noqa: E741 (the paper's P/O/G)
 PLACEHOLDER = Group("\u00a7")  # "§": the group of a case, renamed to the real group in the verdict
 
-DEFAULT_TIMEOUT_MS = 10_000
 MAX_EXPLICIT_DEVICES = 8  # gradient integrity: devices modelled one by one (module docstring)
 MAX_CONSISTENCY_DEVICES = 4  # state consistency: devices and chunks modelled (module docstring)
 
@@ -89,59 +99,6 @@ DEEPSPEED_PP_NOTE = (
 
 
 # --------------------------------------------------------------------------- the z3 wrapper
-
-
-@dataclass(frozen=True)
-class _Answer:
-    """What one ``check`` said: ``sat``, ``unsat`` or ``unknown`` (with z3's reason)."""
-
-    result: str
-    reason: str
-    core: tuple[str, ...]
-    model: z3.ModelRef | None
-    seconds: float
-
-
-class _Solver:
-    """A fresh z3 solver for one obligation; every constraint is tracked under a readable name.
-
-    ``track(name, c)`` asserts ``literal => c`` and returns the literal; checks assume the
-    literals (all of them unless told otherwise), so unsat cores are sets of names.
-    """
-
-    def __init__(self, timeout_ms: int) -> None:
-        self.solver = z3.SimpleSolver()  # no tactic preamble: ~2x faster on these small queries
-        self.solver.set("timeout", max(1, int(timeout_ms)))
-        self.literals: list[z3.BoolRef] = []
-        self._seen: dict[str, int] = {}
-
-    def track(self, name: str, constraint: z3.BoolRef | bool) -> z3.BoolRef:
-        n = self._seen.get(name, 0) + 1
-        self._seen[name] = n
-        label = name if n == 1 else f"{name}#{n}"
-        literal = z3.Bool(label)
-        self.solver.add(z3.Implies(literal, constraint))
-        self.literals.append(literal)
-        return literal
-
-    def check(self, assumptions: Sequence[z3.BoolRef] | None = None) -> _Answer:
-        return _solve(self, self.literals if assumptions is None else assumptions)
-
-
-def _solve(tracked: _Solver, assumptions: Sequence[z3.BoolRef]) -> _Answer:
-    """The one place z3 is asked anything. ``unknown`` keeps ``reason_unknown()``."""
-    start = time.perf_counter()
-    try:
-        result = tracked.solver.check(*assumptions)
-    except z3.Z3Exception as err:
-        raise SolverError(f"z3 failed: {err}") from err
-    seconds = time.perf_counter() - start
-    if result == z3.sat:
-        return _Answer("sat", "", (), tracked.solver.model(), seconds)
-    if result == z3.unsat:
-        core = tuple(c.decl().name() for c in tracked.solver.unsat_core())
-        return _Answer("unsat", "", core, None, seconds)
-    return _Answer("unknown", tracked.solver.reason_unknown() or "unknown", (), None, seconds)
 
 
 def _number(value: z3.ExprRef) -> int | str:
@@ -1187,29 +1144,37 @@ def _notes(composition: Composition, program: StepProgram) -> list[str]:
 # Obligations are decided once per distinct case. A case holds everything its formula depends on,
 # with the tensor group erased, so groups placed alike (attention and MLP under most strategies;
 # a hundred synthetic groups) share one z3 query; names are then written with each group's own.
-# Answers are pure functions of (case, timeout); unknown answers are never remembered.
-_MEMO: dict[tuple[_IntegrityCase | _ConsistencyCase, int], tuple[Obligation, list[Violation]]] = {}
+# Answers are pure functions of (case, per-query resource limit); unknown answers are never
+# remembered. A remembered answer is charged to the run's budget with the units it cost when it
+# was decided, so that a run spends the same units whether or not earlier runs in this process
+# decided the same cases: the verdict of an input never depends on what ran before it.
+_MEMO: dict[tuple[_IntegrityCase | _ConsistencyCase, int], tuple[tuple[Obligation, list[Violation]], int]] = {}
 _MEMO_LIMIT = 50_000  # 0 turns remembering off (the benchmark's worst case: every group its own query)
 
 
 def _memo(case: _IntegrityCase | _ConsistencyCase, group: Group,
           timeout_ms: int) -> tuple[Obligation, list[Violation]]:
-    key = (case, timeout_ms)
+    budget = current_budget()
+    key = (case, budget.query_rlimit if budget is not None else 0)
     hit = _MEMO.get(key)
-    if hit is None:
+    if hit is not None and (budget is None or hit[1] <= budget.left):
+        answer, fresh = hit[0], False
+        if budget is not None:
+            budget.charge(hit[1])
+    else:
+        spent = budget.used if budget is not None else 0
         if isinstance(case, _IntegrityCase):
             answer = _decide_integrity(case, timeout_ms)
         else:
             run = _AxisRun(case)
             run.run()
             answer = _decide_consistency(run, timeout_ms)
+        units = budget.used - spent if budget is not None else 0
         if answer[0].status is not Status.UNKNOWN and _MEMO_LIMIT > 0:
             if len(_MEMO) >= _MEMO_LIMIT:
                 _MEMO.clear()
-            _MEMO[key] = answer
+            _MEMO[key] = (answer, units)
         fresh = True
-    else:
-        answer, fresh = hit, False
     ob, found = answer
     named = Obligation(_named(ob.name, group), ob.condition, ob.status, ob.reason_unknown,
                        ob.seconds if fresh else 0.0, tuple(_named(c, group) for c in ob.core))
@@ -1245,12 +1210,25 @@ def _erased(op: Op) -> Op:
 
 
 def decide(composition: Composition, program: StepProgram, model: Model, *,
-           timeout_ms: int = DEFAULT_TIMEOUT_MS, devices: int | None = None) -> Verdict:
+           timeout_ms: int = DEFAULT_TIMEOUT_MS, devices: int | None = None,
+           rlimit: int = DEFAULT_RUN_RLIMIT, query_rlimit: int = DEFAULT_QUERY_RLIMIT,
+           run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S) -> Verdict:
     """Decide the composition rules, gradient integrity and state consistency of ``program``.
 
     ``devices``: the device count the degrees must multiply to (the ``device_count`` rule),
-    when the user gave one. ``timeout_ms`` bounds each z3 query; a timeout is ``UNKNOWN``.
+    when the user gave one. The run is held to a budget (``formal._solver``): ``rlimit`` z3
+    resource units in all and ``query_rlimit`` for one query (deterministic: the same input
+    gets the same verdict on every run), and, as a safety net, ``timeout_ms`` of wall clock per
+    query and ``run_timeout_s`` per run. Whatever a limit cuts short is ``UNKNOWN``.
     """
+    budget = Budget(query_rlimit=query_rlimit, run_rlimit=rlimit, timeout_ms=timeout_ms, run_timeout_s=run_timeout_s)
+    with budgeted(budget):
+        verdict = _decide(composition, program, model, timeout_ms, devices)
+    return replace(verdict, units=budget.used, rlimit=budget.run_rlimit)
+
+
+def _decide(composition: Composition, program: StepProgram, model: Model, timeout_ms: int,
+            devices: int | None) -> Verdict:
     obligations: list[Obligation] = []
     violations: list[Violation] = []
     ob, found = _decide_composition(composition, model, devices, timeout_ms)
@@ -1278,4 +1256,5 @@ def decide(composition: Composition, program: StepProgram, model: Model, *,
     return Verdict(tuple(obligations), tuple(violations), tuple(_notes(composition, program)))
 
 
-__all__ = ["DEFAULT_TIMEOUT_MS", "MAX_CONSISTENCY_DEVICES", "MAX_EXPLICIT_DEVICES", "clear_cache", "decide"]
+__all__ = ["DEFAULT_QUERY_RLIMIT", "DEFAULT_RUN_RLIMIT", "DEFAULT_RUN_TIMEOUT_S", "DEFAULT_TIMEOUT_MS",
+           "MAX_CONSISTENCY_DEVICES", "MAX_EXPLICIT_DEVICES", "clear_cache", "decide"]

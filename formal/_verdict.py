@@ -65,6 +65,8 @@ class Verdict:
     obligations: tuple[Obligation, ...]
     violations: tuple[Violation, ...]
     notes: tuple[str, ...] = ()  # cost remarks that are not validity rules (e.g. DeepSpeed refuses ZeRO-2 + PP)
+    units: int = 0  # z3 resource units the run spent (deterministic; formal/_solver.py)
+    rlimit: int = 0  # the run's budget of them
 
     def condition_status(self, condition: Condition) -> Status:
         statuses = [o.status for o in self.obligations if o.condition is condition]
@@ -87,4 +89,5 @@ class Verdict:
                         for o in self.obligations if o.status is Status.UNKNOWN],
             "obligations": len(self.obligations),
             "notes": list(self.notes),
+            "solver": {"resource_units": self.units, "resource_budget": self.rlimit},
         }

@@ -17,4 +17,9 @@ def all_obligations() -> list[Obligation]:
             + composition.obligations() + costs.obligations())
 
 
-__all__ = ["Obligation", "Result", "all_obligations", "discharge"]
+def discharge_index(index: int) -> tuple[int, Result]:
+    """Discharge ``all_obligations()[index]`` (a worker's task: pickled by module and name)."""
+    return index, discharge(all_obligations()[index])
+
+
+__all__ = ["Obligation", "Result", "all_obligations", "discharge", "discharge_index"]

@@ -1,4 +1,4 @@
-"""``python -m proofs [--json] [--jobs N] [--only SUBSTRING]``: discharge every obligation.
+"""``python -m proofs [--json] [--jobs N] [--only SUBSTRING] [--timeout-s S]``: discharge every obligation.
 
 One row per obligation (name, statement, method, status, seconds). Exit 1 unless every
 obligation is proved: refuted, unknown and timed-out obligations all fail the run.
@@ -12,14 +12,14 @@ import multiprocessing
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 from formal._verdict import Status
-from proofs import Result, all_obligations, discharge
+from proofs import Obligation, Result, all_obligations, discharge, discharge_index
 
 
-def _discharge_index(index: int) -> Result:
-    return discharge(all_obligations()[index])
+def _timed_out(obligation: Obligation, limit: float) -> Result:
+    return Result(obligation.name, obligation.statement, obligation.method, Status.UNKNOWN, 0.0,
+                  reason_unknown=f"not finished within the run's limit of {limit:g} s (--timeout-s)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON document instead of rows")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     parser.add_argument("--only", default="", help="run the obligations whose name contains this")
+    parser.add_argument("--timeout-s", type=float, default=1800.0,
+                        help="wall-clock limit of the whole run; unfinished obligations are unknown")
     args = parser.parse_args(argv)
     obligations = all_obligations()
     chosen = [i for i, o in enumerate(obligations) if args.only in o.name]
@@ -35,11 +37,25 @@ def main(argv: list[str] | None = None) -> int:
         # Longest first (the two-axis and library obligations) so the pool finishes together.
         order = sorted(chosen, key=lambda i: not obligations[i].name.startswith(("composition.sound",
                                                                                  "sufficiency.library")))
-        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-            done = dict(zip(order, pool.map(_discharge_index, order), strict=True))
-        results = [done[i] for i in chosen]
+        # Workers come from a forkserver (never a fork of a process whose BLAS or OpenMP threads
+        # may be running), and the whole run has one deadline: an obligation still running then
+        # is reported as unknown (timeout), never as proved, and its worker is killed.
+        done: dict[int, Result] = {}
+        deadline = start + args.timeout_s
+        with multiprocessing.get_context("forkserver").Pool(args.jobs) as pool:
+            pending = pool.imap_unordered(discharge_index, order)
+            try:
+                for _ in order:
+                    i, result = pending.next(timeout=max(0.0, deadline - time.perf_counter()))
+                    done[i] = result
+            except multiprocessing.TimeoutError:
+                pool.terminate()
+        results = [done.get(i) or _timed_out(obligations[i], args.timeout_s) for i in chosen]
     else:
-        results = [discharge(obligations[i]) for i in chosen]
+        results = []
+        for i in chosen:
+            left = start + args.timeout_s - time.perf_counter()
+            results.append(discharge(obligations[i]) if left > 0 else _timed_out(obligations[i], args.timeout_s))
     wall = time.perf_counter() - start
     proved = sum(r.status is Status.PROVED for r in results)
     if args.json:

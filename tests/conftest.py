@@ -28,14 +28,15 @@ _SUMMARY = pytest.StashKey[list[str]]()
 def z3_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every z3 query answers ``unknown`` (reason "timeout"), as a real timeout would."""
     import formal._smt as smt
+    import formal._solver as solver
 
-    real = smt._solve
+    real = solver.solve
 
-    def gives_up(tracked: smt._Solver, assumptions: object) -> smt._Answer:
+    def gives_up(tracked: solver.Solver, assumptions: object) -> solver.Answer:
         answer = real(tracked, assumptions)  # type: ignore[arg-type]
-        return smt._Answer("unknown", "timeout", (), None, answer.seconds)
+        return solver.Answer("unknown", "timeout", (), None, answer.seconds)
 
-    monkeypatch.setattr(smt, "_solve", gives_up)
+    monkeypatch.setattr(solver, "solve", gives_up)
     monkeypatch.setattr(smt, "_MEMO", {})  # remembered answers would bypass the patched solver
 
 

@@ -33,6 +33,9 @@ from formal._verdict import Status
 from formal._vocab import Axis, OpKind, Phase, Reduce, State
 
 RERUN_SEEDS = (101, 202)
+# The whole differential run, on a busy two-core machine, takes a few minutes; the thorough
+# profile (20x the programs) is given 20x the time.
+POOL_TIMEOUT_S = 60 * max(15, settings.default.max_examples // 5)
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,8 @@ def test_z3_and_the_simulator_agree_on_a_thousand_programs(summary_lines: list[s
     start = time.perf_counter()
     workers = max(1, min(len(os.sched_getaffinity(0)), 4))
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        outcomes = pool.map(evaluate, drawn, chunksize=8)
+        # A wedged worker fails the test (multiprocessing.TimeoutError) instead of hanging it.
+        outcomes = pool.map_async(evaluate, drawn, chunksize=8).get(timeout=POOL_TIMEOUT_S)
     wall = time.perf_counter() - start
     tally = Counter((o.case.mutation == "derived", o.status.label, o.matches) for o in outcomes)
     bad = [_describe(o) for o in outcomes if o.disagreement]

@@ -141,12 +141,12 @@ def test_hf_not_json_is_one_clear_line(tmp_path: Path) -> None:
 def test_cli_reads_hf_config_and_reports_bad_ones(tmp_path: Path) -> None:
     good = _write(tmp_path, MIXTRAL)
     out = subprocess.run([sys.executable, "-m", "checker.cli", "tp2xzero3xep4", "--devices", "64", "--model",
-                          str(good), "--json"], capture_output=True, text=True, check=False)
+                          str(good), "--json"], capture_output=True, text=True, check=False, timeout=300)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["model"]["parameters"] == PRESETS["mixtral-8x7b"].parameter_count()
     bad = _write(tmp_path, {**MIXTRAL, "num_experts_per_tok": 9}, "bad.json")
     out = subprocess.run([sys.executable, "-m", "checker.cli", "zero3", "--model", str(bad)],
-                         capture_output=True, text=True, check=False)
+                         capture_output=True, text=True, check=False, timeout=300)
     assert out.returncode == 2
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert "num_experts_per_tok=9" in out.stderr

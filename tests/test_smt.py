@@ -13,7 +13,8 @@ from checker._parse import parse
 from formal._model import ParameterCount, Transformer
 from formal._presets import PRESETS
 from formal._program import derive_program
-from formal._smt import _solve, _Solver, decide
+from formal._smt import decide
+from formal._solver import Solver, solve
 from formal._strategies import LIBRARY, Composition
 from formal._verdict import Condition, Status, Verdict
 from tests.strategies import compositions, models
@@ -107,11 +108,11 @@ def test_degrees_beyond_eight_are_decided() -> None:
 
 
 def test_unknown_is_kept_with_its_reason() -> None:
-    solver = _Solver(timeout_ms=1)
+    solver = Solver(timeout_ms=1)
     x, y, z = z3.Ints("x y z")
     # Fermat's last theorem for n = 5: far beyond 1 ms of nonlinear integer arithmetic.
     solver.track("fermat", z3.And(x > 0, y > 0, z > 0, x**5 + y**5 == z**5))
-    answer = _solve(solver, solver.literals)
+    answer = solve(solver, solver.literals)
     assert answer.result == "unknown"
     assert answer.reason
 
@@ -138,8 +139,8 @@ def test_verdicts_are_fast_enough_for_differential_testing() -> None:
 def test_public_api_is_pinned() -> None:
     import formal._smt as smt
 
-    assert smt.__all__ == ["DEFAULT_TIMEOUT_MS", "MAX_CONSISTENCY_DEVICES", "MAX_EXPLICIT_DEVICES", "clear_cache",
-                           "decide"]
+    assert smt.__all__ == ["DEFAULT_QUERY_RLIMIT", "DEFAULT_RUN_RLIMIT", "DEFAULT_RUN_TIMEOUT_S", "DEFAULT_TIMEOUT_MS",
+                           "MAX_CONSISTENCY_DEVICES", "MAX_EXPLICIT_DEVICES", "clear_cache", "decide"]
 
 
 def test_composition_violations_name_their_axis() -> None:

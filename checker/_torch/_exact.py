@@ -37,6 +37,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from torch import nn
 from checker._parse import parse
 from checker._torch import _engine
 from checker._torch._engine import Engine, Runner
+from checker._torch._isolate import run_world
 from checker._torch._net import Net, NetConfig, batch, init_exact_, loss_fn
 from formal._program import StepProgram, derive_program
 from formal._strategies import Composition
@@ -294,7 +296,9 @@ def _run_case(case: Case, rank: int, world: int) -> dict[str, torch.Tensor]:
 def _worker(rank: int, world: int, port: int, out: str, labels: list[tuple[str, str]]) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # A wedged collective (one rank failing while the others wait) ends the run instead of hanging.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(minutes=5))
     try:
         results: dict[str, dict[str, torch.Tensor]] = {}
         for comp_text, fault in labels:
@@ -335,12 +339,10 @@ class Outcome:
 
 def equivalence(world: int, selected: list[Case] | None = None) -> list[Outcome]:
     """Run the cases on ``world`` real gloo processes and compare with one device."""
-    import torch.multiprocessing as mp
     chosen = selected if selected is not None else cases(world)
     with tempfile.TemporaryDirectory() as tmp:
         labels = [(c.composition, c.fault.value) for c in chosen]
-        mp.spawn(_worker, args=(world, _free_port(), tmp, labels), nprocs=world,  # type: ignore[attr-defined, no-untyped-call]
-                 join=True)
+        run_world(_worker, (world, _free_port(), tmp, labels), world, f"equivalence on {world} gloo processes")
         per_rank = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world)]
     out: list[Outcome] = []
     for case in chosen:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from checker._parse import parse
 from checker._torch._engine import Measured, fake_group, measure
+from checker._torch._isolate import run_world
 from checker._torch._net import NetConfig
 from checker._torch._predict import predict
 from checker._torch_validate import ACTIVATION_TOLERANCE, Comparison, Row, state_rows
@@ -99,11 +100,9 @@ def measure_world(world: int, texts: tuple[str, ...] | None = None,
                   with_fake: bool = True) -> list[RankMeasurement]:
     """Run ``texts`` (default: ``GLOO_COMPOSITIONS[world]``) on ``world`` gloo processes, one
     spawn for all of them; every rank's measurements, in composition order, then rank order."""
-    import torch.multiprocessing as mp
     chosen = list(texts if texts is not None else GLOO_COMPOSITIONS[world])
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, _free_port(), tmp, chosen, with_fake),  # type: ignore[attr-defined, no-untyped-call]
-                 nprocs=world, join=True)
+        run_world(_worker, (world, _free_port(), tmp, chosen, with_fake), world, f"gloo world {world}")
         per_rank: list[list[RankMeasurement]] = []
         for r in range(world):
             with open(Path(tmp) / f"rank{r}.pkl", "rb") as f:

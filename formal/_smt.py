@@ -61,15 +61,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
-from typing import Any
+from typing import Any, cast
 
 import sympy as sp
 import z3
 
 from formal._activation_flow import decide_activation_exchange
-from formal._model import Model, Transformer
+from formal._model import Model
 from formal._placement import Entry
 from formal._program import Op, Origin, StepProgram
+from formal._rules import Provenance, Rule, Setting, applicable, framework_notes
 from formal._solver import (
     DEFAULT_QUERY_RLIMIT,
     DEFAULT_RUN_RLIMIT,
@@ -143,128 +144,66 @@ def _status(answer: _Answer, *, violated_when: str) -> Status:
 # --------------------------------------------------------------------------- composition rules
 
 
-@dataclass(frozen=True)
-class _Rule:
-    name: str
-    constraint: z3.BoolRef
-    explanation: str
-    witness: dict[str, Any]
-    axis: Axis | None = None
+class _RuleTerms:
+    """``formal._rules.Terms`` as z3 terms: degrees and sizes are integer variables pinned by
+    tracked facts (``value[heads]``), so that an unsat core names the sizes a broken rule read."""
+
+    def __init__(self, composition: Composition, solver: _Solver) -> None:
+        self.facts: list[z3.BoolRef] = []
+        self._solver = solver
+        self._mesh = composition.mesh()
+        self._degree = {axis: self.size(axis.value, d) for axis, d in self._mesh.items()}
+        self._micro_batches = composition.options.micro_batches
+
+    def _pinned(self, var: Any, name: str, value: int | bool) -> Any:
+        self.facts.append(self._solver.track(f"value[{name}]", var == value))
+        return var
+
+    def size(self, name: str, value: int) -> z3.ArithRef:
+        return cast(z3.ArithRef, self._pinned(z3.Int(name), name, value))
+
+    def flag(self, name: str, value: bool) -> z3.BoolRef:
+        return cast(z3.BoolRef, self._pinned(z3.Bool(name), name, value))
+
+    def degree(self, axis: Axis) -> z3.ArithRef | int:
+        return self._degree.get(axis, 1)
+
+    def present(self, axis: Axis) -> z3.BoolRef:
+        return self.flag(f"has_{axis.value}", axis in self._mesh)
+
+    def implies(self, a: Any, b: Any) -> z3.BoolRef:
+        return z3.Implies(a, b)
+
+    @property
+    def micro_batches(self) -> z3.ArithRef:
+        return self.size("micro_batches", self._micro_batches)
+
+
+def rule_setting(composition: Composition, model: Model, devices: int | None) -> Setting:
+    """What decides which rules of ``formal._rules`` apply to a concrete composition."""
+    mesh = composition.mesh()
+    return Setting(model, composition.options, frozenset(mesh), devices,
+                   {axis: tuple(str(s) for s in composition.strategies if s.axis is axis) for axis in mesh})
 
 
 def _composition_rules(composition: Composition, model: Model, devices: int | None,
-                       solver: _Solver) -> tuple[list[z3.BoolRef], list[tuple[z3.BoolRef, _Rule]]]:
-    """Tracked facts (degrees, sizes) and tracked rules (section 4) over integer variables."""
-    facts: list[z3.BoolRef] = []
-
-    def fact(name: str, value: int) -> z3.ArithRef:
-        var = z3.Int(name)
-        facts.append(solver.track(f"value[{name}]", var == value))
-        return var
-
-    def flag(name: str, value: bool) -> z3.BoolRef:
-        var = z3.Bool(name)
-        facts.append(solver.track(f"value[{name}]", var == value))
-        return var
-
-    mesh = composition.mesh()
-    degree = {axis: fact(axis.value, d) for axis, d in mesh.items()}
-    rules: list[_Rule] = []
-    for axis in mesh:
-        terms = [s for s in composition.strategies if s.axis is axis]
-        count = fact(f"strategies_on_{axis.value}", len(terms))
-        rules.append(_Rule(
-            f"orthogonality[{axis.value}]", count <= 1,
-            f"axis {axis.value} carries {len(terms)} strategies ({', '.join(map(str, terms))}); "
-            "each axis carries one strategy",
-            {"axis": axis.value, "strategies": [str(t) for t in terms]}, axis))
-    if devices is not None:
-        total = fact("devices", devices)
-        product = " * ".join(f"{a.value}({d})" for a, d in mesh.items())
-        rules.append(_Rule(
-            "device_count", z3.Product(*degree.values()) == total if degree else total == 1,
-            f"{product} = {composition.devices} != devices({devices})",
-            {"degrees": {a.value: d for a, d in mesh.items()}, "product": composition.devices,
-             "devices": devices}))
-
-    def divides(size_name: str, size: int, axes: tuple[Axis, ...], why: str) -> None:
-        present = tuple(a for a in axes if a in degree)
-        if not present:
-            return
-        var = fact(size_name, size)
-        d = 1
-        for a in present:
-            d *= mesh[a]
-        divisor = z3.Product(*[degree[a] for a in present]) if len(present) > 1 else degree[present[0]]
-        label = "*".join(a.value for a in present)
-        rules.append(_Rule(
-            f"divides[{size_name}, {present[-1].value}]", var % divisor == 0,
-            f"{size_name} {size} is not divisible by {label} {d} ({size} = {size // d} x {d} + {size % d}); "
-            f"{why}",
-            {size_name: size, label: d, "remainder": size % d}, present[-1]))
-
-    options = composition.options
-    interleaved = options.chunks if options.chunks > 1 else 1
-    if isinstance(model, Transformer):
-        divides("hidden", model.hidden, (Axis.TP,), "tensor parallelism splits the hidden dimension")
-        divides("heads", model.heads, (Axis.TP,), "tensor parallelism splits attention heads")
-        if model.kv_heads_ != model.heads:
-            divides("kv_heads", model.kv_heads_, (Axis.TP,), "each tp rank needs whole key/value heads")
-        divides("ffn", model.ffn_, (Axis.TP,), "tensor parallelism splits the FFN dimension")
-        divides("vocab", model.vocab, (Axis.TP,),
-                "the vocabulary-parallel embedding splits the vocabulary (Megatron-LM #1754)")
-        if Axis.PP in degree:
-            var = fact("layers", model.layers)
-            stages = mesh[Axis.PP] * interleaved
-            chunks = fact("chunks", interleaved)
-            if options.uneven_stages:  # declared uneven stages: every (virtual) stage holds a layer
-                rules.append(_Rule(
-                    f"stages_hold_layers[{Axis.PP.value}]", degree[Axis.PP] * chunks <= var,
-                    f"pp {mesh[Axis.PP]} x chunks {interleaved} = {stages} stages exceed the {model.layers} "
-                    "layers; uneven stages still hold at least one whole layer each",
-                    {"layers": model.layers, "pp": mesh[Axis.PP], "chunks": interleaved}, Axis.PP))
-            else:
-                rules.append(_Rule(
-                    "divides[layers, pp]", var % (degree[Axis.PP] * chunks) == 0,
-                    f"layers {model.layers} are not divisible by pp {mesh[Axis.PP]} x chunks {interleaved} "
-                    f"({model.layers} = {model.layers // stages} x {stages} + {model.layers % stages}); "
-                    "stages hold whole layers (declare uneven stages with the 'uneven' modifier)",
-                    {"layers": model.layers, "pp": mesh[Axis.PP], "chunks": interleaved,
-                     "remainder": model.layers % stages}, Axis.PP))
-        divides("seq", model.seq, (Axis.CP,), "context parallelism splits the sequence")
-        if options.sequence_parallel:
-            divides("seq", model.seq, (Axis.CP, Axis.TP), "sequence parallelism splits the sequence across tp")
-        if model.is_moe:
-            divides("experts", model.experts, (Axis.EP,), "expert parallelism places whole experts")
-    has = {axis: flag(f"has_{axis.value}", axis in mesh) for axis in (Axis.TP, Axis.PP, Axis.EP, Axis.CP)}
-    if options.sequence_parallel:
-        sp_on = flag("sequence_parallel", True)
-        rules.append(_Rule("sp_needs_tp", z3.Implies(sp_on, has[Axis.TP]),
-                           "sequence parallelism splits activations across the tp group, and there is no tp axis",
-                           {"sequence_parallel": True, "tp": False}, Axis.TP))
-    if Axis.EP in mesh:
-        moe = flag("moe", model.is_moe)
-        rules.append(_Rule("ep_needs_moe", z3.Implies(has[Axis.EP], moe),
-                           "expert parallelism needs a mixture-of-experts model, and this model is dense",
-                           {"ep": mesh[Axis.EP], "experts": getattr(model, "experts", 0)}, Axis.EP))
-    if Axis.CP in mesh:
-        attention = flag("attention", isinstance(model, Transformer))
-        rules.append(_Rule("cp_needs_attention", z3.Implies(has[Axis.CP], attention),
-                           "context parallelism exchanges keys and values in attention, and a bare "
-                           "parameter count has no attention to split",
-                           {"cp": mesh[Axis.CP], "model": type(model).__name__}, Axis.CP))
-    if interleaved > 1:
-        chunks_var = fact("interleaved_chunks", interleaved)
-        rules.append(_Rule("interleaved_needs_pp", z3.Implies(chunks_var > 1, has[Axis.PP]),
-                           f"an interleaved schedule (v{interleaved}) splits pipeline stages, and there is no pp axis",
-                           {"chunks": interleaved, "pp": False}, Axis.PP))
-    return facts, [(solver.track(r.name, r.constraint), r) for r in rules]
+                       solver: _Solver) -> tuple[list[z3.BoolRef], list[tuple[z3.BoolRef, Rule]]]:
+    """Tracked facts (degrees, sizes) and the correctness rules of ``formal._rules`` that apply,
+    tracked under their names (orthogonality first, in the composition's axis order)."""
+    terms = _RuleTerms(composition, solver)
+    setting = rule_setting(composition, model, devices)
+    order = {axis: i for i, axis in enumerate(composition.mesh())}
+    rules = sorted(applicable(setting, Provenance.CORRECTNESS),
+                   key=lambda r: (0, order[r.axis]) if r.name.startswith("orthogonality[") and r.axis else (1, 0))
+    tracked = [(solver.track(r.name, r.holds(terms, setting)), r) for r in rules]
+    return terms.facts, tracked
 
 
 def _decide_composition(composition: Composition, model: Model, devices: int | None,
                         timeout_ms: int) -> tuple[Obligation, list[Violation]]:
     solver = _Solver(timeout_ms)
     facts, rules = _composition_rules(composition, model, devices, solver)
+    mesh, setting = composition.mesh(), rule_setting(composition, model, devices)
     by_literal = {lit.decl().name(): (lit, rule) for lit, rule in rules}
     remaining = [lit for lit, _ in rules]
     violations: list[Violation] = []
@@ -295,7 +234,8 @@ def _decide_composition(composition: Composition, model: Model, devices: int | N
             rule = by_literal[lit.decl().name()][1]
             violations.append(Violation(rule.name, Condition.COMPOSITION, None, None,
                                         rule.axis.value if rule.axis is not None else None,
-                                        rule.explanation, {**rule.witness, "core": list(answer.core)}))
+                                        rule.explain(mesh, setting),
+                                        {**rule.witness(mesh, setting), "core": list(answer.core)}))
             remaining.remove(lit)
         status = Status.REFUTED
     if violations and status is Status.UNKNOWN:
@@ -1253,7 +1193,9 @@ def _decide(composition: Composition, program: StepProgram, model: Model, timeou
                 if v.rule not in labels:
                     labels.add(v.rule)
                     violations.append(v)
-    return Verdict(tuple(obligations), tuple(violations), tuple(_notes(composition, program)))
+    notes = [*_notes(composition, program), *framework_notes(rule_setting(composition, model, devices),
+                                                             composition.mesh())]
+    return Verdict(tuple(obligations), tuple(violations), tuple(notes))
 
 
 __all__ = ["DEFAULT_QUERY_RLIMIT", "DEFAULT_RUN_RLIMIT", "DEFAULT_RUN_TIMEOUT_S", "DEFAULT_TIMEOUT_MS",

@@ -1,0 +1,293 @@
+"""The composition rules: one table, read by z3 and by the planner.
+
+A composition is judged by the rules of this table, and nothing else: ``formal._smt`` turns each
+applicable rule into a tracked z3 constraint over the composition's degrees and the model's
+sizes (an unsat core names the broken rule), and ``checker._planner`` evaluates the same
+predicates on whole arrays of candidate meshes at once. A rule's predicate is written once,
+against ``Terms``: z3 terms in one case, numpy arrays in the other, with the same arithmetic
+(``%``, ``*``, ``==``, ``<=``) and two connectives the backend supplies (``implies``, ``all_of``).
+
+Every rule has a provenance:
+
+* **correctness**: breaking it means the placement cannot compute what one device computes
+  (a tensor split that does not divide, sequence parallelism with no tensor-parallel group to
+  split across, ...). z3 refutes the composition, and the planner never proposes it.
+* **framework**: a restriction of one framework's implementation, not of the mathematics (Megatron-
+  LM's interleaved schedule wants the micro-batch count to be a multiple of the pipeline degree).
+  It is never a refutation: ``check`` prints it as a named note, and the planner keeps the
+  candidate and attaches the same note.
+
+``Setting`` says which rules apply (the model, the modifiers, the axes the composition places
+on); the degrees only enter the predicates. "Present" differs by reader and is the backend's to
+say: z3 asks whether the composition has a term on the axis (``tp1`` is a tp axis of degree 1),
+the planner whether the degree exceeds 1 (its compositions leave degree-1 axes out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+from formal._model import Model, Transformer
+from formal._placement import Options
+from formal._vocab import Axis
+
+
+class Provenance(StrEnum):
+    CORRECTNESS = "correctness"  # z3 refutes; the planner never proposes it
+    FRAMEWORK = "framework"  # a named note, in check and in the planner alike
+
+
+class Terms(Protocol):
+    """What rule predicates are built from (z3 terms, or numpy arrays over candidate meshes)."""
+
+    def degree(self, axis: Axis) -> Any: ...  # the axis's degree (1 where the axis is absent)
+
+    def present(self, axis: Axis) -> Any: ...  # the composition places on this axis
+
+    def size(self, name: str, value: int) -> Any: ...  # a model size or count, named
+
+    def flag(self, name: str, value: bool) -> Any: ...  # a named fact about the model or modifiers
+
+    def implies(self, a: Any, b: Any) -> Any: ...
+
+    @property
+    def micro_batches(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What decides which rules apply: never the degrees themselves."""
+
+    model: Model
+    options: Options
+    axes: frozenset[Axis]  # the axes the composition (or the planner's family) places on
+    devices: int | None = None  # the device count the degrees must multiply to, when given
+    strategies_on: Mapping[Axis, tuple[str, ...]] = field(default_factory=dict)  # terms per axis
+
+    @property
+    def chunks(self) -> int:
+        return self.options.chunks if self.options.chunks > 1 else 1
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One composition rule: where it applies, what must hold, and how to say it broke.
+
+    ``explain(mesh, setting)`` and ``witness(mesh, setting)`` take concrete degrees (axis to
+    degree, absent axes left out) and are only called for a rule that is broken there."""
+
+    name: str
+    provenance: Provenance
+    axis: Axis | None
+    applies: Callable[[Setting], bool]
+    holds: Callable[[Terms, Setting], Any]
+    explain: Callable[[Mapping[Axis, int], Setting], str]
+    witness: Callable[[Mapping[Axis, int], Setting], dict[str, Any]]
+
+
+def _product(terms: Terms, axes: tuple[Axis, ...]) -> Any:
+    out: Any = 1
+    for a in axes:
+        out = out * terms.degree(a)
+    return out
+
+
+def _divides(size_name: str, value: Callable[[Model], int], axes: tuple[Axis, ...], why: str,
+             when: Callable[[Setting], bool] = lambda s: True, name_axis: Axis | None = None) -> Rule:
+    """``size`` divisible by the product of the degrees of ``axes`` (those present)."""
+    named = name_axis or axes[-1]
+
+    def present(s: Setting) -> tuple[Axis, ...]:
+        return tuple(a for a in axes if a in s.axes)
+
+    def applies(s: Setting) -> bool:
+        return isinstance(s.model, Transformer) and bool(present(s)) and when(s)
+
+    def holds(t: Terms, s: Setting) -> Any:
+        return t.size(size_name, value(s.model)) % _product(t, present(s)) == 0
+
+    def parts(mesh: Mapping[Axis, int], s: Setting) -> tuple[int, int, str]:
+        d = 1
+        for a in present(s):
+            d *= mesh.get(a, 1)
+        return value(s.model), d, "*".join(a.value for a in present(s))
+
+    def explain(mesh: Mapping[Axis, int], s: Setting) -> str:
+        size, d, label = parts(mesh, s)
+        return (f"{size_name} {size} is not divisible by {label} {d} "
+                f"({size} = {size // d} x {d} + {size % d}); {why}")
+
+    def witness(mesh: Mapping[Axis, int], s: Setting) -> dict[str, Any]:
+        size, d, label = parts(mesh, s)
+        return {size_name: size, label: d, "remainder": size % d}
+
+    return Rule(f"divides[{size_name}, {named.value}]", Provenance.CORRECTNESS, named, applies, holds, explain,
+                witness)
+
+
+def _transformer(m: Model) -> Transformer:
+    assert isinstance(m, Transformer)
+    return m
+
+
+def _orthogonality(axis: Axis) -> Rule:
+    return Rule(
+        f"orthogonality[{axis.value}]", Provenance.CORRECTNESS, axis,
+        lambda s: axis in s.axes,
+        lambda t, s: t.size(f"strategies_on_{axis.value}", len(s.strategies_on.get(axis, ("",)))) <= 1,
+        lambda mesh, s: (f"axis {axis.value} carries {len(s.strategies_on[axis])} strategies "
+                         f"({', '.join(s.strategies_on[axis])}); each axis carries one strategy"),
+        lambda mesh, s: {"axis": axis.value, "strategies": list(s.strategies_on[axis])})
+
+
+def _device_count_holds(t: Terms, s: Setting) -> Any:
+    assert s.devices is not None
+    return _product(t, tuple(a for a in Axis if a in s.axes)) == t.size("devices", s.devices)
+
+
+def _device_count_explain(mesh: Mapping[Axis, int], s: Setting) -> str:
+    product = " * ".join(f"{a.value}({d})" for a, d in mesh.items())
+    total = 1
+    for d in mesh.values():
+        total *= d
+    return f"{product} = {total} != devices({s.devices})"
+
+
+def _device_count_witness(mesh: Mapping[Axis, int], s: Setting) -> dict[str, Any]:
+    total = 1
+    for d in mesh.values():
+        total *= d
+    return {"degrees": {a.value: d for a, d in mesh.items()}, "product": total, "devices": s.devices}
+
+
+def _layers_rule(uneven: bool) -> Rule:
+    def applies(s: Setting) -> bool:
+        return isinstance(s.model, Transformer) and Axis.PP in s.axes and s.options.uneven_stages == uneven
+
+    def stages(t: Terms, s: Setting) -> Any:
+        return t.degree(Axis.PP) * t.size("chunks", s.chunks)
+
+    def layers(t: Terms, s: Setting) -> Any:
+        return t.size("layers", _transformer(s.model).layers)
+
+    if uneven:  # declared uneven stages: every (virtual) stage holds a whole layer
+        return Rule(
+            f"stages_hold_layers[{Axis.PP.value}]", Provenance.CORRECTNESS, Axis.PP, applies,
+            lambda t, s: stages(t, s) <= layers(t, s),
+            lambda mesh, s: (f"pp {mesh[Axis.PP]} x chunks {s.chunks} = {mesh[Axis.PP] * s.chunks} stages exceed "
+                             f"the {_transformer(s.model).layers} layers; uneven stages still hold at least one "
+                             "whole layer each"),
+            lambda mesh, s: {"layers": _transformer(s.model).layers, "pp": mesh[Axis.PP], "chunks": s.chunks})
+
+    def explain(mesh: Mapping[Axis, int], s: Setting) -> str:
+        n, st = _transformer(s.model).layers, mesh[Axis.PP] * s.chunks
+        return (f"layers {n} are not divisible by pp {mesh[Axis.PP]} x chunks {s.chunks} "
+                f"({n} = {n // st} x {st} + {n % st}); stages hold whole layers "
+                "(declare uneven stages with the 'uneven' modifier)")
+
+    return Rule(
+        "divides[layers, pp]", Provenance.CORRECTNESS, Axis.PP, applies,
+        lambda t, s: layers(t, s) % stages(t, s) == 0, explain,
+        lambda mesh, s: {"layers": _transformer(s.model).layers, "pp": mesh[Axis.PP], "chunks": s.chunks,
+                         "remainder": _transformer(s.model).layers % (mesh[Axis.PP] * s.chunks)})
+
+
+def _is_moe(m: Model) -> bool:
+    return isinstance(m, Transformer) and m.is_moe
+
+
+RULES: tuple[Rule, ...] = (
+    *(_orthogonality(a) for a in Axis),
+    Rule("device_count", Provenance.CORRECTNESS, None, lambda s: s.devices is not None, _device_count_holds,
+         _device_count_explain, _device_count_witness),
+    _divides("hidden", lambda m: _transformer(m).hidden, (Axis.TP,),
+             "tensor parallelism splits the hidden dimension"),
+    _divides("heads", lambda m: _transformer(m).heads, (Axis.TP,), "tensor parallelism splits attention heads"),
+    _divides("kv_heads", lambda m: _transformer(m).kv_heads_, (Axis.TP,), "each tp rank needs whole key/value heads",
+             when=lambda s: _transformer(s.model).kv_heads_ != _transformer(s.model).heads),
+    _divides("ffn", lambda m: _transformer(m).ffn_, (Axis.TP,), "tensor parallelism splits the FFN dimension"),
+    _divides("vocab", lambda m: _transformer(m).vocab, (Axis.TP,),
+             "the vocabulary-parallel embedding splits the vocabulary (Megatron-LM #1754)"),
+    _layers_rule(uneven=False),
+    _layers_rule(uneven=True),
+    _divides("seq", lambda m: _transformer(m).seq, (Axis.CP,), "context parallelism splits the sequence"),
+    _divides("seq", lambda m: _transformer(m).seq, (Axis.CP, Axis.TP),
+             "sequence parallelism splits the sequence across tp",
+             when=lambda s: s.options.sequence_parallel and Axis.TP in s.axes),
+    _divides("experts", lambda m: _transformer(m).experts, (Axis.EP,), "expert parallelism places whole experts",
+             when=lambda s: _is_moe(s.model)),
+    Rule("sp_needs_tp", Provenance.CORRECTNESS, Axis.TP, lambda s: s.options.sequence_parallel,
+         lambda t, s: t.implies(t.flag("sequence_parallel", True), t.present(Axis.TP)),
+         lambda mesh, s: "sequence parallelism splits activations across the tp group, and there is no tp axis",
+         lambda mesh, s: {"sequence_parallel": True, "tp": False}),
+    Rule("ep_needs_moe", Provenance.CORRECTNESS, Axis.EP, lambda s: Axis.EP in s.axes,
+         lambda t, s: t.implies(t.present(Axis.EP), t.flag("moe", _is_moe(s.model))),
+         lambda mesh, s: "expert parallelism needs a mixture-of-experts model, and this model is dense",
+         lambda mesh, s: {"ep": mesh.get(Axis.EP, 1), "experts": getattr(s.model, "experts", 0)}),
+    Rule("cp_needs_attention", Provenance.CORRECTNESS, Axis.CP, lambda s: Axis.CP in s.axes,
+         lambda t, s: t.implies(t.present(Axis.CP), t.flag("attention", isinstance(s.model, Transformer))),
+         lambda mesh, s: ("context parallelism exchanges keys and values in attention, and a bare "
+                          "parameter count has no attention to split"),
+         lambda mesh, s: {"cp": mesh.get(Axis.CP, 1), "model": type(s.model).__name__}),
+    Rule("interleaved_needs_pp", Provenance.CORRECTNESS, Axis.PP, lambda s: s.chunks > 1,
+         lambda t, s: t.implies(t.size("interleaved_chunks", s.chunks) > 1, t.present(Axis.PP)),
+         lambda mesh, s: f"an interleaved schedule (v{s.chunks}) splits pipeline stages, and there is no pp axis",
+         lambda mesh, s: {"chunks": s.chunks, "pp": False}),
+    # Megatron-LM's interleaved schedule (megatron/core/pipeline_parallel/schedules.py,
+    # forward_backward_pipelining_with_interleaving) raises "number of microbatches is not
+    # divisible by pipeline-model-parallel-size when using interleaved schedule". The
+    # mathematics does not need it: any m >= 1 trains the same model.
+    Rule("megatron_interleaved_m_multiple_of_pp", Provenance.FRAMEWORK, Axis.PP,
+         lambda s: s.chunks > 1 and Axis.PP in s.axes,
+         lambda t, s: t.micro_batches % t.degree(Axis.PP) == 0,
+         lambda mesh, s: (f"Megatron-LM's interleaved schedule needs the micro-batch count to be a multiple of pp "
+                          f"(m {s.options.micro_batches}, pp {mesh.get(Axis.PP, 1)}); other engines run it as is"),
+         lambda mesh, s: {"micro_batches": s.options.micro_batches, "pp": mesh.get(Axis.PP, 1)}),
+)
+
+
+def applicable(setting: Setting, provenance: Provenance | None = None) -> tuple[Rule, ...]:
+    """The rules of the table that apply in ``setting`` (of one provenance, if given)."""
+    return tuple(r for r in RULES if (provenance is None or r.provenance is provenance) and r.applies(setting))
+
+
+def framework_notes(setting: Setting, mesh: Mapping[Axis, int]) -> tuple[str, ...]:
+    """The framework rules a concrete composition breaks, each as one named note."""
+    notes = []
+    for rule in applicable(setting, Provenance.FRAMEWORK):
+        if not rule.holds(Concrete(mesh, setting), setting):
+            notes.append(f"framework rule {rule.name}: {rule.explain(mesh, setting)}")
+    return tuple(notes)
+
+
+@dataclass(frozen=True)
+class Concrete:
+    """``Terms`` over plain integers: a concrete composition's degrees."""
+
+    mesh: Mapping[Axis, int]
+    setting: Setting
+
+    def degree(self, axis: Axis) -> int:
+        return self.mesh.get(axis, 1)
+
+    def present(self, axis: Axis) -> bool:
+        return axis in self.mesh
+
+    def size(self, name: str, value: int) -> int:
+        return value
+
+    def flag(self, name: str, value: bool) -> bool:
+        return value
+
+    def implies(self, a: Any, b: Any) -> bool:
+        return (not a) or bool(b)
+
+    @property
+    def micro_batches(self) -> int:
+        return self.setting.options.micro_batches
+
+
+__all__ = ["RULES", "Concrete", "Provenance", "Rule", "Setting", "Terms", "applicable", "framework_notes"]

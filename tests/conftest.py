@@ -23,6 +23,25 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 _SUMMARY = pytest.StashKey[list[str]]()
 
+# Slow groups, by module, so that ``pytest -m "not slow"`` is the fast subset a developer runs
+# (about three minutes on two cores): the PyTorch engines, the proof runner, the thousand-program
+# differential run and the CLI run as subprocesses. CI runs everything.
+_GROUPS = {
+    "torch": ("test_torch_equivalence", "test_torch_gloo", "test_torch_large", "test_torch_validation",
+              "test_torch_isolation"),
+    "proofs": ("test_proofs",),
+    "differential": ("test_differential",),
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module is not None else ""
+        for marker, modules in _GROUPS.items():
+            if module in modules:
+                item.add_marker(getattr(pytest.mark, marker))
+                item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture
 def z3_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:

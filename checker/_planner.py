@@ -1,4 +1,4 @@
-"""The planner (issue 8): the best valid composition for a model on a cluster.
+"""The planner: the best valid composition for a model on a cluster.
 
 How it works (docs/planner.md has the long form):
 

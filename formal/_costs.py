@@ -282,7 +282,8 @@ def buffer_memory(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr], p
                 unit = f"{state.value}:{'layer' if g in LAYER_GROUPS else g.name}"
                 piece = full / pl.stage_layers(layer_count) if g in LAYER_GROUPS else full
                 units[unit] = units.get(unit, sp.Integer(0)) + piece
-    # sp.Max, not max(): with symbolic degrees the units may not be comparable (planner, issue 8).
+    # sp.Max, not max(): with symbolic degrees the units may not be comparable (the planner derives
+    # costs with symbolic degrees).
     largest = {st: sp.Max(sp.Integer(0), *(v for k, v in units.items() if k.startswith(st.value)))
                for st in (State.PARAMETERS, State.GRADIENTS)}
     return exact(held + sum(largest.values(), sp.Integer(0)))

@@ -1,4 +1,4 @@
-"""Costs derived from a placement and its step program alone (semantics.md section 2).
+"""Costs derived from a placement and its step program alone (docs/semantics.md, "Costs").
 
 Memory: for every state and group, size x bytes/element x the product over axes of the mode's
 factor (``pipeline_factor`` / ``axis_factor``), plus transient buffers implied by the modes.
@@ -329,7 +329,7 @@ def most_loaded(pl: Placement, model: Model, precision: Precision, sizes: Mappin
 # --- communication -------------------------------------------------------------------------
 
 def ring_factor(kind: OpKind, n: sp.Expr) -> sp.Expr:
-    """Bytes one device sends per byte of the full tensor, ring algorithms (semantics.md 2)."""
+    """Bytes one device sends per byte of the full tensor, ring algorithms (docs/semantics.md, "Costs")."""
     match kind:
         case OpKind.ALL_REDUCE:
             return 2 * (n - 1) / n

@@ -22,7 +22,7 @@ Semantics of a program, one training step (``StepProgram`` order within a phase)
 4. OPTIMIZER: every optimizer step reads P, O and G of its shard (checked) and writes P and O;
 5. REFRESH: the refresh ops.
 
-Reads are judged, not snapshots (semantics.md section 3): the simulator runs one more step than
+Reads are judged, not snapshots (docs/semantics.md, "State consistency"): the simulator runs one more step than
 it trains, so every update is read again, and reports the first read that differs.
 
 It also counts, per device, the bytes each op sends and how often, the bytes each state holds

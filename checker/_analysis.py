@@ -22,7 +22,7 @@ from formal._costs import (
     transfers,
 )
 from formal._exact import exact
-from formal._model import Model, Precision
+from formal._model import DEFAULT_PRECISION, Model, Precision
 from formal._placement import Placement
 from formal._program import StepProgram, derive_program, group_sizes
 from formal._strategies import Composition
@@ -66,8 +66,15 @@ class Analysis:
         return in_flight_micro_batches(self.placement, self.memory.stage)  # of the most-loaded stage
 
 
-def analyze(composition: Composition, model: Model, precision: Precision,
+def analyze(composition: Composition, model: Model, precision: Precision = DEFAULT_PRECISION,
             device_memory: int | None = None, program: StepProgram | None = None) -> Analysis:
+    """Placement, step program, memory (the most-loaded pipeline stage) and communication (the
+    stage that sends the most) of ``composition`` on ``model``, bytes per ``precision``
+    (default: the ZeRO paper's mixed-precision Adam, 2 + 2 + 12 bytes per parameter).
+
+    ``device_memory`` (bytes) sets ``Analysis.fits``; ``program`` replaces the derived step
+    program (a user's).
+    """
     placement = composition.placement(model)
     if program is None:
         program = derive_program(placement, model)

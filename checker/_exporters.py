@@ -1,9 +1,14 @@
 """Exporters: a checked composition out as a framework's configuration, or as DTensor placements.
 
 Each exporter reads the composition's ``Layout`` (what the data axis shards comes from the
-placement, so ``fsdp`` and ``zero3`` export alike) and refuses, with one line, what the target
-cannot say. The DTensor view is read from the ``Placement`` and the step program's gradient
-origins; nothing here re-derives a placement.
+placement, so ``fsdp`` and ``zero3`` export alike) and writes every modifier the target can
+say; what it cannot say it refuses with one line, or, where only the model code can say it,
+names in ``Exported.notes``. The DTensor view is read from the ``Placement`` and the step
+program's gradient origins; nothing here re-derives a placement.
+
+Pipeline stages hold whole transformer layers: evenly when the layers divide by the stages,
+otherwise (the ``uneven`` modifier) at most ``ceil(L / pp)`` on the fullest stage, which is what
+the cost model charges (``Placement.stage_layers``). Each framework is told to split that way.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ class Exported:
 
 
 def export(comp: Composition, model: Model, target: Target) -> Exported:
+    if comp.options.sequence_parallel and comp.mesh().get(Axis.TP, 1) == 1:
+        raise ExportError(f"{comp}: sequence parallelism without tensor parallelism (tp) has no "
+                          "framework spelling (the composition breaks sp_needs_tp)")
     match target:
         case Target.TORCHTITAN:
             return export_torchtitan(comp, model)
@@ -60,14 +68,49 @@ def _micro(model: Model) -> int:
 
 
 def _layers_per_chunk(layout: Layout, model: Model, target: str) -> int:
+    """Layers per virtual stage: L / (pp x v), or its ceiling with declared uneven stages."""
     if not isinstance(model, Transformer):
         raise ExportError(f"{layout.text()}: the interleaved schedule needs a model with layers (--model) "
                           f"to write {target}'s layers per virtual stage")
     stages = layout.pp * layout.options.chunks
-    if model.layers % stages:
+    if model.layers % stages == 0:
+        return model.layers // stages
+    per = -(-model.layers // stages)
+    if not layout.options.uneven_stages or -(-model.layers // per) != stages:
         raise ExportError(f"{layout.text()}: {model.name}'s {model.layers} layers do not split into "
                           f"pp({layout.pp}) x v({layout.options.chunks}) = {stages} virtual stages")
-    return model.layers // stages
+    return per
+
+
+def _uneven_layers(layout: Layout, model: Model) -> int | None:
+    """The model's layer count when the stages are declared uneven and the layers do not divide
+    by them (None: the even split, which is also what ``uneven`` means when they divide)."""
+    if not layout.options.uneven_stages or layout.pp == 1 or not isinstance(model, Transformer):
+        return None
+    return model.layers if model.layers % (layout.pp * layout.options.chunks) else None
+
+
+def megatron_uneven_split(layers: int, pp: int) -> tuple[int, int]:
+    """``(first, last)`` for Megatron-LM's ``--decoder-first-pipeline-num-layers`` and
+    ``--decoder-last-pipeline-num-layers``: the stages between them hold ``(layers - first -
+    last) / (pp - 2)`` each, and no stage more than ``ceil(layers / pp)``. Middle stages are
+    kept full and the remainder is shared by the first and last stage, which also run the
+    embedding and the loss (Llama 3 405B: 126 layers on 16 stages, 7 on the first and last).
+    ``ExportError`` when no such split exists (19 layers on 16 stages need three stages of 2).
+    """
+    fullest = -(-layers // pp)
+    if pp < 2 or layers < pp:
+        raise ExportError(f"{layers} layers on pp({pp}): every stage needs at least one layer")
+    if pp == 2:
+        return fullest, layers - fullest
+    for middle in range(fullest, 0, -1):
+        rest = layers - middle * (pp - 2)
+        if middle == fullest and 2 <= rest <= 2 * fullest:
+            return rest // 2, rest - rest // 2
+        if middle < fullest and fullest + 1 <= rest <= 2 * fullest:
+            return fullest, rest - fullest
+    raise ExportError(f"{layers} layers on pp({pp}): Megatron-LM's first/last-stage layer counts cannot "
+                      f"hold them with at most {fullest} layers on every stage")
 
 
 # --- torchtitan -----------------------------------------------------------------------------
@@ -102,7 +145,19 @@ def export_torchtitan(comp: Composition, model: Model) -> Exported:
     }
     micro = _micro(model)
     training: dict[str, Any] = {}
+    notes = []
     if layout.pp > 1:
+        # torchtitan counts the embedding and the output layer as one layer each by default and
+        # takes them off the first and last stage's share (pipeline_parallel_first/last_stage_
+        # less_layers = 1); 0 splits the transformer layers alone: evenly, or with ceil(L / pp)
+        # on the fullest stage when they do not divide (torchtitan splits uneven counts itself).
+        par["pipeline_parallel_first_stage_less_layers"] = 0
+        par["pipeline_parallel_last_stage_less_layers"] = 0
+        uneven = _uneven_layers(layout, model)
+        if uneven is not None:
+            stages = layout.pp * o.chunks
+            notes.append(f"uneven stages: torchtitan splits the {uneven} layers over the {stages} stages itself, "
+                         f"at most {-(-uneven // stages)} on one; no key of the TOML says so")
         match o.schedule:
             case Schedule.ONE_F_ONE_B:
                 par["pipeline_parallel_schedule"] = "1F1B"
@@ -134,7 +189,6 @@ def export_torchtitan(comp: Composition, model: Model) -> Exported:
         case _:
             raise AssertionError(o.recompute)
     text = _toml({"parallelism": par, "training": training, "activation_checkpoint": ac})
-    notes = []
     if layout.cp > 1 and layout.data is not DataSharding.NONE:
         notes.append("torchtitan's FSDP also shards parameters over cp; the checked composition replicates them")
     return Exported(Target.TORCHTITAN, text, tuple(notes))
@@ -201,7 +255,12 @@ def export_deepspeed(comp: Composition, model: Model) -> Exported:
         doc["pipeline"] = {"stages": layout.pp}
         if o.recompute is Recompute.FULL:
             doc["pipeline"]["activation_checkpoint_interval"] = 1
-        notes.append(f"build the model as deepspeed.pipe.PipelineModule(num_stages={layout.pp})")
+        uneven = _uneven_layers(layout, model)
+        split = "" if uneven is None else f" (uneven: at most {-(-uneven // layout.pp)} of the {uneven} layers each)"
+        notes.append(f"build the model as deepspeed.pipe.PipelineModule(num_stages={layout.pp}, "
+                     "partition_method=\"type:<your transformer block class>\"): equal transformer layers per "
+                     f"stage{split}, as the composition places them (the default, \"parameters\", balances "
+                     "parameter counts instead)")
     elif o.recompute is Recompute.FULL:
         notes.append("full recomputation: wrap each layer in deepspeed.checkpointing.checkpoint (model code)")
     if layout.tp > 1:
@@ -226,6 +285,15 @@ def export_megatron(comp: Composition, model: Model) -> Exported:
         args += [("--num-layers", str(model.layers)), ("--hidden-size", str(model.hidden)),
                  ("--num-attention-heads", str(model.heads)), ("--seq-length", str(model.seq))]
     args += [("--tensor-model-parallel-size", str(layout.tp)), ("--pipeline-model-parallel-size", str(layout.pp))]
+    uneven = _uneven_layers(layout, model)
+    if uneven is not None:
+        _refuse(layout, "Megatron-LM", uneven_stages_with_an_interleaved_schedule=o.schedule is Schedule.INTERLEAVED)
+        try:
+            first, last = megatron_uneven_split(uneven, layout.pp)
+        except ExportError as err:
+            raise ExportError(f"{layout.text()}: {err}") from None
+        args += [("--decoder-first-pipeline-num-layers", str(first)),
+                 ("--decoder-last-pipeline-num-layers", str(last))]
     if o.schedule is Schedule.INTERLEAVED:
         args.append(("--num-layers-per-virtual-pipeline-stage", str(_layers_per_chunk(layout, model, "Megatron"))))
     if layout.cp > 1:

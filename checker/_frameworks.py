@@ -50,7 +50,7 @@ KNOWN_AS: dict[str, dict[str, str]] = {
            "DeepSpeed": "MoE(ep_size=...) in model code"},
 }
 
-# Pairs that users confuse, compared placement against placement (semantics.md section 2).
+# Pairs that users confuse, compared placement against placement (docs/semantics.md, "The strategy library").
 CONFUSED: tuple[tuple[str, str], ...] = (("fsdp-sgo", "zero2"), ("distopt", "zero1"), ("fsdp", "zero3"),
                                          ("hsdp", "fsdp"), ("zero2", "zero1"))
 

@@ -67,6 +67,8 @@ class Layout:
             out.append(f"v{o.chunks}")
         elif o.schedule is Schedule.GPIPE:
             out.append("gpipe")
+        if o.uneven_stages:
+            out.append("uneven")
         if o.offload_optimizer:
             out.append("offload")
         if o.offload_parameters:

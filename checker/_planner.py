@@ -1,4 +1,4 @@
-"""The planner (issue 8): the best valid composition for a model on a cluster.
+"""The planner: the best valid composition for a model on a cluster.
 
 How it works (docs/planner.md has the long form):
 
@@ -521,7 +521,7 @@ def meshes(devices: int, axes: int, pins: Mapping[int, int]) -> Ints:
 
 @dataclass(frozen=True)
 class Rule:
-    """A composition rule (semantics.md section 4) evaluated on many meshes at once."""
+    """A composition rule (docs/semantics.md, "Composition rules") evaluated on many meshes at once."""
 
     name: str
     explain: Callable[[Sequence[int], int, int], str]  # (degrees, b, m) -> why it fails
@@ -565,7 +565,7 @@ def family_rules(family: Family, model: Model, uneven: bool, deg: Ints, m: Ints)
             # Megatron-LM's interleaved schedule requires m to be a multiple of p.
             rules["interleaved_needs_m_multiple_of_pp"] = m % p == 0
     if family.sequence_parallel:
-        rules["sequence_parallel_needs_tp"] = t > 1  # semantics.md section 4, rule 6
+        rules["sequence_parallel_needs_tp"] = t > 1  # docs/semantics.md, "Composition rules", 6a
     if family.data is DataParallel.HSDP:
         rules["hsdp_needs_both_axes"] = (dp > 1) & (dpr > 1)
     else:

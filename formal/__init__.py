@@ -34,9 +34,11 @@ from formal._verdict import Condition, Obligation, Status, Verdict, Violation
 from formal._vocab import Axis, Group, Mode, OpKind, Phase, Reduce, State
 from formal.errors import (
     CompositionError,
+    InexactError,
     InputError,
     ModelError,
     PlacementError,
+    SimulationError,
     SolverError,
     StrategyFileError,
 )
@@ -45,9 +47,9 @@ __all__ = [
     "Condition", "Obligation", "Status", "Verdict", "Violation", "decide",
     "DEFAULT_DEVICES", "DEFAULT_DEVICE_MEMORY", "DEFAULT_MODEL", "DEFAULT_PRECISION", "LIBRARY",
     "PRECISIONS", "PRESETS", "Axis", "Composition", "CompositionError", "Entry", "Ffn", "Group",
-    "InputError", "Memory", "Mode", "Model", "ModelError", "Norm", "Op", "OpKind", "Options",
+    "InexactError", "InputError", "Memory", "Mode", "Model", "ModelError", "Norm", "Op", "OpKind", "Options",
     "Origin", "ParameterCount", "Phase", "Placement", "PlacementError", "Precision", "Recompute",
-    "Reduce", "Schedule", "SolverError", "State", "StepProgram", "Strategy", "StrategyFileError",
+    "Reduce", "Schedule", "SimulationError", "SolverError", "State", "StepProgram", "Strategy", "StrategyFileError",
     "Traffic", "Transformer", "bubble_fraction", "communication", "derive_program",
     "gradient_origins", "group_sizes", "in_flight_micro_batches", "megatron_parameter_count",
     "memory", "most_loaded", "total_bytes", "transfers",

@@ -1,4 +1,4 @@
-"""Costs derived from a placement and its step program alone (semantics.md section 2).
+"""Costs derived from a placement and its step program alone (docs/semantics.md, "Costs").
 
 Memory: for every state and group, size x bytes/element x the product over axes of the mode's
 factor (``pipeline_factor`` / ``axis_factor``), plus transient buffers implied by the modes.
@@ -282,7 +282,8 @@ def buffer_memory(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr], p
                 unit = f"{state.value}:{'layer' if g in LAYER_GROUPS else g.name}"
                 piece = full / pl.stage_layers(layer_count) if g in LAYER_GROUPS else full
                 units[unit] = units.get(unit, sp.Integer(0)) + piece
-    # sp.Max, not max(): with symbolic degrees the units may not be comparable (planner, issue 8).
+    # sp.Max, not max(): with symbolic degrees the units may not be comparable (the planner derives
+    # costs with symbolic degrees).
     largest = {st: sp.Max(sp.Integer(0), *(v for k, v in units.items() if k.startswith(st.value)))
                for st in (State.PARAMETERS, State.GRADIENTS)}
     return exact(held + sum(largest.values(), sp.Integer(0)))
@@ -328,7 +329,7 @@ def most_loaded(pl: Placement, model: Model, precision: Precision, sizes: Mappin
 # --- communication -------------------------------------------------------------------------
 
 def ring_factor(kind: OpKind, n: sp.Expr) -> sp.Expr:
-    """Bytes one device sends per byte of the full tensor, ring algorithms (semantics.md 2)."""
+    """Bytes one device sends per byte of the full tensor, ring algorithms (docs/semantics.md, "Costs")."""
     match kind:
         case OpKind.ALL_REDUCE:
             return 2 * (n - 1) / n

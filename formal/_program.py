@@ -1,6 +1,6 @@
 """The step program: the ordered collectives, transfers and local steps of one training step.
 
-Derived from a ``Placement`` alone (semantics.md section 3). The cost model, the z3 encoding
+Derived from a ``Placement`` alone (docs/semantics.md, "The step program"). The cost model, the z3 encoding
 and the simulator all read this one program; none of them re-derives it.
 """
 
@@ -137,7 +137,7 @@ def pipeline_factor(group: Group, entry: Entry, p: sp.Expr, stage: str,
 
 
 def axis_factor(entry: Entry, d: sp.Expr) -> sp.Expr:
-    """Persistent memory factor of one mode along one (non-pipeline) axis (semantics table)."""
+    """Persistent memory factor of one mode along one (non-pipeline) axis (docs/semantics.md, "Modes")."""
     match entry.mode:
         case Mode.REPLICATED:
             return sp.Integer(1)

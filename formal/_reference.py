@@ -1,4 +1,5 @@
-"""The executable reference: a small numpy model trained on one device (semantics.md section 5).
+"""The executable reference: a small numpy model trained on one device (docs/semantics.md,
+"The executable reference").
 
 The model maps onto the library's tensor groups so that ``derive_program`` and the cost model
 read it as a ``Transformer`` (``ReferenceModel.transformer()``): per layer an attention-like block

@@ -22,7 +22,7 @@ Semantics of a program, one training step (``StepProgram`` order within a phase)
 4. OPTIMIZER: every optimizer step reads P, O and G of its shard (checked) and writes P and O;
 5. REFRESH: the refresh ops.
 
-Reads are judged, not snapshots (semantics.md section 3): the simulator runs one more step than
+Reads are judged, not snapshots (docs/semantics.md, "State consistency"): the simulator runs one more step than
 it trains, so every update is read again, and reports the first read that differs.
 
 It also counts, per device, the bytes each op sends and how often, the bytes each state holds
@@ -44,6 +44,7 @@ import numpy.typing as npt
 import sympy as sp
 
 from formal._costs import communication, host_memory, state_memory, transfers
+from formal._exact import exact_fraction
 from formal._model import DEFAULT_PRECISION, Precision
 from formal._placement import Entry, Placement, Recompute, Schedule
 from formal._program import Op, StepProgram, derive_program, group_sizes
@@ -1042,9 +1043,9 @@ class Simulator:
         trans = iter(transfers(self.program, self.precision))
         for i, op in enumerate(self.ops):
             if op.kind.is_collective and op.axis is not None:
-                expected[i] = _fraction(next(comm).bytes)
+                expected[i] = exact_fraction(next(comm).bytes)
             elif op.kind.is_transfer:
-                expected[i] = _fraction(next(trans)[4])
+                expected[i] = exact_fraction(next(trans)[4])
         out = []
         for i, op in enumerate(self.ops):
             tally = self.tally[i]
@@ -1074,7 +1075,7 @@ class Simulator:
                             continue
                         total += held * self.precision.bytes_of(state)
                     sim = max(sim, total)
-                cost = _fraction(state_memory(self.pl, state, sizes, self.precision, name).total)
+                cost = exact_fraction(state_memory(self.pl, state, sizes, self.precision, name).total)
                 rows.append((name, state, sim, int(cost)))
             for dev in devs:
                 total = 0
@@ -1082,17 +1083,12 @@ class Simulator:
                     for g in self.offloaded[state]:
                         total += len(self.layout.holding(state, g, dev)) * self.precision.bytes_of(state)
                 host_sim = max(host_sim, total)
-            host_rows.append((name, host_sim, int(_fraction(host_memory(self.pl, sizes, self.precision, name)))))
+            host_rows.append((name, host_sim, int(exact_fraction(host_memory(self.pl, sizes, self.precision, name)))))
         return tuple(rows), tuple(host_rows)
 
 
 def _copy(states: dict[Device, dict[Group, Array]]) -> dict[Device, dict[Group, Array]]:
     return {dev: {g: a.copy() for g, a in row.items()} for dev, row in states.items()}
-
-
-def _fraction(x: sp.Expr | int) -> Fraction:
-    value = sp.nsimplify(x)
-    return Fraction(int(value.p), int(value.q)) if isinstance(value, sp.Rational) else Fraction(int(value))
 
 
 def simulate_program(program: StepProgram, model: ReferenceModel, *, optimizer: Optimizer | None = None,

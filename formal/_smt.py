@@ -67,6 +67,7 @@ import sympy as sp
 import z3
 
 from formal._activation_flow import decide_activation_exchange
+from formal._exact import exact_fraction, exact_int
 from formal._model import Model
 from formal._placement import Entry
 from formal._program import Op, Origin, StepProgram
@@ -85,7 +86,7 @@ from formal._solver import Solver as _Solver
 from formal._strategies import Composition
 from formal._verdict import Condition, Obligation, Status, Verdict, Violation
 from formal._vocab import Axis, Group, Mode, OpKind, Phase, Reduce, State
-from formal.errors import SolverError
+from formal.errors import InexactError, SolverError
 
 P, O, G = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS  # noqa: E741 (the paper's P/O/G)
 PLACEHOLDER = Group("\u00a7")  # "§": the group of a case, renamed to the real group in the verdict
@@ -122,17 +123,17 @@ def _real(x: Fraction | int) -> z3.ArithRef:
 def _fraction(x: sp.Expr | None) -> Fraction:
     if x is None:
         return Fraction(1)
-    value = sp.nsimplify(x)
-    if not value.is_Rational:
-        raise SolverError(f"scale {x}: z3 needs a rational constant")
-    return Fraction(int(value.p), int(value.q))
+    try:
+        return exact_fraction(x)
+    except InexactError as err:
+        raise SolverError(f"scale {x}: z3 needs a rational constant") from err
 
 
 def _int_degree(pl_degree: sp.Expr) -> int:
-    value = sp.nsimplify(pl_degree)
-    if not value.is_Integer:
-        raise SolverError(f"degree {pl_degree}: decide needs a concrete placement")
-    return int(value)
+    try:
+        return exact_int(pl_degree)
+    except InexactError as err:
+        raise SolverError(f"degree {pl_degree}: decide needs a concrete placement") from err
 
 
 def _status(answer: _Answer, *, violated_when: str) -> Status:

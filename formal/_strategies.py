@@ -1,7 +1,7 @@
 """The strategy library: every strategy is only a placement along one axis.
 
-Each constructor returns a ``Strategy`` whose entries are the modes of the semantics table
-(semantics.md section 2). Costs and verdicts are derived from these entries alone.
+Each constructor returns a ``Strategy`` whose entries are the modes of the strategy table
+(docs/semantics.md, "The strategy library"). Costs and verdicts are derived from these entries alone.
 """
 
 from __future__ import annotations

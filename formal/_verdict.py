@@ -7,26 +7,32 @@ from enum import IntEnum
 from typing import Any
 
 
-class Status(IntEnum):
+class _Named(IntEnum):
+    """An ordered enum that prints its name (``PROVED``), not its number; ``label`` is the JSON
+    spelling (``proved``)."""
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class Status(_Named):
+    """A verdict's status, ordered so that ``min`` of several is the weakest."""
+
     REFUTED = 0
     UNKNOWN = 1
     PROVED = 2
 
-    @property
-    def label(self) -> str:
-        return self.name.lower()
 
-
-class Condition(IntEnum):
-    """The condition a rule belongs to (semantics.md sections 3 and 4)."""
+class Condition(_Named):
+    """The condition a rule belongs to (docs/semantics.md, "Correctness" and "Composition rules")."""
 
     GRADIENT_INTEGRITY = 0
     STATE_CONSISTENCY = 1
-    COMPOSITION = 2  # orthogonality, divisibility, prerequisites (section 4)
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
+    COMPOSITION = 2  # orthogonality, divisibility, prerequisites (the composition rules)
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ MODEL_STATES: tuple[State, ...] = (State.PARAMETERS, State.OPTIMIZER, State.GRAD
 
 
 class Mode(StrEnum):
-    """How a state (group) is held along one axis (semantics.md, section 1)."""
+    """How a state (group) is held along one axis (docs/semantics.md, "Modes")."""
 
     REPLICATED = "R"
     SHARDED = "S"

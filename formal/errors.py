@@ -30,5 +30,10 @@ class SolverError(PlacementError):
     """Raised when z3 itself fails (not when it answers unknown: that is a verdict)."""
 
 
+class InexactError(PlacementError, ValueError):
+    """Raised when a value that must be an exact rational (a degree, a scale, a byte count) is a
+    float or a symbolic expression: it is refused, never rounded."""
+
+
 class SimulationError(InputError):
     """Raised when a composition or program uses something the reference simulator does not model."""

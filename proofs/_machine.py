@@ -9,7 +9,7 @@ contiguous blocks). A *program* is the tuple of features of the step program alo
 terms: constants for a derived (concrete) program, fresh variables when the obligation quantifies
 over every program.
 
-The step, in order (semantics.md section 3):
+The step, in order (docs/semantics.md, "The step program"):
   0. refresh-at-start: replicas of P along an axis are overwritten from the optimizer-shard owner;
   1. forward and backward reads of P (gathered, fetched, local, or a junk buffer);
   2. local gradients: sums of per-sample (per-token-block, per-part) contributions that depend on
@@ -37,7 +37,7 @@ Coords = tuple[int, ...]
 
 
 class AxisClass(StrEnum):
-    """How a parameter group's gradient contributions relate to one axis (semantics.md 3)."""
+    """How a parameter group's gradient contributions relate to one axis (docs/semantics.md, "Gradient origins")."""
 
     DATA = "data"  # samples split: each device's gradient is a locally normalised partial (dp, dpr)
     SEQUENCE = "sequence"  # token blocks of the same sequences split, attention needs all keys (cp)
@@ -171,7 +171,7 @@ def symbolic_features(mesh: Mesh, prefix: str = "prog") -> Features:
                     z3.Bool(f"{prefix}.fetch_backward"), tuple(domain))
 
 
-# --- the conditions (semantics.md section 3), one named constraint per axis and rule -------------
+# --- the conditions (docs/semantics.md, "Correctness"), one named constraint per axis and rule ----
 
 def conditions(mesh: Mesh, ft: Features) -> dict[str, z3.BoolRef]:
     """Gradient integrity and state consistency as named constraints over the program features."""

@@ -1,4 +1,4 @@
-"""Composition obligations (proofs/composition.md; semantics.md section 4).
+"""Composition obligations (proofs/composition.md; docs/semantics.md, "Composition rules").
 
 * ``composition.sound[<c1>x<c2>]``: every program on a two-axis mesh whose features along each
   axis satisfy that axis's conditions preserves the invariant (z3, features as variables). The

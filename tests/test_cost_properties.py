@@ -107,7 +107,7 @@ def test_pipeline_stages_hold_the_whole_model_between_them(model: Transformer, p
 
 
 def _expected_factor(pl: Placement, state: State, g: Group, stage: str) -> sp.Expr:
-    """What the modes imply, written out again from the semantics table (not the cost code)."""
+    """What the modes imply, written out again from docs/semantics.md's "Modes" table (not the cost code)."""
     if pl.local_mode(state, g) in (Mode.OFFLOADED, Mode.MATERIALIZED):
         return sp.Integer(0)
     out = sp.Integer(1)

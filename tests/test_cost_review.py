@@ -1,4 +1,5 @@
-"""Costs of the placements semantics.md section 2 singles out, each derived from the placement."""
+"""Costs of the placements docs/semantics.md ("The strategy library") singles out, each derived from the
+placement."""
 
 from __future__ import annotations
 

@@ -199,7 +199,7 @@ def test_a_mean_all_reduce_done_twice_is_idempotent_on_both_sides() -> None:
     assert outcome.status is Status.PROVED and outcome.matches
 
 
-# --- quality: the generators find every broken example of issue 3 ----------------------------
+# --- quality: the generators find every typical violation (docs/semantics.md, "Correctness") ---
 
 def _on(case: Case, kind: OpKind, state: State, axis: Axis | None = None, group: str | None = None) -> bool:
     """The mutation changed an op of this kind and state on an axis of degree >= 2 (a real split)."""

@@ -1,4 +1,4 @@
-"""The planner (issue 8) against published configurations, exact costs and the z3 gate.
+"""The planner (``check-composition plan``) against published configurations, exact costs and the z3 gate.
 
 Published numbers, with their sources beside them:
 

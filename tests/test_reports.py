@@ -45,7 +45,7 @@ def _cli(*args: str) -> Ran:
 # --- explain ------------------------------------------------------------------------------
 
 def test_model_state_formulas_match_semantics_table() -> None:
-    """semantics.md section 2: DP 16Psi, ZeRO-1 4Psi + 12Psi/N, ZeRO-2 2Psi + 14Psi/N, ZeRO-3 16Psi/N."""
+    """docs/semantics.md, "Costs": DP 16Psi, ZeRO-1 4Psi + 12Psi/N, ZeRO-2 2Psi + 14Psi/N, ZeRO-3 16Psi/N."""
     assert model_state_formula("dp") == "16*Psi"
     assert model_state_formula("zero1") == "4*Psi + 12*Psi/d"
     assert model_state_formula("zero2") == "2*Psi + 14*Psi/d"

@@ -1,5 +1,5 @@
-"""Declared uneven pipeline stages (semantics.md section 4 rule 1: "layers by pp unless uneven
-stages are declared").
+"""Declared uneven pipeline stages (docs/semantics.md, "Composition rules", rule 1: the layers divide
+by pp x chunks unless uneven stages are declared).
 
 Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4: Llama 3 405B (126 layers) trains on
 pp 16, so the stages cannot hold equal layer counts; Megatron-LM's layout gives the fullest

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from checker._parse import parse
 from formal._placement import Entry
 from formal._strategies import LIBRARY
-from formal._vocab import Mode
+from formal._verdict import Condition, Status, Verdict
+from formal._vocab import Axis, Mode, OpKind, State
 from formal.errors import CompositionError
 from tests.strategies_costs import compositions
 
@@ -48,3 +51,21 @@ def test_parse_is_total(text: str) -> None:
         assert "\n" not in str(err)
     else:
         assert parse(str(c), devices=64) == c
+
+
+def test_ordered_enums_print_their_names_and_keep_their_json_labels() -> None:
+    """``print(verdict.status)`` says PROVED, not 2; the JSON keeps its lower-case labels."""
+    for enum in (Status, Condition):
+        for member in enum:
+            assert str(member) == member.name and f"{member}" == member.name
+            assert member.label == member.name.lower()
+    assert Status.REFUTED < Status.UNKNOWN < Status.PROVED  # still ordered
+    verdict = Verdict((), ())
+    assert str(verdict.status) == "PROVED"
+    assert json.loads(json.dumps(verdict.as_json()))["status"] == "proved"
+
+
+def test_vocabulary_enums_print_their_spelling() -> None:
+    """The string enums print the spelling the composition language and the JSON use."""
+    assert (str(Axis.DP), str(Mode.SHARDED_GATHER), str(State.PARAMETERS), str(OpKind.ALL_REDUCE)) == (
+        "dp", "S*", "P", "all_reduce")

@@ -1,7 +1,7 @@
 /-!
 # Placement semantics: definitions
 
-States, modes and placements (semantics.md section 1), and one data-parallel training step over
+States, modes and placements (docs/semantics.md, "Vocabulary"), and one data-parallel training step over
 finitely many devices with integer values: each device holds a copy of a parameter, computes
 its gradient contribution at the value it read, the contributions are all-reduced (summed), and
 every device applies plain SGD. The loss is a sum over samples, so the single-device gradient

@@ -3,7 +3,7 @@ import PlacementSemantics.Basic
 /-!
 # Composition
 
-Lemmas behind the composition rules (semantics.md section 4), each mirroring a
+Lemmas behind the composition rules (docs/semantics.md, "Composition rules"), each mirroring a
 `composition.*` obligation of `proofs/` (`proofs/composition.md`): reducing along two axes in
 turn sums every contribution exactly once (rule 2 over a product mesh); shards of one offset
 partition the elements (rules 1 and 4); sizes that do not divide lose elements (rule 1).

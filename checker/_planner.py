@@ -61,6 +61,7 @@ from formal._costs import (
 from formal._model import DEFAULT_PRECISION, Model, ParameterCount, Precision, Transformer
 from formal._placement import Options, Recompute, Schedule, Strategy
 from formal._program import StepProgram, derive_program, group_sizes
+from formal._rules import Provenance, Setting, applicable, framework_notes, setting_for
 from formal._strategies import LIBRARY, Composition
 from formal._verdict import Condition, Status, Verdict
 from formal._vocab import EXPERTS, Axis, State
@@ -519,53 +520,63 @@ def meshes(devices: int, axes: int, pins: Mapping[int, int]) -> Ints:
     return np.array(out, dtype=np.int64).reshape(-1, axes)
 
 
-@dataclass(frozen=True)
-class Rule:
-    """A composition rule (docs/semantics.md, "Composition rules") evaluated on many meshes at once."""
-
-    name: str
-    explain: Callable[[Sequence[int], int, int], str]  # (degrees, b, m) -> why it fails
-
-
 def _divides(x: Ints, n: int) -> Bools:
     return cast(Bools, n % x == 0)
 
 
 def mesh_rules(model: Model, global_batch: int, uneven: bool, deg: Ints, b: Ints) -> dict[str, Bools]:
-    """Family-independent rules: divisibility of sizes by degrees, batch by replicas."""
-    t, c, e, p = deg[:, _TP], deg[:, _CP], deg[:, _EP], deg[:, _PP]
-    replicas = deg[:, _DP] * deg[:, _DPR] * e * b
-    rules: dict[str, Bools] = {"batch": _divides(replicas, global_batch)}
-    if isinstance(model, Transformer):
-        for name, size in (("heads", model.heads), ("kv_heads", model.kv_heads_), ("hidden", model.hidden),
-                           ("ffn", model.ffn_), ("vocab", model.vocab)):
-            rules[f"tp_divides_{name}"] = _divides(t, size)
-        rules["cp_divides_seq"] = _divides(c, model.seq)
-        rules["pp_divides_layers"] = (p <= model.layers) if uneven else _divides(p, model.layers)
-        rules["ep_divides_experts"] = _divides(e, model.experts) if model.is_moe else e == 1
-    else:
-        rules["cp_needs_sequence"] = c == 1
-        rules["ep_needs_moe"] = e == 1
-    return rules
+    """The workload's own rule, before any family: the replicas divide the global batch (so
+    that the micro-batch count m is a whole number)."""
+    replicas = deg[:, _DP] * deg[:, _DPR] * deg[:, _EP] * b
+    return {"batch": _divides(replicas, global_batch)}
+
+
+class _ArrayTerms:
+    """``formal._rules.Terms`` over numpy arrays: one row per candidate mesh. An axis is present
+    when its degree exceeds 1 (the planner's compositions leave degree-1 axes out)."""
+
+    def __init__(self, deg: Ints, m: Ints) -> None:
+        self._deg, self._m = deg, m
+
+    def degree(self, axis: Axis) -> Ints:
+        return self._deg[:, AXES.index(axis)]
+
+    def present(self, axis: Axis) -> Bools:
+        return self.degree(axis) > 1
+
+    def size(self, name: str, value: int) -> int:
+        return value
+
+    def flag(self, name: str, value: bool) -> bool:
+        return value
+
+    def implies(self, a: Any, b: Any) -> Bools:
+        return cast(Bools, np.logical_or(np.logical_not(a), b))
+
+    @property
+    def micro_batches(self) -> Ints:
+        return self._m
+
+
+def family_setting(family: Family, model: Model, uneven: bool) -> Setting:
+    """The rules' setting of a family: its modifiers, every axis of the planner's mesh."""
+    return Setting(model, replace(family.options(1), uneven_stages=uneven), frozenset(AXES))
 
 
 def family_rules(family: Family, model: Model, uneven: bool, deg: Ints, m: Ints) -> dict[str, Bools]:
-    t, p, dp, dpr = deg[:, _TP], deg[:, _PP], deg[:, _DP], deg[:, _DPR]
+    """The correctness rules of ``formal._rules`` (the table z3 decides), vectorised over the
+    candidate meshes, and the family's own canonical form (a family with a pipeline has pp > 1,
+    HSDP both of its axes, ZeRO/FSDP a dp axis: otherwise it is another family's candidate).
+    Framework rules filter nothing: they become notes on the candidates that break them."""
+    terms, setting = _ArrayTerms(deg, m), family_setting(family, model, uneven)
     rules: dict[str, Bools] = {}
+    for rule in applicable(setting, Provenance.CORRECTNESS):
+        rules[rule.name] = np.broadcast_to(np.asarray(rule.holds(terms, setting), dtype=bool), (deg.shape[0],))
+    p, dp, dpr = deg[:, _PP], deg[:, _DP], deg[:, _DPR]
     if family.pipeline is None:
         rules["no_pipeline_means_pp1"] = p == 1
     else:
         rules["pipeline_needs_pp"] = p > 1
-        if family.pipeline.schedule is Schedule.INTERLEAVED:
-            v = family.pipeline.chunks
-            if isinstance(model, Transformer):
-                # Uneven stages (z3's stages_hold_layers[pp]): every virtual stage holds a layer.
-                rules["interleaved_divides_layers"] = ((p * v <= model.layers) if uneven
-                                                       else _divides(p * v, model.layers))
-            # Megatron-LM's interleaved schedule requires m to be a multiple of p.
-            rules["interleaved_needs_m_multiple_of_pp"] = m % p == 0
-    if family.sequence_parallel:
-        rules["sequence_parallel_needs_tp"] = t > 1  # docs/semantics.md, "Composition rules", 6a
     if family.data is DataParallel.HSDP:
         rules["hsdp_needs_both_axes"] = (dp > 1) & (dpr > 1)
     else:
@@ -601,6 +612,7 @@ class Candidate:
     verdict_note: str = ""
 
     uneven: bool = False  # uneven stages allowed and the layers do not divide by pp
+    notes: tuple[str, ...] = ()  # framework rules it breaks (formal._rules), once decided
 
     @property
     def text(self) -> str:
@@ -617,6 +629,11 @@ class Candidate:
     def composition(self) -> Composition:
         return parse(self.text)
 
+    def framework_notes(self, model: Model) -> tuple[str, ...]:
+        """The framework rules this candidate breaks (``check`` prints the same notes)."""
+        comp = self.composition()
+        return framework_notes(setting_for(comp, model), comp.mesh())
+
     def as_json(self) -> dict[str, Any]:
         return {
             "rank": self.rank, "composition": self.text, "family": str(self.family),
@@ -632,6 +649,7 @@ class Candidate:
                              "communication": self.communication_s, "host": self.host_s},
             "verdict": self.status.label if self.status is not None else "undecided",
             "verdict_note": self.verdict_note,
+            "framework_notes": list(self.notes),
         }
 
 
@@ -982,7 +1000,8 @@ def _prove_top(result: Plan, deriver: Deriver, decide: Decide | None, top: int, 
         verdict = decide(cand.composition(), program, result.model.with_micro_batch(cand.micro_batch))
         result.decided += 1
         if verdict.status is Status.PROVED:
-            result.top.append(replace(cand, rank=len(result.top) + 1, status=Status.PROVED, verdict_note="proved"))
+            result.top.append(replace(cand, rank=len(result.top) + 1, status=Status.PROVED, verdict_note="proved",
+                                      notes=cand.framework_notes(result.model)))
             continue
         rules = ", ".join(v.rule for v in verdict.violations) or ", ".join(
             f"{o.name}: {o.reason_unknown}" for o in verdict.obligations if o.status is Status.UNKNOWN)
@@ -1102,6 +1121,7 @@ def _bandwidth(text: str) -> float:
 
 def _print_plan(result: Plan) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -1126,6 +1146,9 @@ def _print_plan(result: Plan) -> None:
     console.print(table)
     if not result.top:
         console.print("no composition fits and is proved valid")
+    for c in result.top:
+        for note in c.notes:
+            console.print(escape(f"  #{c.rank}: {note}"), highlight=False)
     for a, b in itertools.pairwise(result.top):
         console.print(f"  #{a.rank} > #{b.rank}: " + explain_pair(a, b, result.rank_by))
     console.print("[bold]Popular alternatives[/bold]")

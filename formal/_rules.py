@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 from formal._model import Model, Transformer
 from formal._placement import Options
+from formal._strategies import Composition
 from formal._vocab import Axis
 
 
@@ -249,6 +250,13 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+def setting_for(composition: Composition, model: Model, devices: int | None = None) -> Setting:
+    """The setting of a concrete composition: the axes it has terms on, and its terms per axis."""
+    mesh = composition.mesh()
+    return Setting(model, composition.options, frozenset(mesh), devices,
+                   {axis: tuple(str(s) for s in composition.strategies if s.axis is axis) for axis in mesh})
+
+
 def applicable(setting: Setting, provenance: Provenance | None = None) -> tuple[Rule, ...]:
     """The rules of the table that apply in ``setting`` (of one provenance, if given)."""
     return tuple(r for r in RULES if (provenance is None or r.provenance is provenance) and r.applies(setting))
@@ -290,4 +298,5 @@ class Concrete:
         return self.setting.options.micro_batches
 
 
-__all__ = ["RULES", "Concrete", "Provenance", "Rule", "Setting", "Terms", "applicable", "framework_notes"]
+__all__ = ["RULES", "Concrete", "Provenance", "Rule", "Setting", "Terms", "applicable", "framework_notes",
+           "setting_for"]

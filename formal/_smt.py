@@ -71,7 +71,7 @@ from formal._exact import exact_fraction, exact_int
 from formal._model import Model
 from formal._placement import Entry
 from formal._program import Op, Origin, StepProgram
-from formal._rules import Provenance, Rule, Setting, applicable, framework_notes
+from formal._rules import Provenance, Rule, applicable, framework_notes, setting_for
 from formal._solver import (
     DEFAULT_QUERY_RLIMIT,
     DEFAULT_RUN_RLIMIT,
@@ -180,19 +180,12 @@ class _RuleTerms:
         return self.size("micro_batches", self._micro_batches)
 
 
-def rule_setting(composition: Composition, model: Model, devices: int | None) -> Setting:
-    """What decides which rules of ``formal._rules`` apply to a concrete composition."""
-    mesh = composition.mesh()
-    return Setting(model, composition.options, frozenset(mesh), devices,
-                   {axis: tuple(str(s) for s in composition.strategies if s.axis is axis) for axis in mesh})
-
-
 def _composition_rules(composition: Composition, model: Model, devices: int | None,
                        solver: _Solver) -> tuple[list[z3.BoolRef], list[tuple[z3.BoolRef, Rule]]]:
     """Tracked facts (degrees, sizes) and the correctness rules of ``formal._rules`` that apply,
     tracked under their names (orthogonality first, in the composition's axis order)."""
     terms = _RuleTerms(composition, solver)
-    setting = rule_setting(composition, model, devices)
+    setting = setting_for(composition, model, devices)
     order = {axis: i for i, axis in enumerate(composition.mesh())}
     rules = sorted(applicable(setting, Provenance.CORRECTNESS),
                    key=lambda r: (0, order[r.axis]) if r.name.startswith("orthogonality[") and r.axis else (1, 0))
@@ -204,7 +197,7 @@ def _decide_composition(composition: Composition, model: Model, devices: int | N
                         timeout_ms: int) -> tuple[Obligation, list[Violation]]:
     solver = _Solver(timeout_ms)
     facts, rules = _composition_rules(composition, model, devices, solver)
-    mesh, setting = composition.mesh(), rule_setting(composition, model, devices)
+    mesh, setting = composition.mesh(), setting_for(composition, model, devices)
     by_literal = {lit.decl().name(): (lit, rule) for lit, rule in rules}
     remaining = [lit for lit, _ in rules]
     violations: list[Violation] = []
@@ -1194,7 +1187,7 @@ def _decide(composition: Composition, program: StepProgram, model: Model, timeou
                 if v.rule not in labels:
                     labels.add(v.rule)
                     violations.append(v)
-    notes = [*_notes(composition, program), *framework_notes(rule_setting(composition, model, devices),
+    notes = [*_notes(composition, program), *framework_notes(setting_for(composition, model, devices),
                                                              composition.mesh())]
     return Verdict(tuple(obligations), tuple(violations), tuple(notes))
 

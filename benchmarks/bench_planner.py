@@ -1,4 +1,4 @@
-"""Planner benchmark (issue 8): candidates per second and the time of a full 1,024-device plan.
+"""Planner benchmark: candidates per second and the time of a full 1,024-device plan.
 
     python benchmarks/bench_planner.py [--model llama3-70b] [--devices 1024] [--runs 5] [--json]
 

@@ -14,11 +14,11 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from checker._parse import parse
-from formal._strategies import Composition
+from checker._torch._compare import ACTIVATION_TOLERANCE, Comparison, Row, state_rows
+from checker._torch._compare import pct as _pct
 from formal._vocab import Axis
 
 # Every engine at world size 8: DDP, FSDP2 (reshard after forward, and not), DTensor TP (with
@@ -27,7 +27,6 @@ from formal._vocab import Axis
 TABLE_COMPOSITIONS: tuple[str, ...] = (
     "ddp8", "fsdp8", "fsdp-sgo8", "tp8", "tp8xsp", "tp2xfsdp4", "hsdp4xdpr2", "pp8xm16xgpipe", "pp8xm16",
 )
-ACTIVATION_TOLERANCE = 0.10  # Korthikanti's per-layer count against everything autograd saves
 
 
 def table_ranks(text: str) -> tuple[int, ...]:
@@ -42,48 +41,6 @@ def table_ranks(text: str) -> tuple[int, ...]:
 
 # (composition, rank): every strategy's first and last rank, and a pipeline's middle stage.
 TABLE_RUNS: tuple[tuple[str, int], ...] = tuple((t, r) for t in TABLE_COMPOSITIONS for r in table_ranks(t))
-
-
-@dataclass(frozen=True)
-class Row:
-    quantity: str
-    predicted: int
-    measured: int
-
-    @property
-    def error(self) -> float:
-        return 0.0 if self.measured == self.predicted else (self.predicted - self.measured) / self.measured
-
-
-@dataclass(frozen=True)
-class Comparison:
-    composition: Composition
-    engine: str
-    stage: str
-    rows: tuple[Row, ...]  # parameters, gradients, optimizer, model states, activations
-    predicted_calls: tuple[object, ...]
-    measured_calls: tuple[object, ...]
-    seconds: float
-    rank: int = 0
-
-    def row(self, quantity: str) -> Row:
-        return next(r for r in self.rows if r.quantity == quantity)
-
-    @property
-    def calls_equal(self) -> bool:
-        return Counter(self.predicted_calls) == Counter(self.measured_calls)
-
-    @property
-    def model_states_exact(self) -> bool:
-        return all(r.error == 0 for r in self.rows if r.quantity != "activations")
-
-    @property
-    def activations_within(self) -> bool:
-        return abs(self.row("activations").error) <= ACTIVATION_TOLERANCE
-
-    @property
-    def ok(self) -> bool:
-        return self.model_states_exact and self.calls_equal and self.activations_within
 
 
 def _measure_on_fake_group(text: str, devices: int | None, rank: int) -> Any:
@@ -121,22 +78,6 @@ def validate(text: str, devices: int | None = None, rank: int = 0) -> Comparison
     rows = (*state_rows(predicted, measured), Row("activations", predicted.activations, measured.activations))
     return Comparison(comp, measured.engine.value, measured.stage, rows, predicted.calls,
                       tuple(sorted(measured.calls)), time.perf_counter() - start, rank)
-
-
-def state_rows(predicted: Any, measured: Any) -> tuple[Row, ...]:
-    """Parameters, gradients, optimizer state and their sum, predicted against measured (any
-    two objects with those byte counts: a ``Prediction`` and a ``Measured``)."""
-    return (
-        Row("parameters", predicted.parameters, measured.parameters),
-        Row("gradients", predicted.gradients, measured.gradients),
-        Row("optimizer", predicted.optimizer, measured.optimizer),
-        Row("model states", predicted.parameters + predicted.gradients + predicted.optimizer,
-            measured.parameters + measured.gradients + measured.optimizer),
-    )
-
-
-def _pct(x: float) -> str:
-    return "exact" if x == 0 else f"{x:+.2%}"
 
 
 def format_comparison(c: Comparison) -> str:

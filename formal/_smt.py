@@ -1,4 +1,5 @@
-"""z3 decides gradient integrity, state consistency and the composition rules (semantics.md 3-4).
+"""z3 decides gradient integrity, state consistency and the composition rules (docs/semantics.md,
+"Correctness" and "Composition rules").
 
 ``decide(composition, program, model)`` returns a three-valued ``Verdict``. Every query goes
 through ``formal._solver.solve`` (the one wrapper, which keeps ``reason_unknown()`` and holds the
@@ -10,10 +11,12 @@ value read and the single-device value).
 
 Four families of obligations:
 
-* **Composition rules** (section 4), one obligation: the composition's degrees and the model's
-  sizes are tracked facts (``value[heads]``), the rules tracked assumptions (``divides[heads,
-  tp]``, ``orthogonality[dp]``, ``sp_needs_tp``...). Unsat means some rule fails; its core names
-  it, and each rule of the core is re-checked alone so that every broken rule is reported.
+* **Composition rules** (docs/semantics.md, "Composition rules"), one obligation over the
+  correctness rules of the one rules table, ``formal/_rules.py``: the composition's degrees and
+  the model's sizes are tracked facts (``value[heads]``), the rules tracked assumptions
+  (``divides[heads, tp]``, ``orthogonality[dp]``, ``sp_needs_tp``...). Unsat means some rule
+  fails; its core names it, and each rule of the core is re-checked alone so that every broken
+  rule is reported. The table's framework rules are notes, never refutations.
 * **Gradient integrity**, one obligation per parameter group and axis: the program's gradient
   ops on that axis (all-reduce, reduce-scatter, scale; in program order, up to the optimizer
   step) are executed symbolically over integer contributions, starting from the ``Origin`` the

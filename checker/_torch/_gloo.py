@@ -20,11 +20,11 @@ from datetime import timedelta
 from pathlib import Path
 
 from checker._parse import parse
+from checker._torch._compare import ACTIVATION_TOLERANCE, Comparison, Row, state_rows
 from checker._torch._engine import Measured, fake_group, measure
 from checker._torch._isolate import run_world
 from checker._torch._net import NetConfig
 from checker._torch._predict import predict
-from checker._torch_validate import ACTIVATION_TOLERANCE, Comparison, Row, state_rows
 
 # Every engine at world sizes 2 and 4 (FSDP+TP and HSDP need 4 ranks). Pipelines: as many
 # micro-batches as twice the stages, so 1F1B's in-flight min(p, m) differs from GPipe's m.

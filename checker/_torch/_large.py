@@ -34,11 +34,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from checker._parse import parse
+from checker._torch._compare import Comparison, Row, state_rows
 from checker._torch._engine import Engine, Measured, Runner, _stage, fake_group, model_state_tensors
 from checker._torch._net import NetConfig
 from checker._torch._predict import predict
 from checker._torch._record import CommRecorder, SavedActivations, _Held, storage_bytes, storage_key
-from checker._torch_validate import Comparison, Row, state_rows
 
 # 0.53 B parameters (8 blocks of 50 M, embedding and head of 65.5 M each): few blocks keep the
 # number of dispatched ops (the cost of a fake step) small; the vocabulary makes the logits count.
@@ -315,13 +315,13 @@ def saved_row(c: Comparison, r: LargeResult) -> Row:
 def large_ok(c: Comparison, r: LargeResult) -> bool:
     """Model states exact (storages and tracker), collectives equal, activations within the
     tolerance of both MemTracker and SavedActivations."""
-    from checker._torch_validate import ACTIVATION_TOLERANCE
+    from checker._torch._compare import ACTIVATION_TOLERANCE
     return c.ok and abs(saved_row(c, r).error) <= ACTIVATION_TOLERANCE
 
 
 def format_large(results: Sequence[tuple[Comparison, LargeResult]], cfg: NetConfig = LARGE) -> str:
     """One line per composition, then what was saved for backward, by op, for each."""
-    from checker._torch_validate import _pct
+    from checker._torch._compare import pct as _pct
     params = cfg.formal().parameter_count()
     head = (f"{'composition':<14}{'rank':>5}{'model states pred':>18}{'measured':>11}{'tracker':>11}{'err':>7}"
             f"{'activ. pred':>13}{'MemTracker':>13}{'err':>8}{'saved':>13}{'err':>8}"

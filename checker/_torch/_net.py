@@ -11,7 +11,7 @@ formal model has ``learned_positions=False`` for exactly this model.
 ``exact=True`` swaps the inexact operations for exact ones (affine norms, ReLU, uniform
 attention with a dyadic weight, a linear loss normalised by a power of two): with small
 integer data and weights every float32 product and sum is then exact, so a correct distributed
-run matches single-device training bit for bit (semantics.md section 5).
+run matches single-device training bit for bit (docs/semantics.md, "The executable reference").
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from formal._costs import (
     op_stage_factor,
     stage_in_flight,
 )
-from formal._exact import exact
+from formal._exact import exact, exact_int
 from formal._model import PRECISIONS, Ffn, Norm, Precision, Transformer
 from formal._placement import Placement
 from formal._program import Op, StepProgram, derive_program, group_sizes, shard_elements
@@ -160,9 +160,7 @@ class Prediction:
 
 
 def _int(x: sp.Expr) -> int:
-    value = sp.nsimplify(x)
-    assert value.is_integer, value
-    return int(value)
+    return exact_int(x)
 
 
 def stage_of(pl: Placement, rank: int) -> str:

@@ -24,7 +24,7 @@ from formal._vocab import (
     Mode,
     State,
 )
-from tests.strategies_costs import compositions, models, transformers
+from strategies_costs import compositions, models, transformers
 
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 precisions = st.sampled_from(sorted(PRECISIONS))

@@ -17,7 +17,7 @@ from formal._smt import decide
 from formal._solver import Solver, solve
 from formal._strategies import LIBRARY, Composition
 from formal._verdict import Condition, Status, Verdict
-from tests.strategies import compositions, models
+from strategies import compositions, models
 
 GPT = PRESETS["gpt3-1.3b"]  # tied embeddings, LayerNorm with biases, learned positions
 MOE = Transformer("tiny-moe", layers=8, hidden=512, heads=8, vocab=1024, seq=256, experts=8, top_k=2)

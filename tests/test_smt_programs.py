@@ -15,7 +15,7 @@ from formal._smt import decide
 from formal._strategies import Composition
 from formal._verdict import Condition, Status, Verdict
 from formal._vocab import OpKind, Phase, Reduce, State
-from tests.strategies import compositions, models, mutations
+from strategies import compositions, models, mutations
 
 GPT = PRESETS["gpt3-1.3b"]
 G, P = State.GRADIENTS, State.PARAMETERS
@@ -147,7 +147,7 @@ def test_independent_bugs_are_each_reported_and_knock_on_effects_are_not() -> No
 def test_expert_gradients_not_divided_by_ep() -> None:
     # Megatron-LM PR #5956: each expert receives every rank's tokens, so its gradient is the sum
     # of rank-normalised contributions and must be divided by the ep degree.
-    from tests.test_smt import MOE
+    from test_smt import MOE
 
     composition = parse("ep4xdp2")
     program = derive_program(composition.placement(MOE), MOE)

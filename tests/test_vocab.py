@@ -13,7 +13,7 @@ from formal._strategies import LIBRARY
 from formal._verdict import Condition, Status, Verdict
 from formal._vocab import Axis, Mode, OpKind, State
 from formal.errors import CompositionError
-from tests.strategies_costs import compositions
+from strategies_costs import compositions
 
 
 @settings(max_examples=200, deadline=None)

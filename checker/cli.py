@@ -50,8 +50,9 @@ Examples:
   check-composition fsdp8xdpr2 --model gpt3-1.3b   # HSDP: shard 8, replicate 2
   check-composition tp3                            # exit 1: divides[heads, tp] (32 heads)
   check-composition zero2-skew4 --strategies examples/broken_optimizer_shards.toml --explain
-\b
+
 """ + EXIT_CODES + """
+
 \b
 Composition language: strategy terms with an optional degree joined by 'x'
 (a term without a degree takes the devices left over). Modifiers:

@@ -510,22 +510,30 @@ def strategies_files(draw: st.DrawFn) -> Case:
 def output_cases(draw: st.DrawFn) -> Case:
     """``--report``, ``plan --csv`` and ``--chart`` into good and bad places, over an old file or
     none, and sometimes on a disk that fills up part-way."""
-    target = draw(st.sampled_from(("report.html", "out.csv", "chart.svg", "chart.png", "chart.gif", "missing/x.html",
-                                   "", ".", "sub", "sub/deeper/x.csv", "r\x00.html", "ünï.html")))
-    old = draw(st.sampled_from((None, b"old report\n")))
+    named = st.text(st.characters(exclude_categories=("Cs",), exclude_characters="/\x00"), min_size=1, max_size=12)
+    target = draw(st.one_of(
+        st.sampled_from(("report.html", "out.csv", "chart.svg", "chart.png", "chart.gif", "missing/x.html", "", ".",
+                         "sub", "sub/deeper/x.csv", "r\x00.html", "ünï.html")),
+        st.tuples(named, st.sampled_from((".html", ".csv", ".svg", ".png", ".SVG", ""))).map("".join).filter(
+            # not a name the case uses otherwise, nor one that looks like the writer's temporary file
+            lambda n: n not in (".", "..", "sub", "missing") and not re.match(r"^\..*\.tmp$", n))))
+    old = draw(st.one_of(st.none(), st.just(b"old report\n"), st.binary(max_size=32)))
     kind = draw(st.sampled_from(("report", "csv", "compare", "sweep")))
     path = "{dir}/" + target if target else ""
     files: tuple[tuple[str, bytes], ...] = (("sub/keep", b""),)
     argv: list[str]
     match kind:
         case "report":
-            argv = [draw(st.sampled_from(("dp2", "tp3", "zero22"))), "--params", "1e9", "--report", path]
+            argv = [draw(st.sampled_from(("dp2", "tp3", "zero22", "tp2xpp2", "zero4"))), "--params", "1e9",
+                    "--report", path, *draw(st.sampled_from(((), ("--json",), ("--csv",))))]
         case "csv":
-            argv = ["plan", "--params", "1e9", "--devices", draw(st.sampled_from(("2", "4"))), "--csv", path]
+            argv = ["plan", "--params", "1e9", "--devices", draw(st.sampled_from(("2", "4", "0"))), "--csv", path]
         case "compare":
-            argv = ["compare", "dp2", "zero22", "--params", "1e9", "--chart", path]
+            argv = ["compare", *draw(st.lists(st.sampled_from(("dp2", "zero22", "tp2", "zero5")), min_size=1,
+                                              max_size=3)), "--params", "1e9", "--chart", path]
         case _:
-            argv = ["sweep", "tp{}", "--values", "1,2", "--params", "1e9", "--chart", path]
+            argv = ["sweep", draw(st.sampled_from(("tp{}", "zero3{}", "q{}"))), "--values",
+                    draw(st.sampled_from(("1,2", "2", "3"))), "--params", "1e9", "--chart", path]
     outputs: tuple[tuple[str, bytes | None], ...] = ()
     if target and "\x00" not in target and target not in (".", "sub"):
         if target.startswith("missing"):  # its directory does not exist: nothing there before

@@ -259,7 +259,7 @@ def mutated_documents(draw: st.DrawFn, base: Any, known_keys: tuple[str, ...], j
     """``base`` after a few mutations: a key deleted, set to a hostile value, renamed, added or
     nested deeply."""
     doc = _copy(base)
-    for _ in range(draw(st.integers(0, 3))):
+    for _ in range(draw(st.sampled_from((0, 1, 1, 1, 2, 3)))):
         paths = _paths(doc)
         op = draw(st.sampled_from(("delete", "set", "set", "set", "add", "nest", "rename")))
         if not paths and op in ("delete", "set", "nest", "rename"):
@@ -296,7 +296,7 @@ def mutated_documents(draw: st.DrawFn, base: Any, known_keys: tuple[str, ...], j
 def corrupted_bytes(draw: st.DrawFn, text: str) -> bytes:
     """The file's bytes, usually as written, sometimes truncated, binary or not UTF-8."""
     data = text.encode("utf-8", "surrogatepass")
-    match draw(st.sampled_from(("as-is",) * 6 + ("truncate", "binary", "latin-1", "bom", "nul", "empty", "huge"))):
+    match draw(st.sampled_from(("as-is",) * 12 + ("truncate", "binary", "latin-1", "bom", "nul", "empty", "huge"))):
         case "truncate":
             return data[:draw(st.integers(0, max(len(data) - 1, 0)))]
         case "binary":
@@ -397,10 +397,11 @@ _HF_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_hea
 
 
 def _devices(draw: st.DrawFn) -> list[str]:
-    choice = draw(st.sampled_from(("none", "small", "small", "hostile")))
+    choice = draw(st.sampled_from(("none", "none", "none", "small", "small", "hostile")))
     if choice == "none":
         return []
-    return ["--devices", draw(small_numbers() if choice == "small" else refused_numbers())]
+    worlds = st.sampled_from(("8", "16", "32", "64", "384", "1024"))  # the examples' own world sizes
+    return ["--devices", draw(st.one_of(small_numbers(), worlds) if choice == "small" else refused_numbers())]
 
 
 def _model(draw: st.DrawFn) -> list[str]:
@@ -419,7 +420,7 @@ def deepspeed_configs(draw: st.DrawFn) -> Case:
     """A mutated DeepSpeed example, checked or exported with ``--from``."""
     doc = draw(mutated_documents(draw(st.sampled_from(_DEEPSPEED)), _DS_KEYS, json_only=True))
     text = json.dumps(doc, ensure_ascii=draw(st.booleans()))
-    name = draw(st.sampled_from(("ds.json", "ds.json", "ds.JSON", "ds.yaml", "ds")))
+    name = draw(st.sampled_from(("ds.json",) * 6 + ("ds.JSON", "ds.yaml", "ds")))
     data = draw(corrupted_bytes(text))
     return Case((*_command(draw, "{dir}/" + name), *_devices(draw), *_model(draw)), ((name, data),))
 
@@ -434,7 +435,7 @@ def torchtitan_configs(draw: st.DrawFn) -> Case:
         text = "\n".join(line for line, k in zip(lines, keep, strict=True) if k) + "\n"
     else:
         text = toml_text(draw(mutated_documents(base, _TT_KEYS, json_only=False)))
-    name = draw(st.sampled_from(("tt.toml", "tt.toml", "tt.TOML", "tt.ini")))
+    name = draw(st.sampled_from(("tt.toml",) * 6 + ("tt.TOML", "tt.ini")))
     data = draw(corrupted_bytes(text))
     return Case((*_command(draw, "{dir}/" + name), *_devices(draw), *_model(draw)), ((name, data),))
 
@@ -468,7 +469,7 @@ def megatron_scripts(draw: st.DrawFn) -> Case:
             case _:
                 lines.insert(i, draw(hostile_texts(20)))
     text = "\n".join(lines) + "\n"
-    name = draw(st.sampled_from(("run.sh", "run.sh", "args.txt", "launch", "run.py", "run.sh.bak")))
+    name = draw(st.sampled_from(("run.sh",) * 6 + ("args.txt", "launch", "run.py", "run.sh.bak")))
     data = draw(corrupted_bytes(text))
     return Case((*_command(draw, "{dir}/" + name), *_devices(draw), *_model(draw)), ((name, data),))
 
@@ -478,9 +479,9 @@ def hf_configs(draw: st.DrawFn) -> Case:
     """A mutated small Hugging Face config.json, as ``--model`` of a tiny composition."""
     doc = draw(mutated_documents(draw(st.sampled_from(_HF_BASES)), _HF_KEYS, json_only=True))
     data = draw(corrupted_bytes(json.dumps(doc, ensure_ascii=draw(st.booleans()))))
-    name = draw(st.sampled_from(("config.json", "config.json", "config.JSON", "config")))
+    name = draw(st.sampled_from(("config.json",) * 6 + ("config.JSON", "config")))
     comp = draw(st.sampled_from(("dp2", "tp2", "pp2", "tp2xsp", "zero3", "ep2xdp2", "dp2xrecompute")))
-    extra = draw(st.sampled_from(([], ["--json"], ["--micro-batch", "2"], ["--seq", "64"], ["--seq", "0"])))
+    extra = draw(st.sampled_from(([], [], ["--json"], ["--micro-batch", "2"], ["--seq", "64"], ["--seq", "0"])))
     return Case((comp, "--model", "{dir}/" + name, "--devices", "4", *extra), ((name, data),))
 
 

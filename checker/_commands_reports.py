@@ -9,14 +9,13 @@ from __future__ import annotations
 import csv
 import io
 import json
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from checker._analysis import Analysis
@@ -25,21 +24,21 @@ from checker._frameworks import CONFUSED, all_rows, explain_row, placement_diffe
 from checker._html import write_report
 from checker._importers import Imported, load_config
 from checker._layout import canonical
+from checker._numbers import MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, WholeNumber, parse_int
+from checker._output import output_path, terminal, write_atomic
 from checker._parse import parse
 from checker._report import to_json
+from formal._input import printable
 from formal._model import PRECISIONS, Model
 from formal._presets import DEFAULT_DEVICES
 from formal._strategies import LIBRARY
 from formal.errors import InputError, PlacementError
 
-EXIT_USAGE = 2
-
 __all__ = ["compare", "explain", "export_command", "resolve_from", "sweep", "write_report"]
 
 
 def _fail(err: PlacementError) -> None:
-    click.echo(f"error: {err}", err=True)
-    sys.exit(EXIT_USAGE)
+    _cli().fail(str(err))
 
 
 def _cli() -> Any:
@@ -91,9 +90,10 @@ def resolve_from(from_path: str | None, composition: str | None, devices: int | 
 
 
 def _print_import(imported: Imported) -> None:
+    # Notes echo the config's own values: shown with control characters escaped.
     click.echo(f"imported {imported.framework.value}: {imported.composition}", err=True)
     for note in imported.notes:
-        click.echo(f"  not mapped / assumed: {note}", err=True)
+        click.echo(f"  not mapped / assumed: {printable(note)}", err=True)
 
 
 # --- table output ---------------------------------------------------------------------------
@@ -112,12 +112,14 @@ def emit(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: str, as_
             writer.writerow({k: _csv_cell(row.get(k)) for k in columns})
         click.echo(buffer.getvalue(), nl=False)
         return
-    table = Table(title=title)
+    # Cells may echo a user's text (a composition, an error naming a config's value): escaped, so
+    # that rich reads no markup in them and no control character reaches the terminal.
+    table = Table(title=escape(printable(title)))
     for col in columns:
         table.add_column(col, overflow="fold")
     for row in rows:
-        table.add_row(*[(fmt(c, row.get(c)) if fmt else _text(row.get(c))) for c in columns])
-    Console(width=max(Console().width, 160)).print(table)
+        table.add_row(*[escape(printable(fmt(c, row.get(c)) if fmt else _text(row.get(c)))) for c in columns])
+    terminal(160).print(table)
 
 
 CHECK_CSV_COLUMNS = ("section", "name", "stage", "axis", "state", "group", "phase", "elements", "count",
@@ -167,13 +169,15 @@ def _gb_fmt(column: str, value: Any) -> str:
 
 
 _model_options = [
-    click.option("--devices", type=int, default=None, help=f"Device count (default {DEFAULT_DEVICES})."),
+    click.option("--devices", type=WholeNumber(1, MAX_DEGREE), default=None,
+                 help=f"Device count (default {DEFAULT_DEVICES})."),
     click.option("--model", default=None, help="Preset name or Hugging Face config.json."),
     click.option("--params", default=None, help="A bare parameter count instead of a model (7.5e9, 70B)."),
     click.option("--precision", default="zero", show_default=True, help="Bytes per element: " + ", ".join(PRECISIONS)),
     click.option("--device-memory", default=None, help="Per-device memory, e.g. 80GB."),
-    click.option("--micro-batch", type=int, default=None, help="Micro-batch size per replica."),
-    click.option("--seq", type=int, default=None, help="Sequence length."),
+    click.option("--micro-batch", type=WholeNumber(1, MAX_MICRO_BATCH), default=None,
+                 help="Micro-batch size per replica."),
+    click.option("--seq", type=WholeNumber(1, MAX_SEQ), default=None, help="Sequence length."),
 ]
 _table_options = [
     click.option("--csv", "as_csv", is_flag=True, help="Print the table as CSV."),
@@ -221,12 +225,17 @@ def chart_format(path: Path) -> str:
     return fmt(path)
 
 
+def _chart_path(chart: str | None) -> tuple[Path, str] | None:
+    """``--chart FILE``: its format and a writable destination, checked before any work."""
+    if chart is None:
+        return None
+    fmt = chart_format(Path(chart))
+    return output_path(chart, "--chart"), fmt
+
+
 def _write_chart(path: Path, data: bytes) -> None:
-    try:
-        path.write_bytes(data)
-    except OSError as err:
-        raise InputError(f"--chart {path}: cannot write ({err.strerror})") from None
-    click.echo(f"chart written to {path}", err=True)
+    write_atomic(path, data, "--chart")
+    click.echo(f"chart written to {printable(str(path))}", err=True)
 
 
 @click.command("compare")
@@ -236,14 +245,15 @@ def _write_chart(path: Path, data: bytes) -> None:
 def compare(compositions: tuple[str, ...], chart: str | None, as_csv: bool, as_json: bool, **kw: Any) -> None:
     """Compare COMPOSITIONS side by side, e.g. compare dp8 zero1 zero2 zero3 fsdp8."""
     try:
-        fmt = chart_format(Path(chart)) if chart else None
+        destination = _chart_path(chart)
         docs = [to_json(_analyze(c, kw)) for c in compositions]
         rows = [{**summary(d), "composition": typed} for d, typed in zip(docs, compositions, strict=True)]
-        if chart and fmt:
+        if destination is not None:
             from checker._charts import memory_chart
 
+            path, fmt = destination
             device_memory = docs[0]["memory"]["device_memory"]
-            _write_chart(Path(chart), memory_chart([r["composition"] for r in rows],
+            _write_chart(path, memory_chart([r["composition"] for r in rows],
                                                    [d["memory"]["per_device"] for d in docs], device_memory,
                                                    f"memory per device, {docs[0]['model']['name']}", fmt))
     except PlacementError as err:
@@ -265,27 +275,32 @@ def sweep(template: str, values: str, chart: str | None, as_csv: bool, as_json: 
         if template.count("{}") != 1:
             raise InputError(f"{template}: put exactly one {{}} where the swept value goes (e.g. tp{{}}xzero3)")
         items = [v.strip() for v in values.split(",") if v.strip()]
-        if not items or not all(v.isdigit() and int(v) > 0 for v in items):
+        if not items:
             raise InputError(f"--values {values}: expected positive integers separated by commas")
-        fmt = chart_format(Path(chart)) if chart else None
+        if len(items) > 64:
+            raise InputError(f"--values {values[:40]}...: {len(items)} values (at most 64)")
+        numbers = [parse_int(v, "--values") for v in items]
+        destination = _chart_path(chart)
         rows: list[dict[str, Any]] = []
         docs: list[tuple[str, dict[str, Any]]] = []
-        for v in items:
+        for n in numbers:
+            v = str(n)
             text = template.replace("{}", v)
             try:
                 doc = to_json(_analyze(text, kw))
             except InputError as err:
-                rows.append({"value": int(v), "composition": text, "error": str(err)})
+                rows.append({"value": n, "composition": text, "error": str(err)})
                 continue
             docs.append((v, doc))
-            rows.append({"value": int(v), **summary(doc), "error": None})
+            rows.append({"value": n, **summary(doc), "error": None})
         if not docs:
             raise InputError(f"{template}: no value of {values} gives a valid composition ({rows[0]['error']})")
-        if chart and fmt:
+        if destination is not None:
             from checker._charts import sweep_chart
 
+            path, fmt = destination
             first = docs[0][1]
-            _write_chart(Path(chart), sweep_chart([v for v, _ in docs], [d["memory"]["per_device"] for _, d in docs],
+            _write_chart(path, sweep_chart([v for v, _ in docs], [d["memory"]["per_device"] for _, d in docs],
                                                   [d["communication"]["per_device_per_step"] for _, d in docs],
                                                   first["memory"]["device_memory"],
                                                   f"{template} on {first['model']['name']}", fmt))
@@ -300,7 +315,8 @@ def sweep(template: str, values: str, chart: str | None, as_csv: bool, as_json: 
 @click.command("explain")
 @click.argument("strategy", required=False)
 @click.option("--all", "show_all", is_flag=True, help="The cross-framework table of every strategy.")
-@click.option("--degree", type=int, default=8, show_default=True, help="Degree used to instantiate the strategy.")
+@click.option("--degree", type=WholeNumber(1, MAX_DEGREE), default=8, show_default=True,
+              help="Degree used to instantiate the strategy.")
 @_with(_table_options)
 def explain(strategy: str | None, show_all: bool, degree: int, as_csv: bool, as_json: bool) -> None:
     """Show a strategy's placement and what each framework calls it (explain zero2, explain --all)."""
@@ -335,7 +351,7 @@ def explain(strategy: str | None, show_all: bool, degree: int, as_csv: bool, as_
         if as_csv:
             emit(modes, ("state.group", axis, "local"), "", True, False)
             return
-        console = Console(width=max(Console().width, 140))
+        console = terminal(140)
         console.print(f"[bold]{name}[/bold] (axis {axis}): {row.description}")
         console.print(f"model-state bytes per device: {row.model_states}  (Psi parameters, d = {axis} degree, "
                       "mixed-precision Adam 2+2+12)")

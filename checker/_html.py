@@ -134,7 +134,7 @@ if (chart.complete) {{ mark(); }} else {{ chart.addEventListener("load", mark); 
 
 
 def write_report(doc: dict[str, Any], path: Path) -> None:
-    try:
-        path.write_text(render_html(doc), encoding="utf-8")
-    except OSError as err:
-        raise InputError(f"--report {path}: cannot write ({err.strerror})") from None
+    """The page for ``doc`` at ``path``, all or nothing: a failed write leaves any previous report."""
+    from checker._output import write_atomic
+
+    write_atomic(path, render_html(doc), "--report")

@@ -3,16 +3,20 @@
 DeepSpeed JSON (https://www.deepspeed.ai/docs/config-json/), torchtitan TOML
 (``torchtitan/config/job_config.py``) and Megatron-LM arguments (``megatron/training/arguments.py``).
 Every importer builds a ``Layout`` and writes it with ``Layout.text()``, the same canonical text
-the exporters' round trip compares. Unknown keys and contradictions raise ``ImportError_`` (an
+the exporters' round trip compares. Unknown keys and contradictions raise ``ConfigError`` (an
 ``InputError``): one line naming the key as the user spelled it.
+
+Files are read through ``formal._input`` (regular files only, bounded size, strict UTF-8,
+bounded nesting and integers); each format declares the type of every key it reads
+(``DEEPSPEED_SCHEMA``, ``TORCHTITAN_SCHEMA``), and every number in a Megatron script is read by
+``parse_int``. A file of no known kind, or one that states nothing (an empty file, a script
+without arguments), is refused rather than read as an empty configuration.
 """
 
 from __future__ import annotations
 
 import difflib
-import json
 import shlex
-import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -20,6 +24,22 @@ from pathlib import Path
 from typing import Any
 
 from checker._layout import DataSharding, Layout
+from checker._numbers import MAX_BATCH, MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, parse_int
+from formal._input import (
+    BOOL,
+    OBJECT,
+    TABLE,
+    TEXT,
+    TEXT_LIST,
+    Expect,
+    Schema,
+    check_schema,
+    integer,
+    load_json,
+    load_toml,
+    printable,
+    read_text,
+)
 from formal._model import Model, Transformer
 from formal._placement import Options, Recompute, Schedule
 from formal._presets import DEFAULT_DEVICES, PRESETS
@@ -65,10 +85,22 @@ def _where(where: str, key: str) -> str:
     return f"{where}: {key}"
 
 
-def _pos_int(value: Any, where: str, key: str, allow: Iterable[int] = ()) -> int:
+def _pos_int(value: Any, where: str, key: str, allow: Iterable[int] = (), high: int = MAX_DEGREE) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value not in allow):
-        raise ConfigError(f"{_where(where, key)}={value!r}: expected a positive integer")
+        raise ConfigError(f"{_where(where, key)}={printable(repr(value), 60)}: expected a positive integer")
+    if value > high:
+        raise ConfigError(f"{_where(where, key)}={value}: absurd (at most {high:,})")
     return value
+
+
+def _schema(raw: Any, schema: Schema, where: str) -> None:
+    """Every key a format reads holds the declared type; anything else is one ``ConfigError`` line."""
+    try:
+        check_schema(raw, schema, where)
+    except ConfigError:
+        raise
+    except InputError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _bool(value: Any, where: str, key: str) -> bool:
@@ -139,10 +171,31 @@ _DS_PIPELINE_KEYS = ("stages", "partition", "seed_layers", "activation_checkpoin
                      "grad_partitioned", "use_reentrant")
 
 
+_DS_BATCH = integer(words=("auto",))
+_DS_OFFLOAD = Expect(OBJECT.label, OBJECT.types, nullable=True)
+# The type of every key the DeepSpeed importer reads (values and ranges it checks itself).
+DEEPSPEED_SCHEMA: Schema = {
+    "train_batch_size": _DS_BATCH, "train_micro_batch_size_per_gpu": _DS_BATCH,
+    "gradient_accumulation_steps": _DS_BATCH,
+    "zero_optimization": OBJECT, "zero_optimization.stage": integer(),
+    "zero_optimization.offload_optimizer": _DS_OFFLOAD, "zero_optimization.offload_optimizer.device": TEXT,
+    "zero_optimization.offload_param": _DS_OFFLOAD, "zero_optimization.offload_param.device": TEXT,
+    "pipeline": OBJECT, "pipeline.stages": _DS_BATCH, "pipeline.activation_checkpoint_interval": integer(),
+    "tensor_parallel": Expect(OBJECT.label, OBJECT.types, nullable=True), "tensor_parallel.autotp_size": integer(),
+    "fp16": OBJECT, "fp16.enabled": Expect('true, false or "auto"', (bool,), ("auto",)),
+    "bf16": OBJECT, "bf16.enabled": Expect('true, false or "auto"', (bool,), ("auto",)),
+    "activation_checkpointing": OBJECT,
+}
+
+
 def import_deepspeed(raw: Any, *, devices: int | None, where: str = "deepspeed.json") -> Imported:
     """A DeepSpeed JSON config. World size = dp x tp x pp; train_batch = micro x gas x dp."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a JSON object")
+        raise ConfigError(f"{where}: expected a JSON object {{...}}")
+    if not raw:
+        raise ConfigError(f"{where}: an empty object states nothing to check (no zero_optimization, pipeline "
+                          "or batch sizes)")
+    _schema(raw, DEEPSPEED_SCHEMA, where)
     _check_keys(raw, _DS_MAPPED + _DS_IGNORED, where)
     if "sequence_parallel_size" in raw:
         raise ConfigError(f"{where}: sequence_parallel_size (DeepSpeed-Ulysses) is not mapped")
@@ -233,7 +286,7 @@ def _ds_batch(raw: dict[str, Any], key: str, where: str, notes: list[str]) -> in
     if value == "auto":
         notes.append(f"{key}=\"auto\": filled in by the Hugging Face Trainer; derived here or taken as 1")
         return None
-    return _pos_int(value, where, key)
+    return _pos_int(value, where, key, high=MAX_BATCH if key == "train_batch_size" else MAX_MICRO_BATCH)
 
 
 def _ds_solve_batch(total: int | None, micro: int | None, gas: int | None, devices: int | None, tp: int,
@@ -262,6 +315,9 @@ def _ds_solve_batch(total: int | None, micro: int | None, gas: int | None, devic
         micro, gas = (solved, gas) if micro is None else (micro, solved)
     micro = micro if micro is not None else 1
     gas = gas if gas is not None else 1
+    if dp is not None and dp * tp * pp > MAX_DEGREE:
+        raise ConfigError(f"{where}: dp({dp}) x tp({tp}) x pp({pp}) = {dp * tp * pp:,} devices is absurd "
+                          f"(at most {MAX_DEGREE:,})")
     if dp is None:
         notes.append(f"data-parallel degree not stated: the devices left over (--devices, default {DEFAULT_DEVICES})")
     return dp, micro, gas, None if dp is None else dp * tp * pp
@@ -306,15 +362,38 @@ _TT_SCHEDULES = {"1f1b": Schedule.ONE_F_ONE_B, "gpipe": Schedule.GPIPE, "interle
 _TT_MODELS = {("llama3", "8B"): "llama3-8b", ("llama3", "70B"): "llama3-70b", ("llama3", "405B"): "llama3-405b"}
 
 
+_TT_INT = integer()
+# The type of every key the torchtitan importer reads (values and ranges it checks itself).
+TORCHTITAN_SCHEMA: Schema = {
+    "*": TABLE,
+    **{f"parallelism.{key}": _TT_INT for key in (
+        "data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
+        "pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree",
+        "expert_tensor_parallel_degree", "pipeline_parallel_layers_per_stage", "pipeline_parallel_microbatch_size")},
+    "parallelism.fsdp_reshard_after_forward": TEXT, "parallelism.pipeline_parallel_schedule": TEXT,
+    "parallelism.pipeline_parallel_split_points": TEXT_LIST,
+    **{f"parallelism.{key}": BOOL for key in ("enable_async_tensor_parallel", "enable_compiled_autograd",
+                                              "disable_loss_parallel")},
+    "model.name": TEXT, "model.flavor": TEXT,
+    **{f"training.{key}": _TT_INT for key in ("local_batch_size", "batch_size", "seq_len", "global_batch_size")},
+    "training.enable_cpu_offload": BOOL,
+    "activation_checkpoint.mode": TEXT,
+    "activation_checkpoint.selective_ac_option": Expect("a string (\"op\" or a number)", (str, int)),
+}
+
+
 def import_torchtitan(raw: Any, *, devices: int | None, model: Model | None = None,
                       where: str = "torchtitan.toml") -> Imported:
     """A torchtitan job TOML. World = dp_replicate x dp_shard x cp x tp x pp (ParallelDims)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a TOML table")
+    if not raw:
+        raise ConfigError(f"{where}: no tables: states nothing to check (expected [parallelism], [training], ...)")
     _check_keys(raw, _TT_SECTIONS, where, "[")
     for section in raw:
         if not isinstance(raw[section], dict):
             raise ConfigError(f"{where}: [{section}] must be a table")
+    _schema(raw, TORCHTITAN_SCHEMA, where)
     par = raw.get("parallelism", {})
     _check_keys(par, _TT_PARALLELISM, where, "parallelism.")
     notes: list[str] = []
@@ -340,6 +419,9 @@ def import_torchtitan(raw: Any, *, devices: int | None, model: Model | None = No
             notes.append(f"data_parallel_shard_degree=-1: the devices left over of {DEFAULT_DEVICES} (give --devices)")
         shard = _divide(total, {"dp_replicate": replicate, "cp": cp, "tp": tp, "pp": pp}, where, "--devices")
     world = replicate * shard * cp * tp * pp
+    if world > MAX_DEGREE:
+        raise ConfigError(f"{where}: dp_replicate({replicate}) x dp_shard({shard}) x cp({cp}) x tp({tp}) x "
+                          f"pp({pp}) = {world:,} devices is absurd (at most {MAX_DEGREE:,})")
     if devices is not None and devices != world:
         raise ConfigError(f"{where}: dp_replicate({replicate}) x dp_shard({shard}) x cp({cp}) x tp({tp}) x "
                           f"pp({pp}) = {world} != --devices {devices}")
@@ -421,13 +503,13 @@ def _tt_schedule(par: dict[str, Any], pp: int, model: Model | None, where: str) 
 def _tt_batches(training: dict[str, Any], par: dict[str, Any], pp: int, dp: int,
                 where: str) -> tuple[int, int, int | None]:
     local = _pos_int(training.get("local_batch_size", training.get("batch_size", 8)), where,
-                     "training.local_batch_size")
+                     "training.local_batch_size", high=MAX_MICRO_BATCH)
     seq = training.get("seq_len")
-    seq = None if seq is None else _pos_int(seq, where, "training.seq_len")
+    seq = None if seq is None else _pos_int(seq, where, "training.seq_len", high=MAX_SEQ)
     global_ = training.get("global_batch_size", -1)
     gas = 1
     if global_ != -1:
-        global_ = _pos_int(global_, where, "training.global_batch_size")
+        global_ = _pos_int(global_, where, "training.global_batch_size", high=MAX_BATCH)
         gas = _divide(global_, {"local_batch_size": local, "dp": dp}, where, "training.global_batch_size")
     if pp > 1:
         mbs = _pos_int(par.get("pipeline_parallel_microbatch_size", 1), where,
@@ -456,7 +538,7 @@ def _tt_recompute(section: Any, where: str, notes: list[str]) -> Recompute:
             return Recompute.SELECTIVE
         case "selective" if option == "1":
             return Recompute.FULL  # every layer fully checkpointed
-        case "selective" if option.isdigit():
+        case "selective" if option.isascii() and option.isdigit():
             notes.append(f"selective_ac_option=\"{option}\": every {option}th layer fully recomputed has no "
                          "composition spelling; counted without recomputation (an upper bound)")
             return Recompute.NONE
@@ -472,6 +554,9 @@ _MEG_VALUE = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
               "--expert-model-parallel-size", "--recompute-granularity", "--recompute-method",
               "--recompute-num-layers", "--micro-batch-size", "--global-batch-size", "--seq-length", "--num-layers",
               "--hidden-size", "--num-attention-heads", "--expert-tensor-parallel-size")
+# Bounds of the Megatron arguments read as numbers that are not degrees (MAX_DEGREE otherwise).
+_MEG_BOUNDS = {"--micro-batch-size": MAX_MICRO_BATCH, "--global-batch-size": MAX_BATCH, "--seq-length": MAX_SEQ,
+               "--hidden-size": 2**40}
 _MEG_FLAGS = ("--sequence-parallel", "--use-distributed-optimizer", "--recompute-activations", "--fp16", "--bf16")
 # Arguments without effect on placements (hyper-parameters, data, I/O, kernels, overlap): accepted.
 _MEG_IGNORED = (
@@ -548,10 +633,14 @@ def launcher_world_size(text: str) -> int | None:
         key = name.replace("-", "_")
         if key in ("__nproc_per_node", "__nnodes"):
             value = inline if eq else (words[i + 1] if i + 1 < end else "")
-            if value.isdigit():
-                found[key] = int(value)
+            if value.isascii() and value.isdigit():  # a shell variable or "gpu" is not a count: not stated
+                found[key] = parse_int(value, f"megatron launcher: {name}", high=MAX_DEGREE)
     if "__nproc_per_node" in found:
-        return found["__nproc_per_node"] * found.get("__nnodes", 1)
+        world = found["__nproc_per_node"] * found.get("__nnodes", 1)
+        if world > MAX_DEGREE:
+            raise ConfigError(f"megatron launcher: nproc_per_node x nnodes = {world:,} devices is absurd "
+                              f"(at most {MAX_DEGREE:,})")
+        return world
     return None
 
 
@@ -592,9 +681,12 @@ def import_megatron(args: list[str], *, devices: int | None, model: Model | None
         if name not in values:
             return default
         text = values[name]
-        if not text.isdigit() or int(text) < 1:
-            raise ConfigError(f"{where}: {name} {text}: expected a positive integer (expand shell variables first)")
-        return int(text)
+        high = _MEG_BOUNDS.get(name, MAX_DEGREE)
+        try:
+            return parse_int(text, f"{where}: {name}", high=high)
+        except InputError as err:
+            hint = " (expand shell variables first)" if "$" in text else ""
+            raise ConfigError(f"{err}{hint}") from None
 
     tp, pp = num("--tensor-model-parallel-size", 1), num("--pipeline-model-parallel-size", 1)
     cp, ep = num("--context-parallel-size", 1), num("--expert-model-parallel-size", 1)
@@ -656,8 +748,8 @@ def _meg_preset(values: dict[str, str], flags: set[str], num: Callable[[str, int
 
 
 def _meg_layers(values: dict[str, str], model: Model | None, where: str) -> int:
-    if "--num-layers" in values and values["--num-layers"].isdigit():
-        return int(values["--num-layers"])
+    if "--num-layers" in values:
+        return parse_int(values["--num-layers"], f"{where}: --num-layers")
     if isinstance(model, Transformer):
         return model.layers
     raise ConfigError(f"{where}: --num-layers-per-virtual-pipeline-stage needs --num-layers or --model")
@@ -707,43 +799,58 @@ def _meg_recompute(values: dict[str, str], flags: set[str], pp: int, model: Mode
 
 # --- dispatch -------------------------------------------------------------------------------
 
+_MEGATRON_SUFFIXES = ("", ".sh", ".bash", ".zsh", ".txt", ".args", ".slurm", ".sbatch", ".cmd")
+_YAML_SUFFIXES = (".yaml", ".yml")
+
+
 def detect(path: Path) -> Framework:
-    match path.suffix.lower():
+    """The format of a config from its name: ``.json`` DeepSpeed, ``.toml`` torchtitan, a shell
+    script or arguments file (``.sh``, ``.txt``, no suffix, ...) Megatron; anything else is refused."""
+    suffix = path.suffix.lower()
+    match suffix:
         case ".json":
             return Framework.DEEPSPEED
         case ".toml":
             return Framework.TORCHTITAN
-        case _:
+        case _ if suffix in _MEGATRON_SUFFIXES:
             return Framework.MEGATRON
+        case _ if suffix in _YAML_SUFFIXES:
+            raise ConfigError(f"--from {printable(str(path), 200)}: YAML is not read (give a DeepSpeed config as "
+                              ".json, a torchtitan config as .toml, or a Megatron launch script)")
+        case _:
+            raise ConfigError(f"--from {printable(str(path), 200)}: unknown kind of file {printable(suffix, 20)!r} "
+                              "(expected a DeepSpeed .json, a torchtitan .toml, or a Megatron launch script such "
+                              "as .sh)")
 
 
 def load_config(path: Path, *, devices: int | None, model: Model | None = None,
                 framework: Framework | None = None) -> Imported:
     """Read ``path`` (format from its suffix unless given) and import it."""
-    where = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ConfigError(f"--from {where}: cannot read ({err.strerror})") from None
+    where = printable(str(path), 200)
     kind = framework or detect(path)
-    match kind:
-        case Framework.DEEPSPEED:
-            try:
-                raw = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{where}: not JSON (line {err.lineno}: {err.msg})") from None
-            return import_deepspeed(raw, devices=devices, where=where)
-        case Framework.TORCHTITAN:
-            try:
-                table = tomllib.loads(text)
-            except tomllib.TOMLDecodeError as err:
-                raise ConfigError(f"{where}: not TOML ({err})") from None
-            return import_torchtitan(table, devices=devices, model=model, where=where)
-        case Framework.MEGATRON:
-            launched = launcher_world_size(text)
-            if devices is not None and launched is not None and devices != launched:
-                raise ConfigError(f"{where}: --devices {devices} != the launcher's nproc_per_node x nnodes "
-                                  f"= {launched}")
-            return import_megatron(megatron_tokens(text), devices=devices or launched, model=model, where=where)
-        case _:
-            raise AssertionError(kind)
+    try:
+        text = read_text(path, f"--from {where}")
+        if not text.strip():
+            raise ConfigError(f"--from {where}: empty file: states nothing to check")
+        match kind:
+            case Framework.DEEPSPEED:
+                return import_deepspeed(load_json(text, where), devices=devices, where=where)
+            case Framework.TORCHTITAN:
+                return import_torchtitan(load_toml(text, where), devices=devices, model=model, where=where)
+            case Framework.MEGATRON:
+                launched = launcher_world_size(text)
+                if devices is not None and launched is not None and devices != launched:
+                    raise ConfigError(f"{where}: --devices {devices} != the launcher's nproc_per_node x nnodes "
+                                      f"= {launched}")
+                tokens = megatron_tokens(text)
+                if not tokens:
+                    raise ConfigError(f"--from {where}: no Megatron arguments (expected a launch line or script "
+                                      "with --tensor-model-parallel-size and the like; a DeepSpeed config is "
+                                      ".json, a torchtitan one .toml)")
+                return import_megatron(tokens, devices=devices or launched, model=model, where=where)
+            case _:
+                raise AssertionError(kind)
+    except ConfigError:
+        raise
+    except InputError as err:
+        raise ConfigError(str(err)) from None

@@ -11,11 +11,13 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
+from checker._numbers import MAX_DEGREE, parse_int
 from formal._placement import Options, Recompute, Schedule, Strategy
 from formal._strategies import LIBRARY, Composition
-from formal.errors import CompositionError
+from formal.errors import CompositionError, InputError
 
-MAX_DEGREE = 1_000_000  # a mesh axis wider than a million devices is a typo
+MAX_TERMS = 32  # more terms than any mesh has axes and modifiers: a typo or a generated string
+MAX_TEXT = 1_000  # characters of a composition
 
 MODIFIERS: dict[str, str] = {
     "sp": "sequence parallelism on the tp axis (Korthikanti et al. 2022)",
@@ -31,7 +33,7 @@ MODIFIERS: dict[str, str] = {
     "flash": "attention scores never stored (FlashAttention): the same placement as selective",
 }
 
-_TERM = re.compile(r"^([a-z][a-z0-9-]*?)(\d*)$")
+_TERM = re.compile(r"^([a-z][a-z0-9-]*?)([0-9]*)$")  # ASCII digits only: '²' or '٣' is not a degree
 _SPLIT = re.compile(r"[x×*]")
 
 
@@ -45,8 +47,15 @@ def parse(text: str, strategies: Mapping[str, Callable[[], Strategy]] | None = N
     """Parse a composition; a term without a degree takes the devices left over."""
     if not isinstance(text, str) or not text.strip():
         raise CompositionError("empty composition: expected terms like tp2xzero3xpp4")
+    if len(text) > MAX_TEXT:
+        raise CompositionError(f"{text[:40]}...: {len(text)} characters is too long for a composition "
+                               f"(at most {MAX_TEXT})")
+    if devices is not None and not 1 <= devices <= MAX_DEGREE:
+        raise CompositionError(f"--devices {devices}: must be from 1 to {MAX_DEGREE:,}")
     library = {**LIBRARY, **(strategies or {})}
     terms = _split_terms(text)
+    if len(terms) > MAX_TERMS:
+        raise CompositionError(f"{text.strip()[:40]}...: {len(terms)} terms (at most {MAX_TERMS})")
     found: list[Strategy] = []
     modifiers: list[str] = []
     options = Options()
@@ -63,6 +72,12 @@ def parse(text: str, strategies: Mapping[str, Callable[[], Strategy]] | None = N
     if not found:
         raise CompositionError(f"{text.strip()!r}: no strategy, only modifiers")
     found = _resolve_leftover(found, devices, text)
+    total = 1
+    for strategy in found:
+        total *= strategy.degree or 1
+    if total > MAX_DEGREE:
+        raise CompositionError(f"{text.strip()}: {total:,} devices (the product of the degrees) is absurd "
+                               f"(at most {MAX_DEGREE:,})")
     if not any(_modifier_kind(t) == "m" for t in modifiers):
         options = replace(options, micro_batches=_default_micro_batches(found))
     return Composition(tuple(found), options, tuple(modifiers))
@@ -86,7 +101,7 @@ def _name_and_degree(term: str, library: Mapping[str, Callable[[], Strategy]]) -
         # zero38 is zero3 with degree 8: try the longest known name that leaves only digits.
         for cut in range(len(term), 0, -1):
             head, tail = term[:cut], term[cut:]
-            if head in library and tail.isdigit():
+            if head in library and tail.isascii() and tail.isdigit():
                 return head, _degree(term, tail)
         if name == "zero" and "zero" not in library:  # hypothesis-style: echo the user's spelling
             raise CompositionError(f"{term}: ZeRO stage must be 1, 2 or 3")
@@ -98,9 +113,10 @@ def _name_and_degree(term: str, library: Mapping[str, Callable[[], Strategy]]) -
 
 
 def _degree(term: str, digits: str) -> int:
-    if len(digits) > 7 or int(digits) > MAX_DEGREE:
-        raise CompositionError(f"{term}: degree {digits} is absurd (at most {MAX_DEGREE})")
-    value = int(digits)
+    try:
+        value = parse_int(digits, term, low=0)
+    except InputError:
+        raise CompositionError(f"{term}: degree {digits} is absurd (at most {MAX_DEGREE})") from None
     if value < 1:
         raise CompositionError(f"{term}: degree must be at least 1")
     return value
@@ -140,9 +156,9 @@ def _modifier(term: str, options: Options, seen: list[str]) -> Options | None:
 def _modifier_kind(term: str) -> str | None:
     if term == "sp":
         return "sp"
-    if re.fullmatch(r"m\d+", term):
+    if re.fullmatch(r"m[0-9]+", term):
         return "m"
-    if re.fullmatch(r"v\d+", term):
+    if re.fullmatch(r"v[0-9]+", term):
         return "v"
     if term in ("gpipe", "1f1b"):
         return "schedule"

@@ -1120,13 +1120,13 @@ def _bandwidth(text: str) -> float:
 
 
 def _print_plan(result: Plan) -> None:
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    console = Console()
-    console.width = max(console.width, 160)  # compositions are long; do not wrap them
-    model_name = getattr(result.model, "name", "") or "custom"
+    from checker._output import terminal
+
+    console = terminal(160)  # compositions are long; do not wrap them
+    model_name = escape(getattr(result.model, "name", "") or "custom")  # a config's own text: no markup
     console.print(f"[bold]plan[/bold] {model_name} ({result.model.parameter_count():,} parameters) on "
                   f"{result.cluster.devices} devices x {gb(result.cluster.device_memory)}; global batch "
                   f"{result.global_batch}; precision {result.precision.name}; ranked by "
@@ -1165,52 +1165,64 @@ def plan_command() -> Any:
 
     import click
 
-    from checker._numbers import parse_bytes
+    from checker._numbers import (
+        MAX_BATCH,
+        MAX_DEGREE,
+        MAX_MICRO_BATCH,
+        MAX_SEQ,
+        WholeNumber,
+        parse_bytes,
+        parse_count,
+        parse_int,
+    )
+    from checker._output import output_path, write_atomic
     from formal._model import PRECISIONS
     from formal._presets import DEFAULT_DEVICE_MEMORY, DEFAULT_DEVICES
 
     @click.command("plan")
     @click.option("--model", default=None, help="Preset name or Hugging Face config.json.")
     @click.option("--params", default=None, help="A bare parameter count instead of a model (7.5e9, 70B).")
-    @click.option("--devices", type=int, default=DEFAULT_DEVICES, show_default=True)
+    @click.option("--devices", type=WholeNumber(1, MAX_DEGREE), default=DEFAULT_DEVICES, show_default=True)
     @click.option("--device-memory", default=None, help="Per-device memory, e.g. 80GB (default 80GB).")
     @click.option("--precision", default="zero", show_default=True, help="Bytes per element: " + ", ".join(PRECISIONS))
-    @click.option("--global-batch", type=int, default=None, help="Sequences per step (default: one per device).")
-    @click.option("--seq", type=int, default=None, help="Sequence length (default: the model's).")
+    @click.option("--global-batch", type=WholeNumber(1, MAX_BATCH), default=None,
+                  help="Sequences per step (default: one per device).")
+    @click.option("--seq", type=WholeNumber(1, MAX_SEQ), default=None, help="Sequence length (default: the model's).")
     @click.option("--micro-batch", "micro_batches", default="1,2,4", show_default=True,
                   help="Micro-batch sizes to consider, comma-separated.")
-    @click.option("--node-size", type=int, default=8, show_default=True, help="Devices per node.")
+    @click.option("--node-size", type=WholeNumber(1, MAX_DEGREE), default=8, show_default=True,
+                  help="Devices per node.")
     @click.option("--intra-node-bandwidth", default="300GB/s", show_default=True)
     @click.option("--inter-node-bandwidth", default="25GB/s", show_default=True)
     @click.option("--host-bandwidth", default="32GB/s", show_default=True)
     @click.option("--bandwidth", multiple=True, help="Per-axis bandwidth override, e.g. dp=50GB/s.")
-    @click.option("--device-flops", type=float, default=312e12, show_default=True, help="Peak FLOP/s per device.")
+    @click.option("--device-flops", default="312e12", show_default=True, help="Peak FLOP/s per device.")
     @click.option("--fix", multiple=True, help="Pin degrees, e.g. tp=8,pp=8.")
     @click.option("--data", "data_kinds", default=",".join(d.value for d in DataParallel), show_default=True,
                   help="Data-axis strategies to consider.")
     @click.option("--uneven-stages", is_flag=True, help="Allow layers not divisible by pp (uneven stages).")
     @click.option("--rank-by", type=click.Choice([r.value for r in RankBy]), default="time", show_default=True)
-    @click.option("--top", type=int, default=5, show_default=True)
+    @click.option("--top", type=WholeNumber(1, 10_000), default=5, show_default=True)
     @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
     @click.option("--csv", "csv_path", default=None, help="Write every fitting candidate, best first, to this file.")
     def command(model: str | None, params: str | None, devices: int, device_memory: str | None, precision: str,
                 global_batch: int | None, seq: int | None, micro_batches: str, node_size: int,
                 intra_node_bandwidth: str, inter_node_bandwidth: str, host_bandwidth: str,
-                bandwidth: tuple[str, ...], device_flops: float, fix: tuple[str, ...], data_kinds: str,
+                bandwidth: tuple[str, ...], device_flops: str, fix: tuple[str, ...], data_kinds: str,
                 uneven_stages: bool, rank_by: str, top: int, as_json: bool, csv_path: str | None) -> None:
         """Find the best valid composition for a model on a cluster, e.g.
         ``check-composition plan --model llama3-70b --devices 512 --device-memory 80GB``."""
-        from checker.cli import EXIT_USAGE, load_model
+        from checker.cli import fail, load_model, set_outcome
 
         try:
+            csv_file = output_path(csv_path, "--csv") if csv_path is not None else None
             chosen = load_model(model, params, None, seq)
             if precision not in PRECISIONS:
                 raise InputError(f"--precision {precision}: unknown (known: {', '.join(PRECISIONS)})")
-            sizes = []
-            for part in micro_batches.split(","):
-                if not part.strip().isdigit() or int(part) < 1:
-                    raise InputError(f"--micro-batch {micro_batches}: expected positive integers, e.g. 1,2,4")
-                sizes.append(int(part))
+            parts = micro_batches.split(",")
+            if len(parts) > 64:
+                raise InputError(f"--micro-batch {micro_batches[:40]}...: {len(parts)} sizes (at most 64)")
+            sizes = [parse_int(part, "--micro-batch", high=MAX_MICRO_BATCH) for part in parts]
             kinds = []
             for part in data_kinds.split(","):
                 try:
@@ -1218,28 +1230,30 @@ def plan_command() -> Any:
                 except ValueError:
                     raise InputError(f"--data {part}: unknown (known: "
                                      f"{', '.join(d.value for d in DataParallel)})") from None
-            pins = _axis_values("--fix", fix, lambda v: float(int(v)) if v.strip().isdigit() else -1.0)
+            pins = _axis_values("--fix", fix, lambda v: float(parse_int(v, "--fix", high=MAX_DEGREE)))
             cluster = Cluster(
                 devices, parse_bytes(device_memory) if device_memory is not None else DEFAULT_DEVICE_MEMORY,
                 node_size=node_size, intra_node_bandwidth=_bandwidth(intra_node_bandwidth),
                 inter_node_bandwidth=_bandwidth(inter_node_bandwidth), host_bandwidth=_bandwidth(host_bandwidth),
-                device_flops=device_flops, bandwidths=tuple(_axis_values("--bandwidth", bandwidth, _bandwidth)))
+                device_flops=float(parse_count(device_flops, "--device-flops", high=10**21)),
+                bandwidths=tuple(_axis_values("--bandwidth", bandwidth, _bandwidth)))
             result = plan(chosen, cluster, Workload(global_batch, tuple(sizes), uneven_stages),
                           PRECISIONS[precision], Space(data=tuple(kinds), pins=tuple((a, int(d)) for a, d in pins)),
                           top=top, rank_by=RankBy(rank_by))
+            if csv_file is not None:
+                write_atomic(csv_file, result.csv(), "--csv")
         except InputError as err:
-            click.echo(f"error: {err}", err=True)
-            sys.exit(EXIT_USAGE)
-        if csv_path is not None:
-            with open(csv_path, "w", newline="") as fh:
-                fh.write(result.csv())
+            fail(str(err))
+            return
+        from checker.cli import EXIT_INVALID, EXIT_UNKNOWN, EXIT_VALID
+
+        proved = bool(result.top) and all(c.status is Status.PROVED for c in result.top)
+        code = EXIT_VALID if proved else EXIT_UNKNOWN if result.top else EXIT_INVALID
+        set_outcome(code)
         if as_json:
             click.echo(json.dumps(result.as_json(), indent=2))
         else:
             _print_plan(result)
-        from checker.cli import EXIT_INVALID, EXIT_UNKNOWN, EXIT_VALID
-
-        proved = bool(result.top) and all(c.status is Status.PROVED for c in result.top)
-        sys.exit(EXIT_VALID if proved else EXIT_UNKNOWN if result.top else EXIT_INVALID)
+        sys.exit(code)
 
     return command

@@ -116,9 +116,10 @@ def aggregate_collectives(collectives: list[dict[str, Any]]) -> dict[tuple[str, 
 def print_human(analysis: Analysis, console: Console) -> None:
     doc = to_json(analysis)
     m = doc["model"]
-    console.print(f"[bold]{doc['composition']}[/bold] on {doc['devices']} devices "
+    # The model's name may come from a user's config.json: escaped, so that rich reads no markup in it.
+    console.print(f"[bold]{escape(doc['composition'])}[/bold] on {doc['devices']} devices "
                   f"(mesh {' x '.join(f'{a}={d}' for a, d in doc['mesh'].items())}); "
-                  f"model {m['name']} ({m['parameters']:,} params); precision {doc['precision']['name']} "
+                  f"model {escape(m['name'])} ({m['parameters']:,} params); precision {doc['precision']['name']} "
                   f"({doc['precision']['parameters']}/{doc['precision']['gradients']}/"
                   f"{doc['precision']['optimizer']} B/param)")
     per = doc["memory"]["per_device"]

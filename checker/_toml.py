@@ -38,7 +38,6 @@ derived activation collectives (TP, CP, EP, PP), which a file does not replace.
 from __future__ import annotations
 
 import re
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -48,12 +47,13 @@ from typing import Any, TypeVar
 import sympy as sp
 
 from checker._parse import MODIFIERS
+from formal._input import TEXT, Schema, check_schema, load_toml, printable, read_text
 from formal._model import Model
 from formal._placement import Entry, Placement, Strategy
 from formal._program import Op, StepProgram, derive_program, group_sizes, shard_elements
 from formal._strategies import LIBRARY
 from formal._vocab import Axis, Group, Mode, OpKind, Phase, Reduce, State
-from formal.errors import StrategyFileError
+from formal.errors import InputError, StrategyFileError
 
 _T = TypeVar("_T")
 
@@ -129,30 +129,26 @@ def _constant(strategy: Strategy) -> Callable[[], Strategy]:
     return lambda: strategy
 
 
+# The keys the loader reads beyond its own checks of [strategies.NAME] and [[program]].
+SCHEMA: Schema = {"description": TEXT}
+
+
 def load(path: str | Path) -> StrategyFile:
     """Read and validate a strategy file; every problem is one ``StrategyFileError`` line."""
-    where = str(path)
+    where = printable(str(path), 200)
     try:
-        raw = Path(path).read_bytes()
-    except OSError as err:
-        raise StrategyFileError(f"{where}: cannot read ({err.strerror or type(err).__name__})") from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise StrategyFileError(f"{where}: {len(raw)} bytes is too large for a strategy file "
-                                f"(at most {MAX_FILE_BYTES})")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise StrategyFileError(f"{where}: not UTF-8 text (byte {err.start})") from None
+        text = read_text(path, where, limit=MAX_FILE_BYTES)
+    except InputError as err:
+        raise StrategyFileError(str(err)) from None
     return loads(text, where)
 
 
 def loads(text: str, where: str = "<strategies>") -> StrategyFile:
     try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as err:
-        raise StrategyFileError(f"{where}: not valid TOML: {' '.join(str(err).split())}") from None
-    except RecursionError:
-        raise StrategyFileError(f"{where}: not valid TOML: nested too deeply") from None
+        doc = load_toml(text, where)
+        check_schema(doc, SCHEMA, where)
+    except InputError as err:
+        raise StrategyFileError(str(err)) from None
     unknown = set(doc) - {"strategies", "program", "description"}
     if unknown:
         raise StrategyFileError(f"{where}: unknown top-level key {_show(sorted(unknown)[0])} "

@@ -1,26 +1,34 @@
 """``check-composition``: the command users run.
 
-Exit codes scripts can rely on: 0 valid, 1 invalid, 2 usage or input error, 3 unknown.
+Exit codes scripts can rely on: 0 valid, 1 invalid, 2 usage or input error, 3 unknown, and 4
+an internal error (a bug in this tool, never bad input: one ``error: internal error:`` line;
+``--debug`` shows the traceback). Nothing a user types or writes in a file gives 4, and a
+closed output pipe (``check-composition ... | head``) ends quietly with the verdict's code.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
 
 from checker._analysis import Analysis, analyze
-from checker._numbers import parse_bytes, parse_count
+from checker._numbers import MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, WholeNumber, parse_bytes, parse_count
+from checker._output import PipeClosed, output_path, terminal
 from checker._parse import MODIFIERS, parse
 from checker._report import print_human, print_verdict, to_json, verdict_json
 from checker._toml import StrategyFile
 from checker._toml import load as load_strategies
 from formal._hf import load_hf_config
+from formal._input import printable
 from formal._model import PRECISIONS, Model, ParameterCount, Transformer
 from formal._presets import DEFAULT_DEVICE_MEMORY, DEFAULT_DEVICES, DEFAULT_MODEL, PRESETS
 from formal._smt import DEFAULT_QUERY_RLIMIT, DEFAULT_RUN_RLIMIT, DEFAULT_TIMEOUT_MS, decide
@@ -28,7 +36,9 @@ from formal._strategies import LIBRARY, Composition
 from formal._verdict import Status, Verdict
 from formal.errors import InputError, PlacementError, SolverError
 
-EXIT_VALID, EXIT_INVALID, EXIT_USAGE, EXIT_UNKNOWN = 0, 1, 2, 3
+EXIT_VALID, EXIT_INVALID, EXIT_USAGE, EXIT_UNKNOWN, EXIT_INTERNAL = 0, 1, 2, 3, 4
+EXIT_CODES = ("Exit codes: 0 valid, 1 invalid (the rule is named), 2 usage or input error, 3 unknown, "
+              "4 internal error (a bug: please report it; --debug shows the traceback).")
 
 EXAMPLES = """
 \b
@@ -40,12 +50,21 @@ Examples:
   check-composition fsdp8xdpr2 --model gpt3-1.3b   # HSDP: shard 8, replicate 2
   check-composition tp3                            # exit 1: divides[heads, tp] (32 heads)
   check-composition zero2-skew4 --strategies examples/broken_optimizer_shards.toml --explain
-\b
-Exit codes: 0 valid, 1 invalid (the rule is named), 2 usage or input error, 3 unknown.
+
+""" + EXIT_CODES + """
+
 \b
 Composition language: strategy terms with an optional degree joined by 'x'
 (a term without a degree takes the devices left over). Modifiers:
 """ + "\n".join(f"  {k:<15} {v}" for k, v in MODIFIERS.items())
+
+
+_outcome = [EXIT_VALID]  # the exit code a command has decided on, for an output pipe closed while printing
+
+
+def set_outcome(code: int) -> None:
+    """Record the command's exit code before it prints its answer (see ``DefaultGroup.main``)."""
+    _outcome[0] = code
 
 
 class DefaultGroup(click.Group):
@@ -56,30 +75,95 @@ class DefaultGroup(click.Group):
             args = ["check", *args]
         return super().parse_args(ctx, args)
 
-    def main(self, *args: Any, **kwargs: Any) -> Any:
-        """Click's own usage errors (``--devices abc``, an unknown option) as one ``error:`` line
-        and exit code 2, like ours, instead of a usage block."""
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        with _pipe_guard():  # --help or --version printed into a closed pipe
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _pipe_guard():
+            return super().invoke(ctx)
+
+    def main(self, args: Any = None, *rest: Any, **kwargs: Any) -> Any:
+        """The exit-code contract around every command.
+
+        Click's own usage errors (``--devices abc``, an unknown option) are one ``error:`` line
+        and exit code 2, like ours, instead of a usage block. A closed stdout (``| head``) ends
+        quietly with the code the command had decided on. Any other exception is a bug of this
+        tool: one line and exit code 4, or the traceback under ``--debug`` (accepted anywhere
+        before ``--``).
+        """
         if kwargs.get("standalone_mode", True) is False:
-            return super().main(*args, **kwargs)
+            return super().main(args, *rest, **kwargs)
         kwargs["standalone_mode"] = False
+        argv = list(sys.argv[1:] if args is None else args)
+        end = argv.index("--") if "--" in argv else len(argv)
+        debug = "--debug" in argv[:end]
+        argv = [a for a in argv[:end] if a != "--debug"] + argv[end:]
+        set_outcome(EXIT_VALID)
+        code: Any = EXIT_VALID
         try:
-            return super().main(*args, **kwargs)
+            try:
+                super().main(argv, *rest, **kwargs)
+            except SystemExit as done:
+                code = done.code
+            _flush_stdout()
+        except (BrokenPipeError, PipeClosed):
+            _quiet_stdout()
+            code = _outcome[0]
         except click.UsageError as err:
             fail(err.format_message())
         except click.ClickException as err:
-            click.echo(f"error: {err.format_message()}", err=True)
-            sys.exit(err.exit_code)
+            click.echo(f"error: {printable(err.format_message())}", err=True)
+            code = err.exit_code
         except click.Abort:
             click.echo("error: aborted", err=True)
-            sys.exit(EXIT_USAGE)
+            code = EXIT_USAGE
+        except Exception as err:
+            if debug:
+                raise
+            _internal_error(err)
+        sys.exit(code)
+
+
+@contextlib.contextmanager
+def _pipe_guard() -> Iterator[None]:
+    """A closed output pipe as ``PipeClosed``, which click's own handler (exit code 1) lets pass."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno != errno.EPIPE:
+            raise
+        raise PipeClosed() from err
+
+
+def _flush_stdout() -> None:
+    """Flush now, so that a closed pipe is met here rather than at interpreter exit."""
+    sys.stdout.flush()
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush cannot fail again (the
+    recipe of the Python documentation on SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no file descriptor behind stdout (a test runner)
+        pass
+
+
+def _internal_error(err: BaseException) -> None:
+    text = printable(f"{type(err).__name__}: {err}", 300)
+    with contextlib.suppress(OSError):
+        click.echo(f"error: internal error: {text} (run with --debug for the traceback)", err=True)
+    sys.exit(EXIT_INTERNAL)
 
 
 def fail(message: str) -> None:
     """One clear line on stderr and exit code 2: the CLI's only way to report bad input."""
-    # The message may echo the user's own text: escape control characters (\r, \n, ...) so
-    # that it stays one line.
-    message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
-    click.echo(f"error: {message}", err=True)
+    # The message may echo the user's own text: control characters (\r, \n, ESC, ...) are shown
+    # as escapes, so that it stays one line and cannot drive the terminal.
+    with contextlib.suppress(OSError):  # a closed stderr must not turn bad input into another code
+        click.echo(f"error: {printable(message)}", err=True)
     sys.exit(EXIT_USAGE)
 
 
@@ -90,20 +174,23 @@ def load_model(model: str | None, params: str | None, micro_batch: int | None, s
     if params is not None:
         chosen = ParameterCount(parse_count(params), name=f"{params} parameters")
     else:
+        if model is not None and not model.strip():
+            raise InputError(f"--model {model!r}: empty (give a preset name or a config.json)")
         name = model or DEFAULT_MODEL
         if name in PRESETS:
             chosen = PRESETS[name]
-        elif name.endswith(".json") and Path(name).exists():
+        elif name.endswith(".json"):
             chosen = load_hf_config(Path(name))
         else:
-            raise InputError(f"--model {name}: unknown model (presets: {', '.join(sorted(PRESETS))})")
+            raise InputError(f"--model {name}: unknown model (presets: {', '.join(sorted(PRESETS))}; "
+                             "or a Hugging Face config.json)")
     if micro_batch is not None:
-        if micro_batch < 1:
-            raise InputError(f"--micro-batch {micro_batch}: must be at least 1")
+        if not 1 <= micro_batch <= MAX_MICRO_BATCH:
+            raise InputError(f"--micro-batch {micro_batch}: must be from 1 to {MAX_MICRO_BATCH:,}")
         chosen = chosen.with_micro_batch(micro_batch)
     if seq is not None:
-        if seq < 1:
-            raise InputError(f"--seq {seq}: must be at least 1")
+        if not 1 <= seq <= MAX_SEQ:
+            raise InputError(f"--seq {seq}: must be from 1 to {MAX_SEQ:,}")
         if isinstance(chosen, Transformer):
             chosen = replace(chosen, seq=seq)
     return chosen
@@ -114,8 +201,8 @@ def build(composition: str, devices: int | None, model: str | None, params: str 
           seq: int | None = None, strategies: StrategyFile | None = None) -> Analysis:
     """``strategies``: a user file whose names the composition may use, and whose program (if any)
     replaces the derived one."""
-    if devices is not None and devices < 1:
-        raise InputError(f"--devices {devices}: must be at least 1")
+    if devices is not None and not 1 <= devices <= MAX_DEGREE:
+        raise InputError(f"--devices {devices}: must be from 1 to {MAX_DEGREE:,}")
     comp: Composition = parse(composition, strategies.factories() if strategies is not None else None,
                               devices=devices if devices is not None else DEFAULT_DEVICES)
     chosen = load_model(model, params, micro_batch, seq)
@@ -144,6 +231,8 @@ def verdict_exit(verdict: Verdict) -> int:
 @click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]},
              epilog=EXAMPLES)
 @click.version_option(package_name="placement-semantics")
+@click.option("--debug", is_flag=True, expose_value=False,
+              help="On an internal error (exit 4), show the traceback instead of one line (anywhere on the line).")
 def main() -> None:
     """Will this parallelism composition train exactly like one device, how much memory does
     each device hold, and how many bytes cross the network per step?"""
@@ -151,15 +240,16 @@ def main() -> None:
 
 @main.command(epilog=EXAMPLES)
 @click.argument("composition", required=False)
-@click.option("--devices", type=int, default=None, help=f"Device count (default {DEFAULT_DEVICES}, "
-              "or the product of the degrees).")
+@click.option("--devices", type=WholeNumber(1, MAX_DEGREE), default=None,
+              help=f"Device count (default {DEFAULT_DEVICES}, or the product of the degrees).")
 @click.option("--model", default=None, help=f"Preset name or Hugging Face config.json (default {DEFAULT_MODEL}).")
 @click.option("--params", default=None, help="A bare parameter count instead of a model (7.5e9, 70B).")
 @click.option("--precision", default="zero", show_default=True,
               help="Bytes per element: " + ", ".join(PRECISIONS) + ".")
 @click.option("--device-memory", default=None, help="Per-device memory, e.g. 80GB (1e9) or 80GiB (2^30).")
-@click.option("--micro-batch", type=int, default=None, help="Micro-batch size per replica (Megatron's b).")
-@click.option("--seq", type=int, default=None, help="Sequence length.")
+@click.option("--micro-batch", type=WholeNumber(1, MAX_MICRO_BATCH), default=None,
+              help="Micro-batch size per replica (Megatron's b).")
+@click.option("--seq", type=WholeNumber(1, MAX_SEQ), default=None, help="Sequence length.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report (docs/schema.md).")
 @click.option("--csv", "as_csv", is_flag=True,
               help="Print one CSV row per memory quantity, collective and verdict condition (exact bytes).")
@@ -169,10 +259,10 @@ def main() -> None:
 @click.option("--strategies", "strategies_path", default=None, metavar="FILE",
               help="A TOML file of user strategies (and optionally a step program); see examples/.")
 @click.option("--explain", is_flag=True, help="Show every obligation: unsat cores of proofs, full counterexamples.")
-@click.option("--rlimit", type=click.IntRange(1, 10**12), default=DEFAULT_RUN_RLIMIT, show_default=True,
+@click.option("--rlimit", type=WholeNumber(1, 10**12), default=DEFAULT_RUN_RLIMIT, show_default=True,
               help="z3 resource units (counted solver steps) for the whole verdict: the deterministic limit, "
                    "the same answer on every run; what it cuts short is 'unknown' (exit 3), never valid.")
-@click.option("--timeout-ms", type=click.IntRange(1, 3_600_000), default=DEFAULT_TIMEOUT_MS, show_default=True,
+@click.option("--timeout-ms", type=WholeNumber(1, 3_600_000), default=DEFAULT_TIMEOUT_MS, show_default=True,
               help="Wall-clock limit per z3 query, a safety net for a stalled machine (its outcome can vary "
                    "between runs); a timeout is 'unknown' (exit 3), never valid.")
 @click.option("--validate", type=click.Choice(["torch"]), default=None,
@@ -188,11 +278,12 @@ def check(composition: str | None, devices: int | None, model: str | None, param
           simulate: bool = False, as_csv: bool = False, rlimit: int = DEFAULT_RUN_RLIMIT) -> None:
     """Check COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG: memory, communication and verdict.
 
-    Exit codes: 0 valid, 1 invalid (a rule is broken), 2 usage or input error, 3 unknown."""
+    Exit codes: 0 valid, 1 invalid (a rule is broken), 2 usage or input error, 3 unknown, 4 internal error."""
     if as_json and as_csv:
         fail("--json and --csv: choose one")
         return
     try:
+        report_path = output_path(report, "--report") if report is not None else None
         user = load_strategies(strategies_path) if strategies_path is not None else None
         r = resolve_from(from_path, composition, devices, model, params, precision, micro_batch, seq)
         analysis = build(r.composition, r.devices, r.model, params, r.precision, device_memory, r.micro_batch, r.seq,
@@ -213,9 +304,9 @@ def check(composition: str | None, devices: int | None, model: str | None, param
     doc["verdict"] = verdict_json(verdict, explain)
     if r.imported is not None:
         doc["imported_from"] = r.imported
-    if report is not None:
+    if report_path is not None:
         try:
-            write_report(doc, Path(report))
+            write_report(doc, report_path)
         except InputError as err:
             fail(str(err))
     if validate is not None:  # issue 6: the engine's own numbers beside ours
@@ -228,13 +319,14 @@ def check(composition: str | None, devices: int | None, model: str | None, param
     if simulate:  # issue 4: the executable reference beside the verdict
         from checker._simulate import run_simulation
         doc["simulation"], simulation_text = run_simulation(analysis.composition, user)
+    set_outcome(verdict_exit(verdict))
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     elif as_csv:
         from checker._commands_reports import CHECK_CSV_COLUMNS, check_csv_rows, emit
         emit(check_csv_rows(doc), CHECK_CSV_COLUMNS, "", True, False)
     else:
-        console = Console()
+        console = terminal()
         print_human(analysis, console)
         print_verdict(verdict, console, explain)
         if validate is not None:
@@ -252,6 +344,8 @@ def list_strategies() -> None:
         click.echo(f"{name:<10} axis {s.axis.value:<4} {s.description}")
     for mod, text in MODIFIERS.items():
         click.echo(f"{mod:<10} modifier  {text}")
+
+
 
 
 from checker._planner import plan_command  # noqa: E402 (the planner, issue 8)

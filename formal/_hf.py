@@ -8,12 +8,12 @@ supported ones rather than approximated.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from formal._model import Ffn, Norm, Transformer
-from formal.errors import ModelError
+from formal._input import BOOL, TEXT, Expect, Schema, check_schema, integer, printable, read_document
+from formal._model import MAX_SEQ, Ffn, Norm, Transformer
+from formal.errors import InputError, ModelError
 
 LLAMA_LIKE = ("llama", "mistral", "mixtral")
 GPT2_LIKE = ("gpt2",)
@@ -29,23 +29,46 @@ _ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 
+_SIZE = integer(1, 2**40, nullable=True)  # a dimension; the parameter count bounds their products
+# The keys this reader gives a meaning to, and what each must hold (others are ignored).
+SCHEMA: Schema = {
+    "model_type": Expect("a string", (str,), nullable=True),
+    **{key: _SIZE for keys in _ALIASES.values() for key in keys if key not in ("max_position_embeddings",
+                                                                                "n_positions")},
+    "max_position_embeddings": integer(1, MAX_SEQ, nullable=True),
+    "n_positions": integer(1, MAX_SEQ, nullable=True),
+    "vocab_size": _SIZE,
+    "num_key_value_heads": _SIZE,
+    "head_dim": _SIZE,
+    "num_local_experts": integer(1, 2**20, nullable=True),
+    "num_experts_per_tok": integer(1, 2**20, nullable=True),
+    "hidden_act": TEXT,
+    "attention_bias": Expect("true or false", (bool,), nullable=True),
+    "mlp_bias": Expect("true or false", (bool,), nullable=True),
+    "tie_word_embeddings": Expect(BOOL.label, BOOL.types, nullable=True),
+    "_name_or_path": Expect("a string", (str,), nullable=True),
+}
+
+
 def load_hf_config(path: Path) -> Transformer:
     """A ``Transformer`` from a Hugging Face ``config.json``; ``ModelError`` names the bad key."""
     where = str(path)
+    label = f"--model {printable(where, 200)}"
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ModelError(f"--model {where}: cannot read ({err.strerror})") from None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ModelError(f"--model {where}: not JSON (line {err.lineno}: {err.msg})") from None
+        raw = read_document(path, label, "json")
+    except InputError as err:
+        raise ModelError(str(err)) from None
     if not isinstance(raw, dict):
-        raise ModelError(f"--model {where}: expected a JSON object, got {type(raw).__name__}")
+        raise ModelError(f"{label}: expected a JSON object {{...}}, got {type(raw).__name__}")
     return transformer_from_hf(raw, where)
 
 
 def transformer_from_hf(raw: dict[str, Any], where: str = "config.json") -> Transformer:
+    """A ``Transformer`` from a parsed config; every key it reads must hold what ``SCHEMA`` says."""
+    try:
+        check_schema(raw, SCHEMA, printable(where, 200))
+    except InputError as err:
+        raise ModelError(str(err)) from None
     model_type = raw.get("model_type")
     if model_type is None:
         raise ModelError(f"{where}: missing key 'model_type' (supported: {', '.join(SUPPORTED)})")
@@ -57,7 +80,8 @@ def transformer_from_hf(raw: dict[str, Any], where: str = "config.json") -> Tran
     heads = _int(raw, where, "heads")
     seq = _int(raw, where, "seq")
     vocab = _required_int(raw, where, "vocab_size")
-    name = str(raw.get("_name_or_path") or Path(where).parent.name or model_type)
+    # The name reaches the terminal: control characters (ANSI escapes) are shown, not sent.
+    name = printable(str(raw.get("_name_or_path") or Path(where).parent.name or model_type), 120)
     if model_type in GPT2_LIKE:
         ffn = _optional_int(raw, where, "ffn")
         _check_head_dim(raw, where, hidden, heads)

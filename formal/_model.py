@@ -39,6 +39,8 @@ L, h, a, s, b, V = sp.symbols("L h a s b V", positive=True, integer=True)
 PSI = sp.Symbol("Psi", positive=True, integer=True)  # a bare parameter count (ZeRO notation)
 
 MAX_PARAMETERS = 10**15  # a quadrillion parameters: beyond this a count is a typo, not a model
+MAX_SEQ = 100_000_000  # tokens per sequence: a hundred million is beyond any context window
+MAX_MICRO_BATCH = 1_000_000  # sequences per micro-batch per replica
 
 
 class Ffn(StrEnum):
@@ -79,6 +81,10 @@ class Transformer:
             value = getattr(self, fname)
             if not isinstance(value, int) or value <= 0:
                 raise ModelError(f"{fname}={value!r}: must be a positive integer")
+        if self.seq > MAX_SEQ:
+            raise ModelError(f"seq={self.seq}: absurd (at most {MAX_SEQ:,} tokens)")
+        if self.micro_batch > MAX_MICRO_BATCH:
+            raise ModelError(f"micro_batch={self.micro_batch}: absurd (at most {MAX_MICRO_BATCH:,} sequences)")
         if self.hidden % self.heads:
             raise ModelError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
         kv = self.kv_heads_
@@ -87,7 +93,9 @@ class Transformer:
         if self.experts < 0 or (self.experts and not 0 < self.top_k <= self.experts):
             raise ModelError(f"experts={self.experts}, top_k={self.top_k}: need 0 < top_k <= experts")
         if self.parameter_count() > MAX_PARAMETERS:
-            raise ModelError(f"{self.name}: {self.parameter_count():.3e} parameters is absurd")
+            count = self.parameter_count()
+            shown = f"{count:.3e}" if count < 10**300 else "over 1e300"  # float() of a larger int overflows
+            raise ModelError(f"{self.name}: {shown} parameters is absurd (at most {MAX_PARAMETERS:.0e})")
 
     @property
     def kv_heads_(self) -> int:
@@ -206,7 +214,10 @@ class ParameterCount:
         if not isinstance(self.parameters, int) or self.parameters <= 0:
             raise ModelError(f"--params {self.parameters!r}: must be a positive integer")
         if self.parameters > MAX_PARAMETERS:
-            raise ModelError(f"--params {self.parameters:.3e}: absurd (over {MAX_PARAMETERS:.0e})")
+            shown = f"{self.parameters:.3e}" if self.parameters < 10**300 else "over 1e300"
+            raise ModelError(f"--params {shown}: absurd (over {MAX_PARAMETERS:.0e})")
+        if not isinstance(self.micro_batch, int) or not 0 < self.micro_batch <= MAX_MICRO_BATCH:
+            raise ModelError(f"micro_batch={self.micro_batch!r}: must be from 1 to {MAX_MICRO_BATCH:,}")
 
     @property
     def is_moe(self) -> bool:

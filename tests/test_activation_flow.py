@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import compositions, models
 
 from checker._parse import parse
 from formal._activation_flow import required_sites
@@ -22,7 +23,6 @@ from formal._program import StepProgram, derive_program
 from formal._smt import decide
 from formal._verdict import Condition, Status
 from formal._vocab import EMBEDDING_IO, LAYER_IO, OUTPUT_IO, Axis, OpKind, Phase, Reduce, State
-from strategies import compositions, models
 
 SMALL = Transformer("small", layers=4, hidden=16, heads=4, vocab=32, seq=8)
 MOE = Transformer("moe", layers=2, hidden=16, heads=2, vocab=32, seq=8, experts=4, top_k=2)

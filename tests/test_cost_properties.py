@@ -5,6 +5,7 @@ from __future__ import annotations
 import sympy as sp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies_costs import compositions, models, transformers
 
 from checker._analysis import analyze
 from checker._parse import parse
@@ -24,7 +25,6 @@ from formal._vocab import (
     Mode,
     State,
 )
-from strategies_costs import compositions, models, transformers
 
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 precisions = st.sampled_from(sorted(PRECISIONS))

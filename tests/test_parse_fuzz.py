@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
+from strategies import composition_texts, strategy_files
 
 from checker._parse import parse
 from checker._toml import StrategyFile, loads
 from checker.cli import main
 from formal.errors import CompositionError, StrategyFileError
-from strategies import composition_texts, strategy_files
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -8,6 +8,7 @@ import pytest
 import z3
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import compositions, models
 
 from checker._parse import parse
 from formal._model import ParameterCount, Transformer
@@ -17,7 +18,6 @@ from formal._smt import decide
 from formal._solver import Solver, solve
 from formal._strategies import LIBRARY, Composition
 from formal._verdict import Condition, Status, Verdict
-from strategies import compositions, models
 
 GPT = PRESETS["gpt3-1.3b"]  # tied embeddings, LayerNorm with biases, learned positions
 MOE = Transformer("tiny-moe", layers=8, hidden=512, heads=8, vocab=1024, seq=256, experts=8, top_k=2)

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import compositions, models, mutations
 
 from checker._parse import parse
 from formal._presets import PRESETS
@@ -15,7 +16,6 @@ from formal._smt import decide
 from formal._strategies import Composition
 from formal._verdict import Condition, Status, Verdict
 from formal._vocab import OpKind, Phase, Reduce, State
-from strategies import compositions, models, mutations
 
 GPT = PRESETS["gpt3-1.3b"]
 G, P = State.GRADIENTS, State.PARAMETERS

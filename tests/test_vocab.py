@@ -6,6 +6,7 @@ import json
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies_costs import compositions
 
 from checker._parse import parse
 from formal._placement import Entry
@@ -13,7 +14,6 @@ from formal._strategies import LIBRARY
 from formal._verdict import Condition, Status, Verdict
 from formal._vocab import Axis, Mode, OpKind, State
 from formal.errors import CompositionError
-from strategies_costs import compositions
 
 
 @settings(max_examples=200, deadline=None)

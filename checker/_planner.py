@@ -64,7 +64,7 @@ from formal._program import StepProgram, derive_program, group_sizes
 from formal._rules import Provenance, Setting, applicable, framework_notes, setting_for
 from formal._strategies import LIBRARY, Composition
 from formal._verdict import Condition, Status, Verdict
-from formal._vocab import EXPERTS, Axis, State
+from formal._vocab import EXPERTS, Axis, Stage, State
 from formal.errors import InputError
 
 Floats = npt.NDArray[np.float64]
@@ -448,7 +448,7 @@ class Deriver:
                            pipeline=Pipeline(Schedule.ONE_F_ONE_B) if key.pipelined else None)
             pl, program = self._placement_program(base)
             exprs: list[sp.Expr] = []
-            for stage in ("first", "last"):
+            for stage in (Stage.FIRST, Stage.LAST):
                 mem = memory(pl, self.model, self.precision, self.sizes, stage)
                 exprs.append(mem.model_states + (mem.buffers if mem.buffers is not None else 0))
             exprs.append(sum((t[4] for t in transfers(program, self.precision)), sp.Integer(0)))
@@ -476,7 +476,7 @@ class Deriver:
             base = replace(family, data=DataParallel.DP, offload=Offload.NONE)
             pl, program = self._placement_program(base)
             exprs: list[sp.Expr] = []
-            for stage in ("first", "last"):
+            for stage in (Stage.FIRST, Stage.LAST):
                 act = activation_memory(pl, self.model, self.precision, stage)
                 exprs.append(act if act is not None else sp.Integer(0))
             exprs.append(bubble_fraction(pl))
@@ -775,7 +775,7 @@ def _candidate(plan: Plan, row: int) -> Candidate:
     return Candidate(
         family=plan.families[int(t.family[row])], degrees=tuple(int(x) for x in t.degrees[row]),
         micro_batch=int(t.b[row]), micro_batches=int(t.m[row]), memory=float(t.memory[row]),
-        stage="last" if bool(t.last_heavier[row]) else "first",
+        stage=Stage.LAST if bool(t.last_heavier[row]) else Stage.FIRST,
         traffic=tuple(float(x) for x in t.traffic[row]), host=float(t.host[row]),
         compute_s=float(t.compute_s[row]), bubble_s=float(t.bubble_s[row]),
         communication_s=float(t.communication_s[row]), host_s=float(t.host_s[row]), uneven=uneven,

@@ -30,10 +30,11 @@ from formal._vocab import (
     Group,
     Mode,
     OpKind,
+    Stage,
     State,
 )
 
-STAGES = ("first", "middle", "last")
+STAGES: tuple[Stage, ...] = tuple(Stage)  # first, middle, last
 
 
 def ceil_int(x: sp.Expr) -> int:
@@ -57,7 +58,7 @@ class StateMemory:
 class Memory:
     """Per-device memory on one pipeline stage. ``activations`` is None when unknown."""
 
-    stage: str
+    stage: Stage
     parameters: StateMemory
     gradients: StateMemory
     optimizer: StateMemory
@@ -85,14 +86,14 @@ class Memory:
         }
 
 
-def _device_factor(pl: Placement, state: State, group: Group, stage: str) -> sp.Expr:
+def _device_factor(pl: Placement, state: State, group: Group, stage: Stage) -> sp.Expr:
     """Product over axes of the persistent factor, times the axis-free (local) mode."""
     if pl.local_mode(state, group) in (Mode.OFFLOADED, Mode.MATERIALIZED):
         return sp.Integer(0)
     return _axes_factor(pl, state, group, stage)
 
 
-def _axes_factor(pl: Placement, state: State, group: Group, stage: str) -> sp.Expr:
+def _axes_factor(pl: Placement, state: State, group: Group, stage: Stage) -> sp.Expr:
     out: sp.Expr = sp.Integer(1)
     for axis, d in pl.mesh:
         entry = pl.entry(state, group, axis)
@@ -102,7 +103,7 @@ def _axes_factor(pl: Placement, state: State, group: Group, stage: str) -> sp.Ex
 
 
 def state_memory(pl: Placement, state: State, sizes: Mapping[Group, sp.Expr], precision: Precision,
-                 stage: str = "first") -> StateMemory:
+                 stage: Stage = Stage.FIRST) -> StateMemory:
     nbytes = precision.bytes_of(state)
     rows = tuple((g, exact(sizes[g] * nbytes * _device_factor(pl, state, g, stage)))
                  for g in pl.groups(state))
@@ -110,7 +111,7 @@ def state_memory(pl: Placement, state: State, sizes: Mapping[Group, sp.Expr], pr
 
 
 def host_memory(pl: Placement, sizes: Mapping[Group, sp.Expr], precision: Precision,
-                stage: str = "first") -> sp.Expr:
+                stage: Stage = Stage.FIRST) -> sp.Expr:
     total: sp.Expr = sp.Integer(0)
     for state in MODEL_STATES:
         for g in pl.groups(state):
@@ -119,7 +120,7 @@ def host_memory(pl: Placement, sizes: Mapping[Group, sp.Expr], precision: Precis
     return exact(total)
 
 
-def in_flight_micro_batches(pl: Placement, stage: str = "first") -> sp.Expr:
+def in_flight_micro_batches(pl: Placement, stage: Stage = Stage.FIRST) -> sp.Expr:
     """Micro-batches whose activations a pipeline stage holds at its peak (in whole-stage units).
 
     First stage (the most loaded; also used for ``middle`` as an upper bound): 1F1B
@@ -134,7 +135,7 @@ def in_flight_micro_batches(pl: Placement, stage: str = "first") -> sp.Expr:
     m = sp.sympify(pl.options.micro_batches)  # a symbol in the planner's derivations
     if Axis.PP not in pl.axes or p == 1:
         return sp.Integer(1)
-    last = stage == "last"
+    last = stage == Stage.LAST
     match pl.options.schedule:
         case Schedule.GPIPE:
             return m
@@ -175,7 +176,7 @@ def stage_in_flight(pl: Placement, index: int) -> sp.Expr:
             raise AssertionError(pl.options.schedule)
 
 
-def activation_memory(pl: Placement, model: Model, precision: Precision, stage: str = "first",
+def activation_memory(pl: Placement, model: Model, precision: Precision, stage: Stage = Stage.FIRST,
                       index: int | None = None) -> sp.Expr | None:
     """Activation bytes on a device: Korthikanti's per-layer bytes (section 4.1) for the stage's
     layers, plus the input and output layers' bytes (section 4.3) where the stage holds them,
@@ -194,7 +195,7 @@ def activation_memory(pl: Placement, model: Model, precision: Precision, stage: 
     return exact(total * live)
 
 
-def holds_io_activations(pl: Placement, group: Group, stage: str) -> bool:
+def holds_io_activations(pl: Placement, group: Group, stage: Stage) -> bool:
     """Whether a device of ``stage`` keeps an input/output-layer activation group: the input
     embeddings' on the first stage, the output layer's and the loss's on the last, all of them
     without a pipeline. A symbolic pp degree (the planner) means a pipeline of two or more."""
@@ -202,13 +203,13 @@ def holds_io_activations(pl: Placement, group: Group, stage: str) -> bool:
     if Axis.PP not in pl.axes or (p.is_number and p == 1):
         return True
     if group in FIRST_STAGE_ACTIVATIONS:
-        return stage == "first"
+        return stage == Stage.FIRST
     if group in LAST_STAGE_ACTIVATIONS:
-        return stage == "last"
+        return stage == Stage.LAST
     raise AssertionError(group)
 
 
-def io_activations(pl: Placement, io_bytes: Mapping[Group, sp.Expr], stage: str = "first") -> sp.Expr:
+def io_activations(pl: Placement, io_bytes: Mapping[Group, sp.Expr], stage: Stage = Stage.FIRST) -> sp.Expr:
     """Input/output-layer activation bytes one device keeps for one micro-batch on ``stage``
     (Korthikanti et al. 2022, section 4.3), through the placement. Works on symbolic sizes."""
     total: sp.Expr = sp.Integer(0)
@@ -250,7 +251,7 @@ def _cp_factor(pl: Placement) -> sp.Expr:
 
 
 def buffer_memory(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr], precision: Precision,
-                  stage: str = "first") -> sp.Expr | None:
+                  stage: Stage = Stage.FIRST) -> sp.Expr | None:
     """Transient buffers implied by the modes, at their peak.
 
     ``S*`` gathered per use: the largest gather unit (one transformer layer's parameters, or
@@ -303,7 +304,7 @@ def _needs_buffer(pl: Placement, state: State, group: Group, axis: Axis, entry: 
 
 
 def memory(pl: Placement, model: Model, precision: Precision, sizes: Mapping[Group, sp.Expr],
-           stage: str = "first") -> Memory:
+           stage: Stage = Stage.FIRST) -> Memory:
     return Memory(
         stage=stage,
         parameters=state_memory(pl, State.PARAMETERS, sizes, precision, stage),
@@ -319,8 +320,8 @@ def most_loaded(pl: Placement, model: Model, precision: Precision, sizes: Mappin
     """The device with the largest total: pipeline stage 0 (embedding, most in-flight
     activations) unless the last stage's head outweighs it. Without pp there is one kind."""
     if Axis.PP not in pl.axes or pl.degree(Axis.PP) == 1:
-        return memory(pl, model, precision, sizes, "first")
-    candidates = [memory(pl, model, precision, sizes, st) for st in ("first", "last")]
+        return memory(pl, model, precision, sizes, Stage.FIRST)
+    candidates = [memory(pl, model, precision, sizes, st) for st in (Stage.FIRST, Stage.LAST)]
     if any(not m.total.is_number for m in candidates):
         return candidates[0]
     return max(candidates, key=lambda m: exact(m.total))
@@ -362,18 +363,18 @@ class Traffic:
     paper_elements: sp.Expr  # ZeRO-paper units: elements x (2 for all-reduce, else 1) x count
 
 
-def pipeline_stages(pl: Placement) -> tuple[str, ...]:
+def pipeline_stages(pl: Placement) -> tuple[Stage, ...]:
     """The kinds of pipeline stage a placement has: one without a pipeline, first and last with
     two stages, and a middle one beyond (a symbolic degree: all three)."""
     p = pl.degree(Axis.PP)
     if Axis.PP not in pl.axes or (p.is_number and p == 1):
-        return ("first",)
+        return (Stage.FIRST,)
     if p.is_number and p == 2:
-        return ("first", "last")
+        return (Stage.FIRST, Stage.LAST)
     return STAGES
 
 
-def op_stage_factor(op: Op, pl: Placement, stage: str) -> sp.Expr:
+def op_stage_factor(op: Op, pl: Placement, stage: Stage) -> sp.Expr:
     """How often a device of pipeline ``stage`` runs ``op``, relative to the op's ``count``.
 
     The step program is a union over stages: the first stage's groups (embedding, its
@@ -386,19 +387,19 @@ def op_stage_factor(op: Op, pl: Placement, stage: str) -> sp.Expr:
         return sp.Integer(1)
     if op.kind is OpKind.SEND_RECV and op.axis is Axis.PP:
         chunks = pl.options.chunks if pl.options.schedule is Schedule.INTERLEAVED else 1
-        ends = int(stage == "first") + int(stage == "last")
+        ends = int(stage == Stage.FIRST) + int(stage == Stage.LAST)
         return sp.Rational(2 * chunks - ends, chunks)
     group = op.group
     if group in pl.tied:
-        return sp.Integer(int(stage in ("first", "last")))
+        return sp.Integer(int(stage in (Stage.FIRST, Stage.LAST)))
     if group in FIRST_STAGE_GROUPS or group in FIRST_STAGE_ACTIVATIONS:
-        return sp.Integer(int(stage == "first"))
+        return sp.Integer(int(stage == Stage.FIRST))
     if group in LAST_STAGE_GROUPS or group in LAST_STAGE_ACTIVATIONS:
-        return sp.Integer(int(stage == "last"))
+        return sp.Integer(int(stage == Stage.LAST))
     return sp.Integer(1)
 
 
-def communication(program: StepProgram, precision: Precision, stage: str | None = None) -> tuple[Traffic, ...]:
+def communication(program: StepProgram, precision: Precision, stage: Stage | None = None) -> tuple[Traffic, ...]:
     """Every collective of the program with its per-device volume: the program's union over
     pipeline stages, or, given ``stage``, what one device of that stage sends (``op_stage_factor``)."""
     out: list[Traffic] = []
@@ -419,7 +420,7 @@ def communication(program: StepProgram, precision: Precision, stage: str | None 
     return tuple(out)
 
 
-def busiest_stage_traffic(program: StepProgram, precision: Precision) -> tuple[str, tuple[Traffic, ...]]:
+def busiest_stage_traffic(program: StepProgram, precision: Precision) -> tuple[Stage, tuple[Traffic, ...]]:
     """The pipeline stage whose device sends the most per step, and its collectives (the first
     stage on a tie; without a pipeline, the one kind of device)."""
     stages = pipeline_stages(program.placement)

@@ -82,6 +82,7 @@ from formal._vocab import (
     OpKind,
     Phase,
     Reduce,
+    Stage,
     State,
 )
 from formal.errors import SimulationError
@@ -245,10 +246,8 @@ class _Layout:
     def stage_layers(self, stage: int) -> list[int]:
         return [layer for c, ls in enumerate(self.chunk_layers) if self.chunk_stage(c) == stage for layer in ls]
 
-    def stage_name(self, stage: int) -> str:
-        if stage == 0:
-            return "first"
-        return "last" if stage == self.p - 1 else "middle"
+    def stage_name(self, stage: int) -> Stage:
+        return Stage.of(stage, self.p)
 
     def _positions(self, group: Group, layers: list[int] | None, tp: tuple[int, int] | None) -> IndexArray:
         parts = []

@@ -22,7 +22,7 @@ from checker._torch._net import Net, NetConfig, batch, init_exact_, loss_fn
 from checker._torch._record import Call, CommRecorder, SavedActivations, local, storage_bytes
 from formal._placement import Schedule
 from formal._strategies import Composition
-from formal._vocab import Axis, Mode, State
+from formal._vocab import Axis, Mode, Stage, State
 from formal.errors import CompositionError
 
 
@@ -88,7 +88,7 @@ class Measured:
     optimizer_scalars: int  # Adam's per-tensor ``step`` counters (not per-element state)
     activations: int  # peak bytes saved for backward, parameters excluded
     calls: tuple[Call, ...]
-    stage: str
+    stage: Stage
     engine: Engine
     notes: list[str] = field(default_factory=list)
 
@@ -404,11 +404,10 @@ def _optimizer_states(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [s for s in source.state.values() if isinstance(s, dict)]
 
 
-def _stage(runner: Runner) -> str:
+def _stage(runner: Runner) -> Stage:
     if runner.engine is not Engine.PIPELINE:
-        return "first"
-    p = runner.mesh[Axis.PP]
-    return "first" if runner.rank == 0 else "last" if runner.rank == p - 1 else "middle"
+        return Stage.FIRST
+    return Stage.of(runner.rank, runner.mesh[Axis.PP])
 
 
 def fake_group(world: int, rank: int = 0) -> Callable[[], None]:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from formal._placement import Options, Recompute, Schedule, Strategy
+from formal._schedules import for_term, modifier_help
 from formal._strategies import LIBRARY, Composition
 from formal.errors import CompositionError
 
@@ -20,9 +21,7 @@ MAX_DEGREE = 1_000_000  # a mesh axis wider than a million devices is a typo
 MODIFIERS: dict[str, str] = {
     "sp": "sequence parallelism on the tp axis (Korthikanti et al. 2022)",
     "m<N>": "N micro-batches per step (pipeline micro-batches or gradient accumulation)",
-    "v<N>": "interleaved pipeline schedule with N model chunks per device",
-    "gpipe": "GPipe pipeline schedule (all forwards, then all backwards)",
-    "1f1b": "1F1B pipeline schedule (the default)",
+    **modifier_help(),  # the pipeline schedules' (formal._schedules)
     "uneven": "uneven pipeline stages: layers need not divide by pp; the fullest stage holds ceil(L/pp)",
     "offload": "optimizer state, gradients and the update on the host (ZeRO-Offload)",
     "offload-params": "parameters on the host, fetched before each use (ZeRO-Infinity)",
@@ -123,7 +122,9 @@ def _modifier(term: str, options: Options, seen: list[str]) -> Options | None:
         case "v":
             return replace(options, chunks=_degree(term, term[1:]), schedule=Schedule.INTERLEAVED)
         case "schedule":
-            return replace(options, schedule=Schedule.GPIPE if term == "gpipe" else Schedule.ONE_F_ONE_B)
+            schedule = for_term(term)
+            assert schedule is not None
+            return replace(options, schedule=schedule)
         case "uneven":
             return replace(options, uneven_stages=True)
         case "offload":
@@ -144,7 +145,7 @@ def _modifier_kind(term: str) -> str | None:
         return "m"
     if re.fullmatch(r"v\d+", term):
         return "v"
-    if term in ("gpipe", "1f1b"):
+    if for_term(term) is not None:
         return "schedule"
     if term == "uneven":
         return "uneven"

@@ -62,6 +62,7 @@ from formal._model import DEFAULT_PRECISION, Model, ParameterCount, Precision, T
 from formal._placement import Options, Recompute, Schedule, Strategy
 from formal._program import StepProgram, derive_program, group_sizes
 from formal._rules import Provenance, Setting, applicable, framework_notes, setting_for
+from formal._schedules import schedule_of
 from formal._strategies import LIBRARY, Composition
 from formal._verdict import Condition, Status, Verdict
 from formal._vocab import EXPERTS, Axis, Stage, State
@@ -138,18 +139,10 @@ class Pipeline:
 
     @property
     def modifiers(self) -> tuple[str, ...]:
-        match self.schedule:
-            case Schedule.ONE_F_ONE_B:
-                return ()
-            case Schedule.GPIPE:
-                return ("gpipe",)
-            case Schedule.INTERLEAVED:
-                return (f"v{self.chunks}",)
-            case _:
-                raise AssertionError(self.schedule)
+        return schedule_of(self.schedule).modifier_terms(self.chunks)
 
     def __str__(self) -> str:
-        return "interleaved" + f"-v{self.chunks}" if self.schedule is Schedule.INTERLEAVED else self.schedule.value
+        return schedule_of(self.schedule).label(self.chunks)
 
 
 @dataclass(frozen=True)
@@ -273,7 +266,7 @@ class Space:
 
     def families(self, model: Model) -> list[Family]:
         bare = isinstance(model, ParameterCount)  # no activations: schedules, sp and recompute moot
-        pipes = [p for p in self.pipelines if p is None or not bare or p.schedule is Schedule.ONE_F_ONE_B]
+        pipes = [p for p in self.pipelines if p is None or not bare or schedule_of(p.schedule).default]
         sps = [s for s in self.sequence_parallel if not (bare and s)]
         rcs = [r for r in self.recompute if not (bare and r is not Recompute.NONE)]
         out = []
@@ -796,7 +789,7 @@ def family_of(composition: Composition) -> tuple[Family, tuple[int, ...]]:
     offload = Offload.ALL if o.offload_parameters else Offload.OPTIMIZER if o.offload_optimizer else Offload.NONE
     pipeline = None
     if Axis.PP in mesh:
-        pipeline = Pipeline(o.schedule, o.chunks if o.schedule is Schedule.INTERLEAVED else 1)
+        pipeline = Pipeline(o.schedule, o.virtual_stages)
     family = Family(data, offload, pipeline, o.sequence_parallel, o.recompute)
     return family, tuple(mesh.get(a, 1) for a in AXES)
 

@@ -15,7 +15,7 @@ import sympy as sp
 
 from formal._exact import exact
 from formal._model import Model, Precision, Transformer
-from formal._placement import Entry, Placement, Recompute, Schedule
+from formal._placement import Entry, Placement, Recompute
 from formal._program import Op, StepProgram, axis_factor, pipeline_factor, shard_elements
 from formal._vocab import (
     ACTIVATION_GROUPS,
@@ -121,59 +121,53 @@ def host_memory(pl: Placement, sizes: Mapping[Group, sp.Expr], precision: Precis
 
 
 def in_flight_micro_batches(pl: Placement, stage: Stage = Stage.FIRST) -> sp.Expr:
-    """Micro-batches whose activations a pipeline stage holds at its peak (in whole-stage units).
-
-    First stage (the most loaded; also used for ``middle`` as an upper bound): 1F1B
-    min(p, m) (Narayanan et al. 2021, section 2.2); GPipe m; interleaved
-    min(p, m) x (1 + (p-1)/(p v)) (Korthikanti et al. 2022, section 4.2.3). Last stage: 1F1B
-    runs one forward then one backward, so 1; GPipe m; interleaved: Megatron-LM's
-    ``forward_backward_pipelining_with_interleaving`` warms up (p - rank - 1) * 2 + (v-1) * p
-    chunk-micro-batches, so rank p-1 holds min(m v, (v-1) p + 1) chunks of 1/v of its layers
-    (for rank 0 the same count gives Korthikanti's formula). No pipeline: 1.
-    """
+    """Micro-batches whose activations a pipeline stage holds at its peak (in whole-stage units):
+    the schedule's count for the first or last stage (``PipelineSchedule.in_flight``; a middle
+    stage gets the first stage's, an upper bound). No pipeline: 1."""
     p = pl.degree(Axis.PP)
     m = sp.sympify(pl.options.micro_batches)  # a symbol in the planner's derivations
     if Axis.PP not in pl.axes or p == 1:
         return sp.Integer(1)
-    last = stage == Stage.LAST
-    match pl.options.schedule:
-        case Schedule.GPIPE:
-            return m
-        case Schedule.ONE_F_ONE_B:
-            return sp.Integer(1) if last else sp.Min(p, m)
-        case Schedule.INTERLEAVED:
-            v = sp.Integer(pl.options.chunks)
-            if last:
-                return sp.Min(m * v, (v - 1) * p + 1) / v
-            return sp.Min(p, m) * (1 + (p - 1) / (p * v))
-        case _:
-            raise AssertionError(pl.options.schedule)
+    v = sp.Integer(pl.options.virtual_stages)
+    return pl.options.pipeline_schedule.in_flight(p, m, v, stage)
 
 
 def stage_in_flight(pl: Placement, index: int) -> sp.Expr:
-    """Micro-batches pipeline stage ``index`` (0 .. p-1) holds at its peak, in whole-stage units.
-
-    1F1B: stage i runs p - i warm-up forwards before its first backward, so min(p - i, m)
-    (Narayanan et al. 2021, section 2.2); GPipe: m; interleaved: Megatron-LM's warm-up of
-    2 (p - i - 1) + (v - 1) p + 1 chunk-micro-batches, at most m v, each 1/v of the stage.
-    At i = 0 and i = p - 1 these are ``in_flight_micro_batches``' first and last stage.
-    """
+    """Micro-batches pipeline stage ``index`` (0 .. p-1) holds at its peak, in whole-stage units
+    (``PipelineSchedule.stage_in_flight``). At i = 0 and i = p - 1 these are
+    ``in_flight_micro_batches``' first and last stage."""
     p = pl.degree(Axis.PP)
     m = sp.sympify(pl.options.micro_batches)
     if Axis.PP not in pl.axes or p == 1:
         return sp.Integer(1)
     if not 0 <= index < p:
         raise ValueError(f"stage {index} of a {p}-stage pipeline")
-    match pl.options.schedule:
-        case Schedule.GPIPE:
-            return m
-        case Schedule.ONE_F_ONE_B:
-            return sp.Min(p - index, m)
-        case Schedule.INTERLEAVED:
-            v = sp.Integer(pl.options.chunks)
-            return sp.Min(m * v, 2 * (p - index - 1) + (v - 1) * p + 1) / v
-        case _:
-            raise AssertionError(pl.options.schedule)
+    v = sp.Integer(pl.options.virtual_stages)
+    return pl.options.pipeline_schedule.stage_in_flight(p, m, v, index)
+
+
+def deferred_micro_batches(pl: Placement, stage: Stage = Stage.FIRST, index: int | None = None) -> sp.Expr:
+    """Micro-batches whose deferred activations (``PipelineSchedule.deferred_activations``) a
+    device holds beside its in-flight ones at its peak: on ``stage``, or on pipeline stage
+    ``index``. 0 for a schedule that defers nothing, and without a pipeline."""
+    p = pl.degree(Axis.PP)
+    m = sp.sympify(pl.options.micro_batches)
+    if Axis.PP not in pl.axes or p == 1:
+        return sp.Integer(0)
+    v = sp.Integer(pl.options.virtual_stages)
+    schedule = pl.options.pipeline_schedule
+    return schedule.deferred(p, m, v, stage) if index is None else schedule.stage_deferred(p, m, v, index)
+
+
+def deferred_layer_activations(pl: Placement, sbh: sp.Expr, precision: Precision) -> sp.Expr:
+    """Bytes one device keeps of one layer and one micro-batch for work its schedule defers past
+    the backward (``PipelineSchedule.deferred_activations``), through the placement: each
+    group's elements split along tp and cp as that activation group is, at the activation width.
+    Recomputation does not shrink them: what the deferred work reads is kept until it runs."""
+    total: sp.Expr = sp.Integer(0)
+    for group, per_sbh in pl.options.pipeline_schedule.deferred_activations:
+        total += per_sbh * sbh * precision.activations * _tensor_factor(pl, group)
+    return total
 
 
 def activation_memory(pl: Placement, model: Model, precision: Precision, stage: Stage = Stage.FIRST,
@@ -182,7 +176,9 @@ def activation_memory(pl: Placement, model: Model, precision: Precision, stage: 
     layers, plus the input and output layers' bytes (section 4.3) where the stage holds them,
     both through the placement, times the micro-batches in flight on the stage: the first or
     last stage's (``in_flight_micro_batches``), or, given a pipeline stage ``index``, that
-    stage's own (``stage_in_flight``; a middle stage holds fewer than the first)."""
+    stage's own (``stage_in_flight``; a middle stage holds fewer than the first); plus what
+    the schedule keeps for work it defers (``deferred_layer_activations`` for the stage's
+    layers, times ``deferred_micro_batches``)."""
     if not isinstance(model, Transformer):
         return None
     per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
@@ -192,6 +188,9 @@ def activation_memory(pl: Placement, model: Model, precision: Precision, stage: 
     io = model.io_activation_bytes(precision.activations, precision.mask_bytes, precision.logits_bytes)
     total += io_activations(pl, io, stage)
     live = in_flight_micro_batches(pl, stage) if index is None else stage_in_flight(pl, index)
+    deferred = deferred_micro_batches(pl, stage, index)
+    if deferred != 0:
+        return exact(total * live + deferred_layer_activations(pl, sbh, precision) * layers * deferred)
     return exact(total * live)
 
 
@@ -380,15 +379,16 @@ def op_stage_factor(op: Op, pl: Placement, stage: Stage) -> sp.Expr:
     The step program is a union over stages: the first stage's groups (embedding, its
     activation) run on the first stage only, the last stage's (head, final norm, their
     activations) on the last, a tied embedding on both; stage-to-stage sends are counted per
-    boundary (m x chunks per phase), and a device ends ``2 x chunks - [first] - [last]`` of
+    boundary (m x the schedule's ``boundary_sends`` b per phase), and a device ends
+    ``2b - [first] - [last]`` of
     its boundaries (a middle stage sends and receives both ways). Without a pipeline: 1.
     """
     if len(pipeline_stages(pl)) == 1:
         return sp.Integer(1)
     if op.kind is OpKind.SEND_RECV and op.axis is Axis.PP:
-        chunks = pl.options.chunks if pl.options.schedule is Schedule.INTERLEAVED else 1
+        sends = pl.options.pipeline_schedule.boundary_sends(pl.options.chunks)
         ends = int(stage == Stage.FIRST) + int(stage == Stage.LAST)
-        return sp.Rational(2 * chunks - ends, chunks)
+        return sp.Rational(2 * sends - ends, sends)
     group = op.group
     if group in pl.tied:
         return sp.Integer(int(stage in (Stage.FIRST, Stage.LAST)))
@@ -451,11 +451,11 @@ def model_state_paper_units(traffic: tuple[Traffic, ...]) -> sp.Expr:
 
 
 def bubble_fraction(pl: Placement) -> sp.Expr:
-    """Pipeline bubble: (p-1)/m for 1F1B and GPipe, (p-1)/(v m) interleaved (PTD-P 2.2)."""
+    """Pipeline bubble: a stage's idle time over its compute time in one step, the schedule's
+    (``PipelineSchedule.bubble_fraction``; (p-1)/m for 1F1B and GPipe, (p-1)/(v m) interleaved,
+    Narayanan et al. 2021, section 2.2). No pipeline: 0."""
     p = pl.degree(Axis.PP)
     m = sp.sympify(pl.options.micro_batches)  # a symbol in the planner's derivations
     if Axis.PP not in pl.axes:
         return sp.Integer(0)
-    if pl.options.schedule is Schedule.INTERLEAVED:
-        return (p - 1) / (sp.Integer(pl.options.chunks) * m)
-    return (p - 1) / m
+    return pl.options.pipeline_schedule.bubble_fraction(p, m, sp.Integer(pl.options.virtual_stages))

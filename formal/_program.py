@@ -14,7 +14,7 @@ import sympy as sp
 
 from formal._exact import exact
 from formal._model import Model, Transformer
-from formal._placement import Entry, Placement, Recompute, Schedule
+from formal._placement import Entry, Placement, Recompute
 from formal._vocab import (
     EMBEDDING,
     EMBEDDING_IO,
@@ -459,9 +459,10 @@ class _ActivationOps:
         if Axis.PP not in self.pl.axes or p == 1:
             return []
         assert isinstance(self.model, Transformer)
-        chunks = sp.Integer(self.pl.options.chunks if self.pl.options.schedule is Schedule.INTERLEAVED else 1)
+        # Once per micro-batch per boundary crossing the schedule makes (once per model chunk).
+        sends = sp.Integer(self.pl.options.pipeline_schedule.boundary_sends(self.pl.options.chunks))
         bsh = self._tensor(LAYER_IO, Axis.PP, sp.Integer(self.model.hidden))
-        return [Op(OpKind.SEND_RECV, A, LAYER_IO, Axis.PP, phase, bsh, self.m * chunks,
+        return [Op(OpKind.SEND_RECV, A, LAYER_IO, Axis.PP, phase, bsh, self.m * sends,
                    note="activation (forward) or its gradient (backward) to the next stage")]
 
     def forward(self) -> list[Op]:

@@ -146,17 +146,20 @@ def stage_in_flight(pl: Placement, index: int) -> sp.Expr:
     return pl.options.pipeline_schedule.stage_in_flight(p, m, v, index)
 
 
-def deferred_micro_batches(pl: Placement, stage: Stage = Stage.FIRST, index: int | None = None) -> sp.Expr:
-    """Micro-batches whose deferred activations (``PipelineSchedule.deferred_activations``) a
-    device holds beside its in-flight ones at its peak: on ``stage``, or on pipeline stage
-    ``index``. 0 for a schedule that defers nothing, and without a pipeline."""
+def peak_activations(pl: Placement, whole: sp.Expr, deferred: sp.Expr, stage: Stage = Stage.FIRST,
+                     index: int | None = None) -> sp.Expr:
+    """Activation bytes a device holds at its peak, on ``stage`` or on pipeline stage ``index``:
+    the schedule's (``PipelineSchedule.peak_activations``) from ``whole``, the bytes one
+    micro-batch holds until its backward, and ``deferred``, what it keeps after it for work the
+    schedule defers. No pipeline: one micro-batch at a time."""
     p = pl.degree(Axis.PP)
     m = sp.sympify(pl.options.micro_batches)
     if Axis.PP not in pl.axes or p == 1:
-        return sp.Integer(0)
+        return whole
+    if index is not None and not 0 <= index < p:
+        raise ValueError(f"stage {index} of a {p}-stage pipeline")
     v = sp.Integer(pl.options.virtual_stages)
-    schedule = pl.options.pipeline_schedule
-    return schedule.deferred(p, m, v, stage) if index is None else schedule.stage_deferred(p, m, v, index)
+    return pl.options.pipeline_schedule.peak_activations(p, m, v, whole, deferred, stage, index)
 
 
 def deferred_layer_activations(pl: Placement, sbh: sp.Expr, precision: Precision) -> sp.Expr:
@@ -174,11 +177,11 @@ def activation_memory(pl: Placement, model: Model, precision: Precision, stage: 
                       index: int | None = None) -> sp.Expr | None:
     """Activation bytes on a device: Korthikanti's per-layer bytes (section 4.1) for the stage's
     layers, plus the input and output layers' bytes (section 4.3) where the stage holds them,
-    both through the placement, times the micro-batches in flight on the stage: the first or
-    last stage's (``in_flight_micro_batches``), or, given a pipeline stage ``index``, that
-    stage's own (``stage_in_flight``; a middle stage holds fewer than the first); plus what
-    the schedule keeps for work it defers (``deferred_layer_activations`` for the stage's
-    layers, times ``deferred_micro_batches``)."""
+    both through the placement, at the stage's peak (``peak_activations``): for a schedule that
+    defers nothing, times the micro-batches in flight on the stage, the first or last stage's
+    (``in_flight_micro_batches``), or, given a pipeline stage ``index``, that stage's own
+    (``stage_in_flight``; a middle stage holds fewer than the first); ZB-H1 also keeps what its
+    deferred weight-gradient passes read (``deferred_layer_activations`` for the stage's layers)."""
     if not isinstance(model, Transformer):
         return None
     per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
@@ -187,11 +190,8 @@ def activation_memory(pl: Placement, model: Model, precision: Precision, stage: 
     total = layer_activations(pl, per_layer, sbh, precision) * layers
     io = model.io_activation_bytes(precision.activations, precision.mask_bytes, precision.logits_bytes)
     total += io_activations(pl, io, stage)
-    live = in_flight_micro_batches(pl, stage) if index is None else stage_in_flight(pl, index)
-    deferred = deferred_micro_batches(pl, stage, index)
-    if deferred != 0:
-        return exact(total * live + deferred_layer_activations(pl, sbh, precision) * layers * deferred)
-    return exact(total * live)
+    deferred = deferred_layer_activations(pl, sbh, precision) * layers
+    return exact(peak_activations(pl, total, deferred, stage, index))
 
 
 def holds_io_activations(pl: Placement, group: Group, stage: Stage) -> bool:

@@ -24,7 +24,7 @@ from enum import StrEnum
 
 import sympy as sp
 
-from formal._vocab import Group, Stage
+from formal._vocab import LAYER_IO, LINEAR_INNER, Group, Stage
 
 
 class Schedule(StrEnum):
@@ -33,6 +33,7 @@ class Schedule(StrEnum):
     ONE_F_ONE_B = "1f1b"
     GPIPE = "gpipe"
     INTERLEAVED = "interleaved"
+    ZERO_BUBBLE_H1 = "zb-h1"
 
 
 # Framework names as the exporters pass them to their refusals (``checker._exporters``).
@@ -55,8 +56,8 @@ class PipelineSchedule(ABC):
     what its exporter says it cannot express when the framework has no spelling for this schedule.
     ``deferred_activations``: activations the schedule keeps after a micro-batch's backward has
     run on a stage, per transformer layer and micro-batch, as ``(group, elements per sbh)``: the
-    elements are split along tp and cp as that activation group is (``deferred``, below, counts
-    the micro-batches).
+    elements are split along tp and cp as that activation group is (``peak_activations``, below,
+    says how many micro-batches keep them at the peak).
     """
 
     kind: Schedule
@@ -106,14 +107,15 @@ class PipelineSchedule(ABC):
     def stage_in_flight(self, p: sp.Expr, m: sp.Expr, v: sp.Expr, index: int) -> sp.Expr:
         """Micro-batches whose activations pipeline stage ``index`` (0 .. p-1) holds at its peak."""
 
-    def deferred(self, p: sp.Expr, m: sp.Expr, v: sp.Expr, stage: Stage) -> sp.Expr:
-        """Micro-batches whose ``deferred_activations`` a device of ``stage`` holds at the peak of
-        ``in_flight`` (for a middle stage, an upper bound). None but a schedule that defers work."""
-        return sp.Integer(0)
-
-    def stage_deferred(self, p: sp.Expr, m: sp.Expr, v: sp.Expr, index: int) -> sp.Expr:
-        """``deferred`` for pipeline stage ``index`` (0 .. p-1)."""
-        return sp.Integer(0)
+    def peak_activations(self, p: sp.Expr, m: sp.Expr, v: sp.Expr, whole: sp.Expr, deferred: sp.Expr,
+                         stage: Stage, index: int | None = None) -> sp.Expr:
+        """Activation bytes a device holds at its peak: on pipeline stage ``index`` (0 .. p-1),
+        or, without one, on a device of ``stage`` (a middle stage: an upper bound). ``whole``:
+        the bytes one micro-batch holds on the device from its forward until its backward;
+        ``deferred``: the bytes it keeps after its backward for deferred work (from
+        ``deferred_activations``). A schedule that defers nothing holds ``in_flight`` wholes."""
+        live = self.in_flight(p, m, v, stage) if index is None else self.stage_in_flight(p, m, v, index)
+        return whole * live
 
     @abstractmethod
     def bubble_fraction(self, p: sp.Expr, m: sp.Expr, v: sp.Expr) -> sp.Expr:
@@ -131,8 +133,8 @@ class OneFOneB(PipelineSchedule):
     help_term = "1f1b"
     help = "1F1B pipeline schedule (the default)"
     default = True
-    torchtitan = "1F1B"
-    pytorch = "Schedule1F1B"
+    torchtitan: str | None = "1F1B"
+    pytorch: str | None = "Schedule1F1B"
 
     def in_flight(self, p: sp.Expr, m: sp.Expr, v: sp.Expr, stage: Stage) -> sp.Expr:
         return sp.Integer(1) if stage == Stage.LAST else sp.Min(p, m)
@@ -198,8 +200,89 @@ class Interleaved(PipelineSchedule):
         return (p - 1) / (v * m)
 
 
+class ZeroBubbleH1(OneFOneB):
+    """ZB-H1 (Qi, Wan, Huang and Lin, "Zero Bubble Pipeline Parallelism", ICLR 2024,
+    arXiv 2401.10241, section 2.1). Each backward is split into B, the gradient of the stage's
+    input, which the previous stage waits for, and W, the gradient of its weights, which nothing
+    waits for. F and B run in 1F1B's order (so the sends are 1F1B's: B sends what 1F1B's backward
+    sends, W sends nothing); stage i runs each W i micro-batches after its B, so every stage has
+    min(p, m) micro-batches whose forward has run and whose W has not (the paper: "all workers
+    maintain the same number of in-flight microbatches").
+
+    Bubble. With T_F = T_B = T_W, the paper's assumption for its handcrafted schedules, section 2
+    gives ZB-H1's bubble as (p - 1)(T_F + T_B - T_W) against 1F1B's (p - 1)(T_F + T_B + T_W): a
+    third, (p - 1)/(3m) of the compute m (T_F + T_B + T_W). That needs m >= p: the W passes that
+    fill the drain are the earlier micro-batches'. With fewer, the same rule leaves
+    (p - 1)(T_F + T_B) - (m - 1) T_W, so in all (p - 1 + max(0, p - m)) / (3m) (an event
+    simulation of the schedule checks both, tests/test_zero_bubble.py).
+
+    Memory. B frees what only it reads; W reads the inputs of the layer's linear layers and the
+    gradients of their outputs, kept until it runs. The authors' runtime charges them 32sbh bytes
+    per layer beside Korthikanti's 34sbh + 5as^2b of a whole micro-batch
+    (megatron/core/pipeline_parallel/zerobubble/runtime.py in sail-sg/zero-bubble-pipeline-
+    parallelism: ``f_mem_approx = 34 * hidden_size + 5 * num_attention_heads * seq_length``,
+    ``w_mem_approx = - 32 * hidden_size``). Element by element at 16 bits: the inputs of QKV,
+    the attention output projection, FC1 and FC2 (sbh, sbh, sbh, 4sbh) and the gradients of their
+    outputs (3sbh, sbh, 4sbh, sbh), 16sbh elements. Under tensor parallelism the column-parallel
+    layers' inputs (QKV, FC1) and the row-parallel layers' output gradients (attention
+    projection, FC2) are whole on every rank, 4sbh placed like ``layer_io`` (sequence-split
+    under sequence parallelism); the other 12sbh are split, like ``linear_inner``. The input
+    and output layers' weight gradients are taken with their B (the paper's Table 1 counts
+    transformer layers only).
+
+    Stage i peaks right after a forward, holding min(p - i, m) whole micro-batches (1F1B's count)
+    and min(p, m) - min(p - i, m) deferred ones, or right after a backward, before its W, holding
+    min(p, m) - min(i + 1, m) whole and min(i + 1, m) deferred: the larger. Stage 0 runs each W
+    right after its B, so while a deferred micro-batch keeps less than a whole one (the paper's
+    M_W < M_B, Table 1) it peaks at 1F1B's min(p, m) wholes and is the most loaded, as the paper
+    says; full recomputation keeps less of a whole micro-batch than W reads, and then the
+    after-backward peak counts.
+    """
+
+    kind = Schedule.ZERO_BUBBLE_H1
+    term = "zb"
+    help_term = "zb"
+    help = "ZB-H1 zero-bubble pipeline schedule: backward split into input and weight gradients (Qi et al. 2024)"
+    default = False
+    torchtitan = None  # see refusals
+    pytorch = None  # PyTorch's ZB1P, ScheduleInterleavedZeroBubble, is a multi-stage schedule
+    refusals = (
+        # torchtitan/distributed/pipeline_parallel.py: a multi-stage schedule needs two or more
+        # stages per rank, and ScheduleZBVZeroBubble exactly two in a V; ZB-H1 runs one per rank.
+        (TORCHTITAN, "ZB-H1 (its zero-bubble schedules, InterleavedZeroBubble and ZBVZeroBubble, run two or "
+                     "more stages per rank)"),
+        (DEEPSPEED, "a zero-bubble schedule (its pipeline engine runs 1F1B)"),
+        # The authors' fork: "--zero-bubble-max-pending-backward ... 1 x number of pipelines will
+        # get a schedule like ZB1P" (README of sail-sg/zero-bubble-pipeline-parallelism).
+        (MEGATRON, "a zero-bubble schedule (the authors' fork, sail-sg/zero-bubble-pipeline-parallelism, runs "
+                   "ZB-H1 with --enable-zero-bubble --zero-bubble-max-pending-backward <pp>)"),
+    )
+    deferred_activations = ((LAYER_IO, 4), (LINEAR_INNER, 12))
+
+    def peak_activations(self, p: sp.Expr, m: sp.Expr, v: sp.Expr, whole: sp.Expr, deferred: sp.Expr,
+                         stage: Stage, index: int | None = None) -> sp.Expr:
+        n = sp.Min(p, m)
+        if index is not None:  # whole after a forward, deferred after a backward (docstring)
+            whole_f, deferred_b = sp.Min(p - index, m), sp.Min(index + 1, m)
+            after_f = whole_f * whole + (n - whole_f) * deferred
+            after_b = (n - deferred_b) * whole + deferred_b * deferred
+        elif stage == Stage.FIRST:  # index 0
+            after_f, after_b = n * whole, (n - 1) * whole + deferred
+        elif stage == Stage.LAST:  # index p - 1
+            after_f, after_b = whole + (n - 1) * deferred, n * deferred
+        else:  # every middle stage, 1 .. p - 2: each count at its largest
+            most, least = sp.Min(p - 1, m), sp.Min(2, m)
+            after_f, after_b = most * whole + (n - least) * deferred, (n - least) * whole + most * deferred
+        return sp.Max(after_f, after_b)
+
+    def bubble_fraction(self, p: sp.Expr, m: sp.Expr, v: sp.Expr) -> sp.Expr:
+        return (p - 1 + sp.Max(0, p - m)) / (3 * m)
+
+
 # In the order the composition language lists their modifiers.
-SCHEDULES: dict[Schedule, PipelineSchedule] = {s.kind: s for s in (Interleaved(), GPipe(), OneFOneB())}
+SCHEDULES: dict[Schedule, PipelineSchedule] = {
+    s.kind: s for s in (Interleaved(), GPipe(), OneFOneB(), ZeroBubbleH1())
+}
 DEFAULT_SCHEDULE: Schedule = next(k for k, s in SCHEDULES.items() if s.default)
 
 

@@ -12,7 +12,8 @@ import sympy as sp
 
 from checker._layout import canonical
 from checker._parse import MODIFIERS, parse
-from formal._costs import deferred_micro_batches, in_flight_micro_batches, stage_in_flight
+from formal._costs import activation_memory, in_flight_micro_batches, stage_in_flight
+from formal._model import DEFAULT_PRECISION
 from formal._presets import PRESETS
 from formal._schedules import DEFAULT_SCHEDULE, SCHEDULES, PipelineSchedule, for_torchtitan, schedule_of
 from formal._vocab import Stage
@@ -66,18 +67,20 @@ def test_every_schedule_has_its_line_in_the_modifier_list() -> None:
 @pytest.mark.parametrize("pp", [2, 3, 4, 8])
 def test_per_stage_counts_meet_the_first_and_last_stage_counts(schedule: PipelineSchedule, pp: int) -> None:
     """With enough micro-batches (m >= 2p), stage 0 holds what the first-stage count says and
-    stage p - 1 what the last-stage count says; a middle stage's count bounds every middle stage."""
+    stage p - 1 what the last-stage count says, micro-batches and bytes (what a schedule keeps
+    for deferred work included); a middle stage's bound holds every middle stage."""
     layers = 24
     chunks = 2 if schedule.chunked and layers % (pp * 2) == 0 else 1
     for m in (2 * pp, 3 * pp + 1):
         pl = parse(_text(schedule, pp, chunks, m)).placement(MODEL)
         assert stage_in_flight(pl, 0) == in_flight_micro_batches(pl, Stage.FIRST)
         assert stage_in_flight(pl, pp - 1) == in_flight_micro_batches(pl, Stage.LAST)
-        assert deferred_micro_batches(pl, index=0) == deferred_micro_batches(pl, Stage.FIRST)
-        assert deferred_micro_batches(pl, index=pp - 1) == deferred_micro_batches(pl, Stage.LAST)
+        memory = {st: activation_memory(pl, MODEL, DEFAULT_PRECISION, st) for st in Stage}
+        assert activation_memory(pl, MODEL, DEFAULT_PRECISION, Stage.FIRST, 0) == memory[Stage.FIRST]
+        assert activation_memory(pl, MODEL, DEFAULT_PRECISION, Stage.LAST, pp - 1) == memory[Stage.LAST]
         for i in range(1, pp - 1):
             assert stage_in_flight(pl, i) <= in_flight_micro_batches(pl, Stage.MIDDLE)
-            assert deferred_micro_batches(pl, index=i) <= deferred_micro_batches(pl, Stage.MIDDLE)
+            assert activation_memory(pl, MODEL, DEFAULT_PRECISION, Stage.MIDDLE, i) <= memory[Stage.MIDDLE]
 
 
 @pytest.mark.parametrize("schedule", ALL, ids=lambda s: s.kind.value)

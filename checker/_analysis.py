@@ -26,6 +26,7 @@ from formal._model import DEFAULT_PRECISION, Model, Precision
 from formal._placement import Placement
 from formal._program import StepProgram, derive_program, group_sizes
 from formal._strategies import Composition
+from formal._vocab import Stage
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Analysis:
     transfers: tuple[tuple[str, object, object, str, sp.Expr], ...]
     device_memory: int | None
     symbolic_memory: Memory
-    traffic_stage: str = "first"  # the pipeline stage whose device sends the most (``traffic``'s)
+    traffic_stage: Stage = Stage.FIRST  # the pipeline stage whose device sends the most (``traffic``'s)
 
     @property
     def communication_bytes(self) -> sp.Expr:

@@ -20,8 +20,9 @@ from typing import Any
 
 from checker._layout import DataSharding, ExportError, Layout, layout_of
 from formal._model import Model, Transformer
-from formal._placement import Placement, Recompute, Schedule
+from formal._placement import Placement, Recompute
 from formal._program import Origin, gradient_origins
+from formal._schedules import DEEPSPEED, MEGATRON, TORCHTITAN, PipelineSchedule
 from formal._strategies import Composition
 from formal._vocab import ATTENTION, EMBEDDING, EXPERTS, HEAD, MLP, Axis, Group, Mode, State
 
@@ -61,6 +62,13 @@ def _refuse(layout: Layout, target: str, **bad: bool) -> None:
     for what, present in bad.items():
         if present:
             raise ExportError(f"{layout.text()}: {target} cannot express {what.replace('_', ' ')}")
+
+
+def _schedule_refusal(schedule: PipelineSchedule, target: str) -> dict[str, bool]:
+    """The schedule's own refusal for ``target`` (``PipelineSchedule.refusals``), as a ``_refuse``
+    keyword: what the framework cannot express of it, or nothing when it can."""
+    what = schedule.refusal(target)
+    return {} if what is None else {what: True}
 
 
 def _micro(model: Model) -> int:
@@ -158,20 +166,16 @@ def export_torchtitan(comp: Composition, model: Model) -> Exported:
             stages = layout.pp * o.chunks
             notes.append(f"uneven stages: torchtitan splits the {uneven} layers over the {stages} stages itself, "
                          f"at most {-(-uneven // stages)} on one; no key of the TOML says so")
-        match o.schedule:
-            case Schedule.ONE_F_ONE_B:
-                par["pipeline_parallel_schedule"] = "1F1B"
-            case Schedule.GPIPE:
-                par["pipeline_parallel_schedule"] = "GPipe"
-            case Schedule.INTERLEAVED:
-                par["pipeline_parallel_schedule"] = "Interleaved1F1B"
-                par["pipeline_parallel_layers_per_stage"] = _layers_per_chunk(layout, model, "torchtitan")
-            case _:
-                raise AssertionError(o.schedule)
+        schedule = o.pipeline_schedule
+        _refuse(layout, TORCHTITAN, **_schedule_refusal(schedule, TORCHTITAN))
+        assert schedule.torchtitan is not None, schedule  # a schedule torchtitan lacks says so in its refusals
+        par["pipeline_parallel_schedule"] = schedule.torchtitan
+        if schedule.chunked:
+            par["pipeline_parallel_layers_per_stage"] = _layers_per_chunk(layout, model, "torchtitan")
         par["pipeline_parallel_microbatch_size"] = micro
         training["local_batch_size"] = micro * o.micro_batches
     else:
-        _refuse(layout, "torchtitan", a_pipeline_schedule_without_pp=o.schedule is not Schedule.ONE_F_ONE_B)
+        _refuse(layout, "torchtitan", a_pipeline_schedule_without_pp=not o.pipeline_schedule.default)
         training["local_batch_size"] = micro
         if o.micro_batches > 1:  # gradient accumulation: global = local x dp x steps
             training["global_batch_size"] = micro * layout.data_degree * o.micro_batches
@@ -230,7 +234,7 @@ def export_deepspeed(comp: Composition, model: Model) -> Exported:
             a_replicate_axis=layout.dpr > 1, context_parallelism=layout.cp > 1,
             expert_parallelism_in_the_JSON=layout.ep > 1,
             sequence_parallelism=o.sequence_parallel,
-            an_interleaved_or_GPipe_schedule=o.schedule is not Schedule.ONE_F_ONE_B,
+            **_schedule_refusal(o.pipeline_schedule, DEEPSPEED),
             ZeRO_2_or_3_with_pipeline_parallelism=layout.pp > 1 and (stage or 0) >= 2,
             AutoTP_with_ZeRO_3=layout.tp > 1 and stage == 3,
             optimizer_offload_at_stage_0=o.offload_optimizer and stage == 0,
@@ -278,7 +282,7 @@ def export_megatron(comp: Composition, model: Model) -> Exported:
     _refuse(layout, "Megatron-LM",
             ZeRO_2_or_3_or_FSDP_in_its_DDP=layout.data not in (DataSharding.NONE, DataSharding.OPTIMIZER),
             a_replicate_axis=layout.dpr > 1, offload=o.offload_optimizer or o.offload_parameters,
-            a_GPipe_schedule=o.schedule is Schedule.GPIPE)
+            **_schedule_refusal(o.pipeline_schedule, MEGATRON))
     micro = _micro(model)
     args: list[tuple[str, str | None]] = []
     if isinstance(model, Transformer):
@@ -287,15 +291,16 @@ def export_megatron(comp: Composition, model: Model) -> Exported:
     args += [("--tensor-model-parallel-size", str(layout.tp)), ("--pipeline-model-parallel-size", str(layout.pp))]
     uneven = _uneven_layers(layout, model)
     if uneven is not None:
-        _refuse(layout, "Megatron-LM", uneven_stages_with_an_interleaved_schedule=o.schedule is Schedule.INTERLEAVED)
+        _refuse(layout, "Megatron-LM", uneven_stages_with_an_interleaved_schedule=o.pipeline_schedule.chunked)
         try:
             first, last = megatron_uneven_split(uneven, layout.pp)
         except ExportError as err:
             raise ExportError(f"{layout.text()}: {err}") from None
         args += [("--decoder-first-pipeline-num-layers", str(first)),
                  ("--decoder-last-pipeline-num-layers", str(last))]
-    if o.schedule is Schedule.INTERLEAVED:
-        args.append(("--num-layers-per-virtual-pipeline-stage", str(_layers_per_chunk(layout, model, "Megatron"))))
+    flag = o.pipeline_schedule.megatron_flag
+    if flag is not None:
+        args.append((flag, str(_layers_per_chunk(layout, model, "Megatron"))))
     if layout.cp > 1:
         args.append(("--context-parallel-size", str(layout.cp)))
     if layout.ep > 1:

@@ -43,6 +43,7 @@ from formal._input import (
 from formal._model import Model, Transformer
 from formal._placement import Options, Recompute, Schedule
 from formal._presets import DEFAULT_DEVICES, PRESETS
+from formal._schedules import for_torchtitan, schedule_of, torchtitan_names
 from formal.errors import InputError
 
 
@@ -357,7 +358,6 @@ _TT_SECTIONS = ("job", "profiling", "metrics", "model", "optimizer", "lr_schedul
                 "checkpoint", "activation_checkpoint", "float8", "mx", "comm", "memory_estimation",
                 "fault_tolerance", "experimental", "validation", "compile", "quantize")
 _TT_AC = ("mode", "selective_ac_option", "per_op_sac_force_recompute_mm_shapes_by_fqns", "early_stop")
-_TT_SCHEDULES = {"1f1b": Schedule.ONE_F_ONE_B, "gpipe": Schedule.GPIPE, "interleaved1f1b": Schedule.INTERLEAVED}
 # torchtitan [model] name/flavor -> our preset (torchtitan/models/llama3/__init__.py flavors).
 _TT_MODELS = {("llama3", "8B"): "llama3-8b", ("llama3", "70B"): "llama3-70b", ("llama3", "405B"): "llama3-405b"}
 
@@ -475,11 +475,11 @@ def import_torchtitan(raw: Any, *, devices: int | None, model: Model | None = No
 
 def _tt_schedule(par: dict[str, Any], pp: int, model: Model | None, where: str) -> tuple[Schedule, int]:
     name = str(par.get("pipeline_parallel_schedule", "1F1B"))
-    schedule = _TT_SCHEDULES.get(name.lower())
+    schedule = for_torchtitan(name)
     if schedule is None:
         raise ConfigError(f"{where}: parallelism.pipeline_parallel_schedule={name!r} is not mapped "
-                          "(mapped: 1F1B, GPipe, Interleaved1F1B)")
-    if schedule is not Schedule.INTERLEAVED:
+                          f"(mapped: {', '.join(torchtitan_names())})")
+    if not schedule_of(schedule).chunked:
         return schedule, 1
     if par.get("pipeline_parallel_split_points"):
         stages = len(par["pipeline_parallel_split_points"]) + 1

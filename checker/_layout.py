@@ -13,7 +13,7 @@ from enum import StrEnum
 
 from checker._parse import _default_micro_batches
 from formal._model import Model
-from formal._placement import Options, Recompute, Schedule
+from formal._placement import Options, Recompute
 from formal._strategies import Composition
 from formal._strategies import pp as pipeline
 from formal._vocab import Axis, Mode, State
@@ -63,10 +63,7 @@ class Layout:
             out.append("sp")
         if o.micro_batches != _default_micro_batches_for(self.pp):
             out.append(f"m{o.micro_batches}")
-        if o.schedule is Schedule.INTERLEAVED:
-            out.append(f"v{o.chunks}")
-        elif o.schedule is Schedule.GPIPE:
-            out.append("gpipe")
+        out += o.pipeline_schedule.modifier_terms(o.chunks)
         if o.uneven_stages:
             out.append("uneven")
         if o.offload_optimizer:

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from checker._numbers import MAX_DEGREE, parse_int
 from formal._placement import Options, Recompute, Schedule, Strategy
+from formal._schedules import for_term, modifier_help
 from formal._strategies import LIBRARY, Composition
 from formal.errors import CompositionError, InputError
 
@@ -22,9 +23,7 @@ MAX_TEXT = 1_000  # characters of a composition
 MODIFIERS: dict[str, str] = {
     "sp": "sequence parallelism on the tp axis (Korthikanti et al. 2022)",
     "m<N>": "N micro-batches per step (pipeline micro-batches or gradient accumulation)",
-    "v<N>": "interleaved pipeline schedule with N model chunks per device",
-    "gpipe": "GPipe pipeline schedule (all forwards, then all backwards)",
-    "1f1b": "1F1B pipeline schedule (the default)",
+    **modifier_help(),  # the pipeline schedules' (formal._schedules)
     "uneven": "uneven pipeline stages: layers need not divide by pp; the fullest stage holds ceil(L/pp)",
     "offload": "optimizer state, gradients and the update on the host (ZeRO-Offload)",
     "offload-params": "parameters on the host, fetched before each use (ZeRO-Infinity)",
@@ -139,7 +138,9 @@ def _modifier(term: str, options: Options, seen: list[str]) -> Options | None:
         case "v":
             return replace(options, chunks=_degree(term, term[1:]), schedule=Schedule.INTERLEAVED)
         case "schedule":
-            return replace(options, schedule=Schedule.GPIPE if term == "gpipe" else Schedule.ONE_F_ONE_B)
+            schedule = for_term(term)
+            assert schedule is not None
+            return replace(options, schedule=schedule)
         case "uneven":
             return replace(options, uneven_stages=True)
         case "offload":
@@ -160,7 +161,7 @@ def _modifier_kind(term: str) -> str | None:
         return "m"
     if re.fullmatch(r"v[0-9]+", term):
         return "v"
-    if term in ("gpipe", "1f1b"):
+    if for_term(term) is not None:
         return "schedule"
     if term == "uneven":
         return "uneven"

@@ -62,9 +62,10 @@ from formal._model import DEFAULT_PRECISION, Model, ParameterCount, Precision, T
 from formal._placement import Options, Recompute, Schedule, Strategy
 from formal._program import StepProgram, derive_program, group_sizes
 from formal._rules import Provenance, Setting, applicable, framework_notes, setting_for
+from formal._schedules import schedule_of
 from formal._strategies import LIBRARY, Composition
 from formal._verdict import Condition, Status, Verdict
-from formal._vocab import EXPERTS, Axis, State
+from formal._vocab import EXPERTS, Axis, Stage, State
 from formal.errors import InputError
 
 Floats = npt.NDArray[np.float64]
@@ -138,18 +139,10 @@ class Pipeline:
 
     @property
     def modifiers(self) -> tuple[str, ...]:
-        match self.schedule:
-            case Schedule.ONE_F_ONE_B:
-                return ()
-            case Schedule.GPIPE:
-                return ("gpipe",)
-            case Schedule.INTERLEAVED:
-                return (f"v{self.chunks}",)
-            case _:
-                raise AssertionError(self.schedule)
+        return schedule_of(self.schedule).modifier_terms(self.chunks)
 
     def __str__(self) -> str:
-        return "interleaved" + f"-v{self.chunks}" if self.schedule is Schedule.INTERLEAVED else self.schedule.value
+        return schedule_of(self.schedule).label(self.chunks)
 
 
 @dataclass(frozen=True)
@@ -273,7 +266,7 @@ class Space:
 
     def families(self, model: Model) -> list[Family]:
         bare = isinstance(model, ParameterCount)  # no activations: schedules, sp and recompute moot
-        pipes = [p for p in self.pipelines if p is None or not bare or p.schedule is Schedule.ONE_F_ONE_B]
+        pipes = [p for p in self.pipelines if p is None or not bare or schedule_of(p.schedule).default]
         sps = [s for s in self.sequence_parallel if not (bare and s)]
         rcs = [r for r in self.recompute if not (bare and r is not Recompute.NONE)]
         out = []
@@ -448,7 +441,7 @@ class Deriver:
                            pipeline=Pipeline(Schedule.ONE_F_ONE_B) if key.pipelined else None)
             pl, program = self._placement_program(base)
             exprs: list[sp.Expr] = []
-            for stage in ("first", "last"):
+            for stage in (Stage.FIRST, Stage.LAST):
                 mem = memory(pl, self.model, self.precision, self.sizes, stage)
                 exprs.append(mem.model_states + (mem.buffers if mem.buffers is not None else 0))
             exprs.append(sum((t[4] for t in transfers(program, self.precision)), sp.Integer(0)))
@@ -476,7 +469,7 @@ class Deriver:
             base = replace(family, data=DataParallel.DP, offload=Offload.NONE)
             pl, program = self._placement_program(base)
             exprs: list[sp.Expr] = []
-            for stage in ("first", "last"):
+            for stage in (Stage.FIRST, Stage.LAST):
                 act = activation_memory(pl, self.model, self.precision, stage)
                 exprs.append(act if act is not None else sp.Integer(0))
             exprs.append(bubble_fraction(pl))
@@ -775,7 +768,7 @@ def _candidate(plan: Plan, row: int) -> Candidate:
     return Candidate(
         family=plan.families[int(t.family[row])], degrees=tuple(int(x) for x in t.degrees[row]),
         micro_batch=int(t.b[row]), micro_batches=int(t.m[row]), memory=float(t.memory[row]),
-        stage="last" if bool(t.last_heavier[row]) else "first",
+        stage=Stage.LAST if bool(t.last_heavier[row]) else Stage.FIRST,
         traffic=tuple(float(x) for x in t.traffic[row]), host=float(t.host[row]),
         compute_s=float(t.compute_s[row]), bubble_s=float(t.bubble_s[row]),
         communication_s=float(t.communication_s[row]), host_s=float(t.host_s[row]), uneven=uneven,
@@ -796,7 +789,7 @@ def family_of(composition: Composition) -> tuple[Family, tuple[int, ...]]:
     offload = Offload.ALL if o.offload_parameters else Offload.OPTIMIZER if o.offload_optimizer else Offload.NONE
     pipeline = None
     if Axis.PP in mesh:
-        pipeline = Pipeline(o.schedule, o.chunks if o.schedule is Schedule.INTERLEAVED else 1)
+        pipeline = Pipeline(o.schedule, o.virtual_stages)
     family = Family(data, offload, pipeline, o.sequence_parallel, o.recompute)
     return family, tuple(mesh.get(a, 1) for a in AXES)
 

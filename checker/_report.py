@@ -16,6 +16,7 @@ from formal._costs import ceil_int
 from formal._exact import exact
 from formal._model import ParameterCount, Transformer
 from formal._verdict import Condition, Status, Verdict
+from formal._vocab import Stage
 
 SCHEMA = "placement-semantics/report/1"
 
@@ -146,7 +147,7 @@ def print_human(analysis: Analysis, console: Console) -> None:
         comm.add_row(op, axis, state, phase, f"{sum(r['count'] for r in rows):,}", f"{moved:,}",
                      f"{moved / 1e9:,.2f}", "-" if state == "activations" else f"{float(psi):.3g}")
     console.print(comm)
-    busiest = doc["communication"].get("pipeline_stage", "first")
+    busiest = doc["communication"].get("pipeline_stage", Stage.FIRST)
     where = f" (pipeline stage sending the most: {busiest})" if doc["mesh"].get("pp", 1) > 1 else ""
     console.print(f"total {doc['communication']['per_device_per_step']:,} bytes "
                   f"({gb(doc['communication']['per_device_per_step'])}) per device per step{where}; "

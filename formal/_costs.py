@@ -15,7 +15,7 @@ import sympy as sp
 
 from formal._exact import exact
 from formal._model import Model, Precision, Transformer
-from formal._placement import Entry, Placement, Recompute, Schedule
+from formal._placement import Entry, Placement, Recompute
 from formal._program import Op, StepProgram, axis_factor, pipeline_factor, shard_elements
 from formal._vocab import (
     ACTIVATION_GROUPS,
@@ -30,10 +30,11 @@ from formal._vocab import (
     Group,
     Mode,
     OpKind,
+    Stage,
     State,
 )
 
-STAGES = ("first", "middle", "last")
+STAGES: tuple[Stage, ...] = tuple(Stage)  # first, middle, last
 
 
 def ceil_int(x: sp.Expr) -> int:
@@ -57,7 +58,7 @@ class StateMemory:
 class Memory:
     """Per-device memory on one pipeline stage. ``activations`` is None when unknown."""
 
-    stage: str
+    stage: Stage
     parameters: StateMemory
     gradients: StateMemory
     optimizer: StateMemory
@@ -85,14 +86,14 @@ class Memory:
         }
 
 
-def _device_factor(pl: Placement, state: State, group: Group, stage: str) -> sp.Expr:
+def _device_factor(pl: Placement, state: State, group: Group, stage: Stage) -> sp.Expr:
     """Product over axes of the persistent factor, times the axis-free (local) mode."""
     if pl.local_mode(state, group) in (Mode.OFFLOADED, Mode.MATERIALIZED):
         return sp.Integer(0)
     return _axes_factor(pl, state, group, stage)
 
 
-def _axes_factor(pl: Placement, state: State, group: Group, stage: str) -> sp.Expr:
+def _axes_factor(pl: Placement, state: State, group: Group, stage: Stage) -> sp.Expr:
     out: sp.Expr = sp.Integer(1)
     for axis, d in pl.mesh:
         entry = pl.entry(state, group, axis)
@@ -102,7 +103,7 @@ def _axes_factor(pl: Placement, state: State, group: Group, stage: str) -> sp.Ex
 
 
 def state_memory(pl: Placement, state: State, sizes: Mapping[Group, sp.Expr], precision: Precision,
-                 stage: str = "first") -> StateMemory:
+                 stage: Stage = Stage.FIRST) -> StateMemory:
     nbytes = precision.bytes_of(state)
     rows = tuple((g, exact(sizes[g] * nbytes * _device_factor(pl, state, g, stage)))
                  for g in pl.groups(state))
@@ -110,7 +111,7 @@ def state_memory(pl: Placement, state: State, sizes: Mapping[Group, sp.Expr], pr
 
 
 def host_memory(pl: Placement, sizes: Mapping[Group, sp.Expr], precision: Precision,
-                stage: str = "first") -> sp.Expr:
+                stage: Stage = Stage.FIRST) -> sp.Expr:
     total: sp.Expr = sp.Integer(0)
     for state in MODEL_STATES:
         for g in pl.groups(state):
@@ -119,69 +120,68 @@ def host_memory(pl: Placement, sizes: Mapping[Group, sp.Expr], precision: Precis
     return exact(total)
 
 
-def in_flight_micro_batches(pl: Placement, stage: str = "first") -> sp.Expr:
-    """Micro-batches whose activations a pipeline stage holds at its peak (in whole-stage units).
-
-    First stage (the most loaded; also used for ``middle`` as an upper bound): 1F1B
-    min(p, m) (Narayanan et al. 2021, section 2.2); GPipe m; interleaved
-    min(p, m) x (1 + (p-1)/(p v)) (Korthikanti et al. 2022, section 4.2.3). Last stage: 1F1B
-    runs one forward then one backward, so 1; GPipe m; interleaved: Megatron-LM's
-    ``forward_backward_pipelining_with_interleaving`` warms up (p - rank - 1) * 2 + (v-1) * p
-    chunk-micro-batches, so rank p-1 holds min(m v, (v-1) p + 1) chunks of 1/v of its layers
-    (for rank 0 the same count gives Korthikanti's formula). No pipeline: 1.
-    """
+def in_flight_micro_batches(pl: Placement, stage: Stage = Stage.FIRST) -> sp.Expr:
+    """Micro-batches whose activations a pipeline stage holds at its peak (in whole-stage units):
+    the schedule's count for the first or last stage (``PipelineSchedule.in_flight``; a middle
+    stage gets the first stage's, an upper bound). No pipeline: 1."""
     p = pl.degree(Axis.PP)
     m = sp.sympify(pl.options.micro_batches)  # a symbol in the planner's derivations
     if Axis.PP not in pl.axes or p == 1:
         return sp.Integer(1)
-    last = stage == "last"
-    match pl.options.schedule:
-        case Schedule.GPIPE:
-            return m
-        case Schedule.ONE_F_ONE_B:
-            return sp.Integer(1) if last else sp.Min(p, m)
-        case Schedule.INTERLEAVED:
-            v = sp.Integer(pl.options.chunks)
-            if last:
-                return sp.Min(m * v, (v - 1) * p + 1) / v
-            return sp.Min(p, m) * (1 + (p - 1) / (p * v))
-        case _:
-            raise AssertionError(pl.options.schedule)
+    v = sp.Integer(pl.options.virtual_stages)
+    return pl.options.pipeline_schedule.in_flight(p, m, v, stage)
 
 
 def stage_in_flight(pl: Placement, index: int) -> sp.Expr:
-    """Micro-batches pipeline stage ``index`` (0 .. p-1) holds at its peak, in whole-stage units.
-
-    1F1B: stage i runs p - i warm-up forwards before its first backward, so min(p - i, m)
-    (Narayanan et al. 2021, section 2.2); GPipe: m; interleaved: Megatron-LM's warm-up of
-    2 (p - i - 1) + (v - 1) p + 1 chunk-micro-batches, at most m v, each 1/v of the stage.
-    At i = 0 and i = p - 1 these are ``in_flight_micro_batches``' first and last stage.
-    """
+    """Micro-batches pipeline stage ``index`` (0 .. p-1) holds at its peak, in whole-stage units
+    (``PipelineSchedule.stage_in_flight``). At i = 0 and i = p - 1 these are
+    ``in_flight_micro_batches``' first and last stage."""
     p = pl.degree(Axis.PP)
     m = sp.sympify(pl.options.micro_batches)
     if Axis.PP not in pl.axes or p == 1:
         return sp.Integer(1)
     if not 0 <= index < p:
         raise ValueError(f"stage {index} of a {p}-stage pipeline")
-    match pl.options.schedule:
-        case Schedule.GPIPE:
-            return m
-        case Schedule.ONE_F_ONE_B:
-            return sp.Min(p - index, m)
-        case Schedule.INTERLEAVED:
-            v = sp.Integer(pl.options.chunks)
-            return sp.Min(m * v, 2 * (p - index - 1) + (v - 1) * p + 1) / v
-        case _:
-            raise AssertionError(pl.options.schedule)
+    v = sp.Integer(pl.options.virtual_stages)
+    return pl.options.pipeline_schedule.stage_in_flight(p, m, v, index)
 
 
-def activation_memory(pl: Placement, model: Model, precision: Precision, stage: str = "first",
+def peak_activations(pl: Placement, whole: sp.Expr, deferred: sp.Expr, stage: Stage = Stage.FIRST,
+                     index: int | None = None) -> sp.Expr:
+    """Activation bytes a device holds at its peak, on ``stage`` or on pipeline stage ``index``:
+    the schedule's (``PipelineSchedule.peak_activations``) from ``whole``, the bytes one
+    micro-batch holds until its backward, and ``deferred``, what it keeps after it for work the
+    schedule defers. No pipeline: one micro-batch at a time."""
+    p = pl.degree(Axis.PP)
+    m = sp.sympify(pl.options.micro_batches)
+    if Axis.PP not in pl.axes or p == 1:
+        return whole
+    if index is not None and not 0 <= index < p:
+        raise ValueError(f"stage {index} of a {p}-stage pipeline")
+    v = sp.Integer(pl.options.virtual_stages)
+    return pl.options.pipeline_schedule.peak_activations(p, m, v, whole, deferred, stage, index)
+
+
+def deferred_layer_activations(pl: Placement, sbh: sp.Expr, precision: Precision) -> sp.Expr:
+    """Bytes one device keeps of one layer and one micro-batch for work its schedule defers past
+    the backward (``PipelineSchedule.deferred_activations``), through the placement: each
+    group's elements split along tp and cp as that activation group is, at the activation width.
+    Recomputation does not shrink them: what the deferred work reads is kept until it runs."""
+    total: sp.Expr = sp.Integer(0)
+    for group, per_sbh in pl.options.pipeline_schedule.deferred_activations:
+        total += per_sbh * sbh * precision.activations * _tensor_factor(pl, group)
+    return total
+
+
+def activation_memory(pl: Placement, model: Model, precision: Precision, stage: Stage = Stage.FIRST,
                       index: int | None = None) -> sp.Expr | None:
     """Activation bytes on a device: Korthikanti's per-layer bytes (section 4.1) for the stage's
     layers, plus the input and output layers' bytes (section 4.3) where the stage holds them,
-    both through the placement, times the micro-batches in flight on the stage: the first or
-    last stage's (``in_flight_micro_batches``), or, given a pipeline stage ``index``, that
-    stage's own (``stage_in_flight``; a middle stage holds fewer than the first)."""
+    both through the placement, at the stage's peak (``peak_activations``): for a schedule that
+    defers nothing, times the micro-batches in flight on the stage, the first or last stage's
+    (``in_flight_micro_batches``), or, given a pipeline stage ``index``, that stage's own
+    (``stage_in_flight``; a middle stage holds fewer than the first); ZB-H1 also keeps what its
+    deferred weight-gradient passes read (``deferred_layer_activations`` for the stage's layers)."""
     if not isinstance(model, Transformer):
         return None
     per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
@@ -190,11 +190,11 @@ def activation_memory(pl: Placement, model: Model, precision: Precision, stage: 
     total = layer_activations(pl, per_layer, sbh, precision) * layers
     io = model.io_activation_bytes(precision.activations, precision.mask_bytes, precision.logits_bytes)
     total += io_activations(pl, io, stage)
-    live = in_flight_micro_batches(pl, stage) if index is None else stage_in_flight(pl, index)
-    return exact(total * live)
+    deferred = deferred_layer_activations(pl, sbh, precision) * layers
+    return exact(peak_activations(pl, total, deferred, stage, index))
 
 
-def holds_io_activations(pl: Placement, group: Group, stage: str) -> bool:
+def holds_io_activations(pl: Placement, group: Group, stage: Stage) -> bool:
     """Whether a device of ``stage`` keeps an input/output-layer activation group: the input
     embeddings' on the first stage, the output layer's and the loss's on the last, all of them
     without a pipeline. A symbolic pp degree (the planner) means a pipeline of two or more."""
@@ -202,13 +202,13 @@ def holds_io_activations(pl: Placement, group: Group, stage: str) -> bool:
     if Axis.PP not in pl.axes or (p.is_number and p == 1):
         return True
     if group in FIRST_STAGE_ACTIVATIONS:
-        return stage == "first"
+        return stage == Stage.FIRST
     if group in LAST_STAGE_ACTIVATIONS:
-        return stage == "last"
+        return stage == Stage.LAST
     raise AssertionError(group)
 
 
-def io_activations(pl: Placement, io_bytes: Mapping[Group, sp.Expr], stage: str = "first") -> sp.Expr:
+def io_activations(pl: Placement, io_bytes: Mapping[Group, sp.Expr], stage: Stage = Stage.FIRST) -> sp.Expr:
     """Input/output-layer activation bytes one device keeps for one micro-batch on ``stage``
     (Korthikanti et al. 2022, section 4.3), through the placement. Works on symbolic sizes."""
     total: sp.Expr = sp.Integer(0)
@@ -250,7 +250,7 @@ def _cp_factor(pl: Placement) -> sp.Expr:
 
 
 def buffer_memory(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr], precision: Precision,
-                  stage: str = "first") -> sp.Expr | None:
+                  stage: Stage = Stage.FIRST) -> sp.Expr | None:
     """Transient buffers implied by the modes, at their peak.
 
     ``S*`` gathered per use: the largest gather unit (one transformer layer's parameters, or
@@ -303,7 +303,7 @@ def _needs_buffer(pl: Placement, state: State, group: Group, axis: Axis, entry: 
 
 
 def memory(pl: Placement, model: Model, precision: Precision, sizes: Mapping[Group, sp.Expr],
-           stage: str = "first") -> Memory:
+           stage: Stage = Stage.FIRST) -> Memory:
     return Memory(
         stage=stage,
         parameters=state_memory(pl, State.PARAMETERS, sizes, precision, stage),
@@ -319,8 +319,8 @@ def most_loaded(pl: Placement, model: Model, precision: Precision, sizes: Mappin
     """The device with the largest total: pipeline stage 0 (embedding, most in-flight
     activations) unless the last stage's head outweighs it. Without pp there is one kind."""
     if Axis.PP not in pl.axes or pl.degree(Axis.PP) == 1:
-        return memory(pl, model, precision, sizes, "first")
-    candidates = [memory(pl, model, precision, sizes, st) for st in ("first", "last")]
+        return memory(pl, model, precision, sizes, Stage.FIRST)
+    candidates = [memory(pl, model, precision, sizes, st) for st in (Stage.FIRST, Stage.LAST)]
     if any(not m.total.is_number for m in candidates):
         return candidates[0]
     return max(candidates, key=lambda m: exact(m.total))
@@ -362,43 +362,44 @@ class Traffic:
     paper_elements: sp.Expr  # ZeRO-paper units: elements x (2 for all-reduce, else 1) x count
 
 
-def pipeline_stages(pl: Placement) -> tuple[str, ...]:
+def pipeline_stages(pl: Placement) -> tuple[Stage, ...]:
     """The kinds of pipeline stage a placement has: one without a pipeline, first and last with
     two stages, and a middle one beyond (a symbolic degree: all three)."""
     p = pl.degree(Axis.PP)
     if Axis.PP not in pl.axes or (p.is_number and p == 1):
-        return ("first",)
+        return (Stage.FIRST,)
     if p.is_number and p == 2:
-        return ("first", "last")
+        return (Stage.FIRST, Stage.LAST)
     return STAGES
 
 
-def op_stage_factor(op: Op, pl: Placement, stage: str) -> sp.Expr:
+def op_stage_factor(op: Op, pl: Placement, stage: Stage) -> sp.Expr:
     """How often a device of pipeline ``stage`` runs ``op``, relative to the op's ``count``.
 
     The step program is a union over stages: the first stage's groups (embedding, its
     activation) run on the first stage only, the last stage's (head, final norm, their
     activations) on the last, a tied embedding on both; stage-to-stage sends are counted per
-    boundary (m x chunks per phase), and a device ends ``2 x chunks - [first] - [last]`` of
+    boundary (m x the schedule's ``boundary_sends`` b per phase), and a device ends
+    ``2b - [first] - [last]`` of
     its boundaries (a middle stage sends and receives both ways). Without a pipeline: 1.
     """
     if len(pipeline_stages(pl)) == 1:
         return sp.Integer(1)
     if op.kind is OpKind.SEND_RECV and op.axis is Axis.PP:
-        chunks = pl.options.chunks if pl.options.schedule is Schedule.INTERLEAVED else 1
-        ends = int(stage == "first") + int(stage == "last")
-        return sp.Rational(2 * chunks - ends, chunks)
+        sends = pl.options.pipeline_schedule.boundary_sends(pl.options.chunks)
+        ends = int(stage == Stage.FIRST) + int(stage == Stage.LAST)
+        return sp.Rational(2 * sends - ends, sends)
     group = op.group
     if group in pl.tied:
-        return sp.Integer(int(stage in ("first", "last")))
+        return sp.Integer(int(stage in (Stage.FIRST, Stage.LAST)))
     if group in FIRST_STAGE_GROUPS or group in FIRST_STAGE_ACTIVATIONS:
-        return sp.Integer(int(stage == "first"))
+        return sp.Integer(int(stage == Stage.FIRST))
     if group in LAST_STAGE_GROUPS or group in LAST_STAGE_ACTIVATIONS:
-        return sp.Integer(int(stage == "last"))
+        return sp.Integer(int(stage == Stage.LAST))
     return sp.Integer(1)
 
 
-def communication(program: StepProgram, precision: Precision, stage: str | None = None) -> tuple[Traffic, ...]:
+def communication(program: StepProgram, precision: Precision, stage: Stage | None = None) -> tuple[Traffic, ...]:
     """Every collective of the program with its per-device volume: the program's union over
     pipeline stages, or, given ``stage``, what one device of that stage sends (``op_stage_factor``)."""
     out: list[Traffic] = []
@@ -419,7 +420,7 @@ def communication(program: StepProgram, precision: Precision, stage: str | None 
     return tuple(out)
 
 
-def busiest_stage_traffic(program: StepProgram, precision: Precision) -> tuple[str, tuple[Traffic, ...]]:
+def busiest_stage_traffic(program: StepProgram, precision: Precision) -> tuple[Stage, tuple[Traffic, ...]]:
     """The pipeline stage whose device sends the most per step, and its collectives (the first
     stage on a tie; without a pipeline, the one kind of device)."""
     stages = pipeline_stages(program.placement)
@@ -450,11 +451,11 @@ def model_state_paper_units(traffic: tuple[Traffic, ...]) -> sp.Expr:
 
 
 def bubble_fraction(pl: Placement) -> sp.Expr:
-    """Pipeline bubble: (p-1)/m for 1F1B and GPipe, (p-1)/(v m) interleaved (PTD-P 2.2)."""
+    """Pipeline bubble: a stage's idle time over its compute time in one step, the schedule's
+    (``PipelineSchedule.bubble_fraction``; (p-1)/m for 1F1B and GPipe, (p-1)/(v m) interleaved,
+    Narayanan et al. 2021, section 2.2). No pipeline: 0."""
     p = pl.degree(Axis.PP)
     m = sp.sympify(pl.options.micro_batches)  # a symbol in the planner's derivations
     if Axis.PP not in pl.axes:
         return sp.Integer(0)
-    if pl.options.schedule is Schedule.INTERLEAVED:
-        return (p - 1) / (sp.Integer(pl.options.chunks) * m)
-    return (p - 1) / m
+    return pl.options.pipeline_schedule.bubble_fraction(p, m, sp.Integer(pl.options.virtual_stages))

@@ -14,6 +14,7 @@ from enum import StrEnum
 
 import sympy as sp
 
+from formal._schedules import DEFAULT_SCHEDULE, PipelineSchedule, Schedule, schedule_of
 from formal._vocab import (
     Axis,
     Group,
@@ -50,14 +51,6 @@ class Entry:
 R = Entry(Mode.REPLICATED)
 S = Entry(Mode.SHARDED)
 SG = Entry(Mode.SHARDED_GATHER)
-
-
-class Schedule(StrEnum):
-    """Pipeline schedules (Narayanan et al. 2021, section 2.2)."""
-
-    ONE_F_ONE_B = "1f1b"
-    GPIPE = "gpipe"
-    INTERLEAVED = "interleaved"
 
 
 class Recompute(StrEnum):
@@ -118,10 +111,20 @@ class Options:
     recompute: Recompute = Recompute.NONE
     offload_optimizer: bool = False
     offload_parameters: bool = False
-    schedule: Schedule = Schedule.ONE_F_ONE_B
+    schedule: Schedule = DEFAULT_SCHEDULE
     chunks: int = 1  # virtual stages per device (interleaved schedule)
     micro_batches: int = 1  # per step per data-parallel replica (pipeline or accumulation)
     uneven_stages: bool = False  # declared uneven pipeline stages: layers need not divide by pp
+
+    @property
+    def pipeline_schedule(self) -> PipelineSchedule:
+        """The schedule's object (``formal._schedules``): its memory, bubble, sends and spellings."""
+        return schedule_of(self.schedule)
+
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per device: ``chunks`` under a chunked (interleaved) schedule, else 1."""
+        return self.pipeline_schedule.virtual_stages(self.chunks)
 
 
 @dataclass(frozen=True)

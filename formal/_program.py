@@ -14,7 +14,7 @@ import sympy as sp
 
 from formal._exact import exact
 from formal._model import Model, Transformer
-from formal._placement import Entry, Placement, Recompute, Schedule
+from formal._placement import Entry, Placement, Recompute
 from formal._vocab import (
     EMBEDDING,
     EMBEDDING_IO,
@@ -36,6 +36,7 @@ from formal._vocab import (
     OpKind,
     Phase,
     Reduce,
+    Stage,
     State,
 )
 
@@ -115,7 +116,7 @@ def group_sizes(model: Model) -> dict[Group, sp.Expr]:
     return {g: sp.Integer(n) for g, n in model.group_elements().items()}
 
 
-def pipeline_factor(group: Group, entry: Entry, p: sp.Expr, stage: str,
+def pipeline_factor(group: Group, entry: Entry, p: sp.Expr, stage: Stage,
                     layer_share: sp.Expr | None = None) -> sp.Expr:
     """Memory factor along pp on a stage (``first``, ``last`` or ``middle``).
 
@@ -124,15 +125,15 @@ def pipeline_factor(group: Group, entry: Entry, p: sp.Expr, stage: str,
     stage 0 only, last-stage groups on stage p-1 only; a tied embedding (``R`` along pp) on both.
     """
     if entry.mode is Mode.REPLICATED and group not in LAYER_GROUPS:
-        return sp.Integer(1) if stage in ("first", "last") or p == 1 else sp.Integer(0)
+        return sp.Integer(1) if stage in (Stage.FIRST, Stage.LAST) or p == 1 else sp.Integer(0)
     if entry.mode in (Mode.OFFLOADED, Mode.MATERIALIZED):
         return sp.Integer(0)
     if entry.mode is Mode.REPLICATED:
         return sp.Integer(1)
     if group in FIRST_STAGE_GROUPS:
-        return sp.Integer(1) if stage == "first" or p == 1 else sp.Integer(0)
+        return sp.Integer(1) if stage == Stage.FIRST or p == 1 else sp.Integer(0)
     if group in LAST_STAGE_GROUPS:
-        return sp.Integer(1) if stage == "last" or p == 1 else sp.Integer(0)
+        return sp.Integer(1) if stage == Stage.LAST or p == 1 else sp.Integer(0)
     return 1 / p if layer_share is None else layer_share
 
 
@@ -149,16 +150,16 @@ def axis_factor(entry: Entry, d: sp.Expr) -> sp.Expr:
             raise AssertionError(entry)
 
 
-def owner_stage(group: Group) -> str:
+def owner_stage(group: Group) -> Stage:
     if group in FIRST_STAGE_GROUPS:
-        return "first"
+        return Stage.FIRST
     if group in LAST_STAGE_GROUPS:
-        return "last"
-    return "first"
+        return Stage.LAST
+    return Stage.FIRST
 
 
 def shard_elements(pl: Placement, state: State, group: Group, size: sp.Expr, skip: Axis | None,
-                   stage: str | None = None) -> sp.Expr:
+                   stage: Stage | None = None) -> sp.Expr:
     """Elements one device holds of (state, group), ignoring axis ``skip`` and axis-free modes.
 
     Offloaded/materialized along an axis count as their shard (what would be held).
@@ -458,9 +459,10 @@ class _ActivationOps:
         if Axis.PP not in self.pl.axes or p == 1:
             return []
         assert isinstance(self.model, Transformer)
-        chunks = sp.Integer(self.pl.options.chunks if self.pl.options.schedule is Schedule.INTERLEAVED else 1)
+        # Once per micro-batch per boundary crossing the schedule makes (once per model chunk).
+        sends = sp.Integer(self.pl.options.pipeline_schedule.boundary_sends(self.pl.options.chunks))
         bsh = self._tensor(LAYER_IO, Axis.PP, sp.Integer(self.model.hidden))
-        return [Op(OpKind.SEND_RECV, A, LAYER_IO, Axis.PP, phase, bsh, self.m * chunks,
+        return [Op(OpKind.SEND_RECV, A, LAYER_IO, Axis.PP, phase, bsh, self.m * sends,
                    note="activation (forward) or its gradient (backward) to the next stage")]
 
     def forward(self) -> list[Op]:

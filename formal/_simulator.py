@@ -46,7 +46,7 @@ import sympy as sp
 from formal._costs import communication, host_memory, state_memory, transfers
 from formal._exact import exact_fraction
 from formal._model import DEFAULT_PRECISION, Precision
-from formal._placement import Entry, Placement, Recompute, Schedule
+from formal._placement import Entry, Placement, Recompute
 from formal._program import Op, StepProgram, derive_program, group_sizes
 from formal._reference import (
     FLOAT_TOLERANCE,
@@ -82,6 +82,7 @@ from formal._vocab import (
     OpKind,
     Phase,
     Reduce,
+    Stage,
     State,
 )
 from formal.errors import SimulationError
@@ -229,7 +230,7 @@ class _Layout:
     def __init__(self, model: ReferenceModel, pl: Placement, mesh: _Mesh) -> None:
         self.model, self.pl, self.mesh = model, pl, mesh
         self.p = mesh.degree(Axis.PP)
-        self.v = pl.options.chunks if pl.options.schedule is Schedule.INTERLEAVED else 1
+        self.v = pl.options.virtual_stages
         if self.p == 1:
             self.v = 1
         if model.layers % (self.p * self.v):
@@ -245,10 +246,8 @@ class _Layout:
     def stage_layers(self, stage: int) -> list[int]:
         return [layer for c, ls in enumerate(self.chunk_layers) if self.chunk_stage(c) == stage for layer in ls]
 
-    def stage_name(self, stage: int) -> str:
-        if stage == 0:
-            return "first"
-        return "last" if stage == self.p - 1 else "middle"
+    def stage_name(self, stage: int) -> Stage:
+        return Stage.of(stage, self.p)
 
     def _positions(self, group: Group, layers: list[int] | None, tp: tuple[int, int] | None) -> IndexArray:
         parts = []
@@ -1132,7 +1131,7 @@ def reference_for(composition: Composition, base: ReferenceModel | None = None) 
     base = base or ReferenceModel()
     mesh = composition.mesh()
     t, p, cp = mesh.get(Axis.TP, 1), mesh.get(Axis.PP, 1), mesh.get(Axis.CP, 1)
-    v = composition.options.chunks if composition.options.schedule is Schedule.INTERLEAVED else 1
+    v = composition.options.virtual_stages
     layers = _multiple(base.layers, p * v)
     hidden = _multiple(base.hidden, t)
     heads = _multiple(base.heads, t)

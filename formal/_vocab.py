@@ -143,6 +143,23 @@ FIRST_STAGE_ACTIVATIONS: frozenset[Group] = frozenset({EMBEDDING_IO})
 LAST_STAGE_ACTIVATIONS: frozenset[Group] = frozenset({OUTPUT_IO, LOGITS})
 
 
+class Stage(StrEnum):
+    """A kind of pipeline stage. The first holds the input layer (embedding), the last the output
+    layer and the loss, a middle one neither; without a pipeline the one device is the first.
+    Costs that differ along the pipeline are given per kind (``formal._costs.pipeline_stages``)."""
+
+    FIRST = "first"
+    MIDDLE = "middle"
+    LAST = "last"
+
+    @classmethod
+    def of(cls, index: int, stages: int) -> Stage:
+        """The kind of pipeline stage ``index`` (0 .. stages - 1) of a ``stages``-stage pipeline."""
+        if stages == 1 or index == 0:
+            return cls.FIRST
+        return cls.LAST if index == stages - 1 else cls.MIDDLE
+
+
 class Phase(StrEnum):
     """When in a training step an op runs."""
 

@@ -31,7 +31,7 @@ from formal._placement import Options, Placement, Recompute
 from formal._program import derive_program
 from formal._strategies import LIBRARY, Composition
 from formal._verdict import Status
-from formal._vocab import WEIGHTS
+from formal._vocab import WEIGHTS, Stage
 from proofs._obligation import Obligation, Outcome
 
 COUNT = ParameterCount(10**9)  # its group is WEIGHTS; the size is the symbol Psi below
@@ -120,7 +120,7 @@ def activation_obligation(key: str) -> Outcome:
 V = sp.Symbol("V", positive=True, integer=True)
 
 
-def _io_activations(*names: str, sequence_parallel: bool = False, stage: str = "first") -> sp.Expr:
+def _io_activations(*names: str, sequence_parallel: bool = False, stage: Stage = Stage.FIRST) -> sp.Expr:
     """Input/output-layer activation bytes of one micro-batch through the placement, symbolic."""
     from formal._model import Transformer
 
@@ -138,7 +138,7 @@ KORTHIKANTI_IO: dict[str, tuple[Callable[[], sp.Expr], sp.Expr]] = {
     "tensor_sequence_parallel": (lambda: _io_activations("tp", sequence_parallel=True),
                                  SBH / T + 4 * SBH / T * (1 + V / h)),
     "pipeline_first_stage": (lambda: _io_activations("tp", "pp", sequence_parallel=True), SBH / T),
-    "pipeline_last_stage": (lambda: _io_activations("tp", "pp", sequence_parallel=True, stage="last"),
+    "pipeline_last_stage": (lambda: _io_activations("tp", "pp", sequence_parallel=True, stage=Stage.LAST),
                             4 * SBH / T * (1 + V / h)),
 }
 

@@ -8,7 +8,7 @@ from formal._model import Ffn, Norm, ParameterCount, Transformer
 
 # One strategy per axis; the degree is drawn separately. ``hsdp`` pairs with ``dpr``.
 DATA_STRATEGIES = ("dp", "zero1", "zero2", "zero3", "fsdp", "fsdp-sgo", "hsdp", "distopt")
-MODIFIERS = ("sp", "selective", "recompute", "offload", "offload-params", "gpipe", "v2")
+MODIFIERS = ("sp", "selective", "recompute", "offload", "offload-params", "gpipe", "v2", "zb")
 
 
 def degrees(max_value: int = 16) -> st.SearchStrategy[int]:
@@ -59,7 +59,7 @@ def compositions(draw: st.DrawFn, pipeline: bool = True, modifiers: bool = True)
         for mod in draw(st.lists(st.sampled_from(MODIFIERS), unique=True, max_size=3)):
             if mod == "sp" and not tp:
                 continue
-            if mod in ("gpipe", "v2") and (not pp or any(t in ("gpipe", "v2") for t in terms)):
+            if mod in ("gpipe", "v2", "zb") and (not pp or any(t in ("gpipe", "v2", "zb") for t in terms)):
                 continue
             if mod in ("selective", "recompute") and any(t in ("selective", "recompute") for t in terms):
                 continue

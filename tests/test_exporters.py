@@ -255,6 +255,7 @@ REFUSED = [  # (target, composition, what the one-line refusal names)
     (D, "zero14xpp2xselective", "selective recomputation"), (D, "zero14xpp2xflash", "selective recomputation"),
     (M, "dp2xpp2xgpipe", "GPipe"), (M, "dp4xoffload", "offload"), (M, "dp4xoffload-params", "offload"),
     (M, "dp4xsp", "sequence parallelism without tensor parallelism"),
+    (T, "fsdp4xpp2xzb", "ZB-H1"), (D, "zero14xpp2xzb", "zero-bubble"), (M, "dp2xpp2xzb", "zero-bubble"),
 ]
 
 

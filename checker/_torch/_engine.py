@@ -20,9 +20,8 @@ from torch import nn
 
 from checker._torch._net import Net, NetConfig, batch, init_exact_, loss_fn
 from checker._torch._record import Call, CommRecorder, SavedActivations, local, storage_bytes
-from formal._placement import Schedule
 from formal._strategies import Composition
-from formal._vocab import Axis, Mode, State
+from formal._vocab import Axis, Mode, Stage, State
 from formal.errors import CompositionError
 
 
@@ -47,8 +46,8 @@ def engine_for(comp: Composition) -> Engine:
     if comp.options.offload_optimizer or comp.options.offload_parameters or comp.options.recompute.value != "none":
         raise CompositionError(f"{comp}: offload and recomputation have no engine in this harness")
     if axes == {Axis.PP}:
-        if comp.options.schedule is Schedule.INTERLEAVED:
-            raise CompositionError(f"{comp}: interleaved schedules are not run by this harness")
+        if comp.options.pipeline_schedule.pytorch is None:
+            raise CompositionError(f"{comp}: {comp.options.schedule.value} schedules are not run by this harness")
         return Engine.PIPELINE
     if axes == {Axis.TP}:
         return Engine.TP
@@ -88,7 +87,7 @@ class Measured:
     optimizer_scalars: int  # Adam's per-tensor ``step`` counters (not per-element state)
     activations: int  # peak bytes saved for backward, parameters excluded
     calls: tuple[Call, ...]
-    stage: str
+    stage: Stage
     engine: Engine
     notes: list[str] = field(default_factory=list)
 
@@ -219,7 +218,9 @@ class Runner:
         return net
 
     def _pipeline(self, net: Net) -> tuple[nn.Module, Any]:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        import torch.distributed.pipelining as pipelining
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle
         cfg, p = self.cfg, self.mesh[Axis.PP]
         if cfg.layers % p:
             raise CompositionError(f"pp{p}: layers={cfg.layers} is not divisible by the pipeline degree")
@@ -247,7 +248,8 @@ class Runner:
                               input_grads=(None if first else hidden,), output_grads=(None if last else hidden,))
         m = self.comp.options.micro_batches
         scale = 1.0
-        make = ScheduleGPipe if self.comp.options.schedule is Schedule.GPIPE else Schedule1F1B
+        # The schedule's own single-stage class (engine_for refuses a schedule without one).
+        make: type[PipelineScheduleSingle] = getattr(pipelining, str(self.comp.options.pipeline_schedule.pytorch))
 
         def pipe_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             return loss_fn(cfg, logits, targets, scale / m)
@@ -404,11 +406,10 @@ def _optimizer_states(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [s for s in source.state.values() if isinstance(s, dict)]
 
 
-def _stage(runner: Runner) -> str:
+def _stage(runner: Runner) -> Stage:
     if runner.engine is not Engine.PIPELINE:
-        return "first"
-    p = runner.mesh[Axis.PP]
-    return "first" if runner.rank == 0 else "last" if runner.rank == p - 1 else "middle"
+        return Stage.FIRST
+    return Stage.of(runner.rank, runner.mesh[Axis.PP])
 
 
 def fake_group(world: int, rank: int = 0) -> Callable[[], None]:

@@ -45,6 +45,7 @@ from formal._vocab import (
     Axis,
     Group,
     OpKind,
+    Stage,
     State,
 )
 from formal.errors import ModelError
@@ -156,18 +157,15 @@ class Prediction:
     optimizer: int
     activations: int
     calls: tuple[Call, ...]
-    stage: str
+    stage: Stage
 
 
 def _int(x: sp.Expr) -> int:
     return exact_int(x)
 
 
-def stage_of(pl: Placement, rank: int) -> str:
-    p = int(pl.degree(Axis.PP))
-    if p == 1 or rank == 0:
-        return "first"
-    return "last" if rank == p - 1 else "middle"
+def stage_of(pl: Placement, rank: int) -> Stage:
+    return Stage.of(rank, int(pl.degree(Axis.PP)))
 
 
 def on_stage(pl: Placement, t: Tensor, rank: int) -> bool:
@@ -180,8 +178,8 @@ def on_stage(pl: Placement, t: Tensor, rank: int) -> bool:
     if t.layer is not None:
         return True  # counted per layer; callers use the stage's layers only
     if t.group in (EMBEDDING, POSITION):
-        return stage == "first"
-    return stage == "last"
+        return stage == Stage.FIRST
+    return stage == Stage.LAST
 
 
 def predict(comp: Composition, model: Transformer, impl: Implementation = Implementation(),
@@ -207,7 +205,7 @@ def predict(comp: Composition, model: Transformer, impl: Implementation = Implem
 
 
 def _sequence_parallel_gathered_inputs(pl: Placement, model: Transformer, impl: Implementation,
-                                       precision: Precision, stage: str, index: int | None = None) -> sp.Expr:
+                                       precision: Precision, stage: Stage, index: int | None = None) -> sp.Expr:
     t = pl.degree(Axis.TP)
     if not impl.sp_saves_gathered_inputs or t == 1 or not pl.mode(A, _layer_io(), Axis.TP).is_sharded:
         return sp.Integer(0)
@@ -229,14 +227,14 @@ def _ddp_reduced_bytes(program: StepProgram, precision: Precision) -> sp.Expr:
                 if op.kind is OpKind.ALL_REDUCE and op.state is G and op.axis is Axis.DP), sp.Integer(0))
 
 
-def _embedding_gradient_replicas(pl: Placement, model: Transformer, precision: Precision, stage: str) -> sp.Expr:
+def _embedding_gradient_replicas(pl: Placement, model: Transformer, precision: Precision, stage: Stage) -> sp.Expr:
     """The full-vocabulary gradient DTensor keeps on each tp rank, beyond the rank's shard,
     while the gradient is the persistent one (not reduce-scattered away by FSDP)."""
     if Axis.TP not in pl.axes or EMBEDDING not in pl.groups(G) or not pl.computes_sharded(Axis.TP, EMBEDDING):
         return sp.Integer(0)
     if any(pl.mode(G, EMBEDDING, ax).is_sharded for ax in pl.axes if ax.splits_data):
         return sp.Integer(0)
-    if stage not in ("first",) and int(pl.degree(Axis.PP)) > 1:
+    if stage != Stage.FIRST and int(pl.degree(Axis.PP)) > 1:
         return sp.Integer(0)
     shard = shard_elements(pl, G, EMBEDDING, sp.Integer(model.group_elements()[EMBEDDING]), None, stage)
     return (shard * pl.degree(Axis.TP) - shard) * precision.bytes_of(G)
@@ -297,7 +295,7 @@ def _units(pl: Placement, ts: list[Tensor], state: State, skip: Axis) -> dict[st
 
 
 def _fsdp_unit_calls(pl: Placement, program: StepProgram, ts: list[Tensor], impl: Implementation,
-                     precision: Precision, stage: str) -> Iterator[Call]:
+                     precision: Precision, stage: Stage) -> Iterator[Call]:
     seen: set[tuple[OpKind, Axis, str]] = set()
     for op in program.ops:
         if op.axis not in (Axis.DP, Axis.DPR) or op.state not in (P, G):
@@ -337,7 +335,7 @@ def _ddp_bucket_calls(pl: Placement, program: StepProgram, ts: list[Tensor], imp
         yield Call(OpKind.ALL_REDUCE, n, size)
 
 
-def _loss_parallel_calls(pl: Placement, model: Transformer, impl: Implementation, stage: str) -> Iterator[Call]:
+def _loss_parallel_calls(pl: Placement, model: Transformer, impl: Implementation, stage: Stage) -> Iterator[Call]:
     """``loss_parallel``'s fp32 per-token all-reduces on the last stage, when tp splits the head."""
     t = int(pl.degree(Axis.TP))
     head = HEAD if HEAD in pl.groups(P) else EMBEDDING

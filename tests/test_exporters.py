@@ -255,6 +255,8 @@ REFUSED = [  # (target, composition, what the one-line refusal names)
     (D, "zero14xpp2xselective", "selective recomputation"), (D, "zero14xpp2xflash", "selective recomputation"),
     (M, "dp2xpp2xgpipe", "GPipe"), (M, "dp4xoffload", "offload"), (M, "dp4xoffload-params", "offload"),
     (M, "dp4xsp", "sequence parallelism without tensor parallelism"),
+    (T, "fsdp16xhpz", "hierarchical partitioning"), (M, "zero316xhpz", "hierarchical partitioning"),
+    (D, "zero216xhpz-dpr2", "hierarchical partitioning without ZeRO 3"),
 ]
 
 

@@ -693,15 +693,13 @@ class Simulator:
     def _free_parameters(self, after_backward: bool) -> None:
         for g in self.groups:
             # After the forward, what was gathered along the holding axes stays (FSDP SGO: all of
-            # it; ZeRO++ hpZ: the secondary partition, whole across nodes), and a fetched
-            # offloaded copy stays whole if held at all.
+            # it; ZeRO++ hpZ: the secondary partition, whole across nodes), fetched offloaded
+            # parameters included.
             held = frozenset() if after_backward else frozenset(
                 a for a in self.mesh.axes if self.pl.entry(P, g, a).keep_gathered)
-            if held and g in self.offloaded[P]:
-                continue
             self.gathered[g] &= held
             for dev in self.mesh.devices:
-                if g in self.offloaded[P]:
+                if g in self.offloaded[P] and not held:
                     self.P[dev][g][...] = 0
                 else:
                     self.P[dev][g][~self.layout.mask(P, g, dev, skip=held)] = 0

@@ -852,14 +852,13 @@ class _AxisRun:
         """At the end of the forward and of the backward: transient copies are freed (gathered
         shards of others, fetched offloaded parameters), unless held through the backward."""
         entry = self.entry[P]
-        # Held through the backward: a fetched offloaded copy stays whole if held along any axis;
-        # gathered shards stay along the holding axes only (ZeRO++ hpZ holds across nodes and
-        # frees within the node, whose shards the backward gathers again).
-        offloaded = self.local[P] is Mode.OFFLOADED
-        if not after_backward and (self.case.held_here or (self.case.held and offloaded)):
+        # Held through the backward: what was gathered along a holding axis stays; along the other
+        # axes the device keeps its shard (ZeRO++ hpZ holds across nodes and frees within the node,
+        # whose shards the backward gathers again), its fetched shard too when P is offloaded.
+        if not after_backward and self.case.held_here:
             return
         for i in range(self.d):
-            if self.local[P] is Mode.OFFLOADED:
+            if self.local[P] is Mode.OFFLOADED and (after_backward or not self.case.held):
                 self.hold[(False, i, P)] = {}
             else:
                 own = self.partition(entry, i)

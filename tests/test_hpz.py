@@ -237,3 +237,52 @@ def test_the_gathers_may_run_across_nodes_first() -> None:
     assert decide(c, program, t).status is Status.PROVED
     result = simulate_program(program, model, steps=1)
     assert result.matches and not result.cost_mismatches
+
+
+# --- DeepSpeed: zero_optimization.zero_hpz_partition_size -----------------------------------------
+
+def _deepspeed(node: object, stage: int = 3, batch: int | None = 16) -> dict[str, object]:
+    doc: dict[str, object] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                              "zero_optimization": {"stage": stage, "zero_hpz_partition_size": node}}
+    if batch is not None:
+        doc["train_batch_size"] = batch
+    return doc
+
+
+@pytest.mark.parametrize(("node", "batch", "devices", "dp", "expected"), [
+    (8, 16, None, 16, "zero38xhpz-dpr2"),  # dp = 16 / (micro 1 x gas 1): two nodes of 8
+    (4, 64, None, 64, "zero34xhpz-dpr16"),
+    (8, None, 32, 32, "zero38xhpz-dpr4"),  # dp from --devices
+    (1, 16, None, 16, "zero316"),  # DeepSpeed's default: no secondary partition
+    (0, 16, None, 16, "zero316"),
+])
+def test_deepspeed_hpz_partition_size_is_the_node(node: int, batch: int | None, devices: int | None, dp: int,
+                                                    expected: str) -> None:
+    from checker._importers import import_deepspeed
+    imported = import_deepspeed(_deepspeed(node, batch=batch), devices=devices)
+    assert imported.composition == expected
+    if node > 1:
+        assert parse(imported.composition) == parse("zero3xhpz", devices=dp, node_size=node)
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    (_deepspeed(8, stage=2), "needs stage 3"),
+    (_deepspeed(8, batch=12), "does not divide the data-parallel degree 12"),
+    (_deepspeed(-1), "expected a positive integer"),
+])
+def test_deepspeed_hpz_that_cannot_be_mapped_is_one_error(config: dict[str, object], message: str) -> None:
+    from checker._importers import ConfigError, import_deepspeed
+    with pytest.raises(ConfigError, match=message):
+        import_deepspeed(config, devices=None)
+
+
+def test_deepspeed_round_trip_keeps_the_node_size() -> None:
+    import json
+
+    from checker._exporters import Target, export
+    from checker._importers import import_deepspeed
+    c = parse("zero3xhpz", devices=32, node_size=4)
+    doc = json.loads(export(c, GPT, Target.DEEPSPEED).text)
+    assert doc["zero_optimization"]["zero_hpz_partition_size"] == 4
+    assert doc["train_batch_size"] == GPT.micro_batch * 32  # DeepSpeed's dp is the whole group
+    assert parse(import_deepspeed(doc, devices=None).composition) == c

@@ -303,38 +303,56 @@ class _Layout:
             self._cache[key] = self._structural(group, dev, None, split)
         return self._cache[key]
 
-    def holding(self, state: State, group: Group, dev: Device, skip: Axis | None = None,
-                offsets: dict[Axis, int] | None = None) -> IndexArray:
-        """Positions a device holds of (state, group) by its placement (axis ``skip`` ignored).
+    def holding(self, state: State, group: Group, dev: Device, skip: Axis | Iterable[Axis] | None = None,
+                offsets: dict[Axis, int] | None = None, force: Axis | None = None) -> IndexArray:
+        """Positions a device holds of (state, group) by its placement (the axes ``skip`` ignored:
+        the union of what the devices along them hold).
 
         Structural splits first (pipeline stage, TP rows/columns of compute-sharded groups), then
-        flat shards along every other sharded axis in mesh order; shard ``k`` along an axis lives
-        on coordinate ``(k + offset) mod d``.
+        flat shards along every other sharded axis (and along ``force``, as if sharded there: the
+        partition a reduce-scatter onto the optimizer's shard cuts), dpr first, then in mesh order:
+        the replicate axis is the outer one, as in PyTorch's HSDP mesh ("replicate", "shard") and
+        DeepSpeed's node-major ranks. Shard ``k`` along an axis lives on coordinate
+        ``(k + offset) mod d``.
         """
-        key: tuple[object, ...] = ("hold", state, group, dev, skip, tuple(sorted((offsets or {}).items())))
+        skipped = frozenset({skip} if isinstance(skip, Axis) else skip or ())
+        key: tuple[object, ...] = ("hold", state, group, dev, skipped, tuple(sorted((offsets or {}).items())), force)
         if key in self._cache:
             return self._cache[key]
         pl = self.pl
         entries: dict[Axis, Entry] = {a: pl.entry(state, group, a) for a in self.mesh.axes}
         pp_mode = Mode.REPLICATED  # no pipeline axis, or ignored: every stage's share
-        if Axis.PP in entries and skip is not Axis.PP and entries[Axis.PP].mode.is_sharded:
+        if Axis.PP in entries and Axis.PP not in skipped and entries[Axis.PP].mode.is_sharded:
             pp_mode = Mode.SHARDED
-        tp_split = (Axis.TP in entries and skip is not Axis.TP and entries[Axis.TP].mode.is_sharded
+        tp_split = (Axis.TP in entries and Axis.TP not in skipped and entries[Axis.TP].mode.is_sharded
                     and pl.computes_sharded(Axis.TP, group))
+        flat = [a for a in sorted(self.mesh.axes, key=lambda a: a is not Axis.DPR)
+                if a is not Axis.PP and (entries[a].mode.is_sharded or a is force) and not (a is Axis.TP and tp_split)]
+        split = [a for a in flat if self.mesh.degree(a) > 1]
+        union = [a for a in split if a in skipped] if len(split) > 1 else []
+        if union:  # several flat axes nest: ignoring one is the union over its coordinates
+            rest = skipped - set(union)
+            peers = [dev]
+            for a in union:
+                peers = [self.mesh.moved(p, a, c) for p in peers for c in range(self.mesh.degree(a))]
+            pos = np.unique(np.concatenate([self.holding(state, group, p, rest, offsets, force) for p in peers]))
+            self._cache[key] = pos
+            return pos
         pos = self._structural(group, dev, pp_mode, tp_split)
-        for axis in self.mesh.axes:
-            e = entries[axis]
-            if axis in (skip, Axis.PP) or not e.mode.is_sharded or (axis is Axis.TP and tp_split):
+        for axis in flat:
+            if axis in skipped:
                 continue
             d = self.mesh.degree(axis)
-            offset = (offsets or {}).get(axis, e.offset)
+            offset = (offsets or {}).get(axis, entries[axis].offset)
             pos = _chunk(pos, d, (self.mesh.coord(dev, axis) - offset) % d)
         self._cache[key] = pos
         return pos
 
-    def mask(self, state: State | None, group: Group, dev: Device, skip: Axis | None = None) -> npt.NDArray[np.bool_]:
+    def mask(self, state: State | None, group: Group, dev: Device,
+             skip: Axis | Iterable[Axis] | None = None) -> npt.NDArray[np.bool_]:
         """``holding`` (or ``compute`` when ``state`` is None) as a boolean mask over the group."""
-        key: tuple[object, ...] = ("mask", state, group, dev, skip)
+        key: tuple[object, ...] = ("mask", state, group, dev,
+                                   frozenset({skip} if isinstance(skip, Axis) else skip or ()))
         if key not in self._masks:
             keep = np.zeros(self.model.size(group), dtype=bool)
             keep[self.compute(group, dev) if state is None else self.holding(state, group, dev, skip)] = True
@@ -429,6 +447,15 @@ class Simulator:
                 self.act_ops.setdefault((op.kind, op.group, op.axis, op.phase), []).append(i)
         self.groups = tuple(pl.groups(P))
         self.offloaded = {st: {g for g in self.groups if pl.local_mode(st, g) is Mode.OFFLOADED} for st in (P, O, G)}
+        # Collectives along several axes of one group act on what the earlier ones left: a gather
+        # on the parameters made whole along the axes gathered since the last free (ZeRO++ hpZ:
+        # within the node, then across nodes), a reduce-scatter on the gradient still whole along
+        # the axes the program scatters it along later.
+        self.gathered: dict[Group, set[Axis]] = {g: set() for g in self.groups}
+        self.scattered: dict[tuple[bool, Group], set[Axis]] = {}
+        self.scatter_axes: dict[Group, frozenset[Axis]] = {
+            g: frozenset(op.axis for op in self.ops if op.group == g and op.state is G and op.axis is not None
+                         and op.kind is OpKind.REDUCE_SCATTER) for g in self.groups}
 
     # ---- setup --------------------------------------------------------------------------
     def _init_states(self, p0: dict[Group, Array]) -> None:
@@ -513,8 +540,14 @@ class Simulator:
             return  # an axis of degree 1 that the mesh does not have: nothing to exchange
         n = self.n
         live = self.live_fresh if per_mb else self.live
+        whole: frozenset[Axis] = frozenset()
+        scattered = self.scattered.setdefault((per_mb, op.group), set())
+        if op.state is P and op.kind is OpKind.ALL_GATHER:
+            whole = frozenset(self.gathered[op.group] - {axis})
+        elif op.state is G and op.kind is OpKind.REDUCE_SCATTER:
+            whole = self.scatter_axes[op.group] - scattered - {axis}
         for peers in self.mesh.groups(axis, self.mesh.devices):
-            bases = {d: self.layout.holding(op.state, op.group, d, skip=axis) for d in peers}
+            bases = {d: self.layout.holding(op.state, op.group, d, skip=whole | {axis}) for d in peers}
             if op.state is G and op.kind is OpKind.ALL_REDUCE:
                 bases = {d: np.flatnonzero(self.layout.mask(G, op.group, d, axis) | live[d][op.group]) for d in peers}
             members = [d for d in peers if len(bases[d])]
@@ -538,6 +571,9 @@ class Simulator:
                     return np.intersect1d(bases[d], self.layout.compute(op.group, d))
                 if tied:
                     return _chunk(bases[d], len(members), (members.index(d) - op.offset) % len(members))
+                if whole:  # its shard along the axis, whole along the others made whole
+                    return self.layout.holding(op.state, op.group, d, skip=whole, offsets={axis: op.offset},
+                                               force=axis)
                 return _chunk(bases[d], deg, (self.mesh.coord(d, axis) - op.offset) % deg)
 
             for d in members:
@@ -575,6 +611,10 @@ class Simulator:
                         arrays[d][..., bases[d]] = arrays[src][..., bases[d]]
                 case _:
                     raise SimulationError(f"{op}: {op.kind.value} of {op.state.long_name} is not modelled")
+        if op.state is P and op.kind is OpKind.ALL_GATHER:
+            self.gathered[op.group].add(axis)
+        elif op.state is G and op.kind is OpKind.REDUCE_SCATTER:
+            scattered.add(axis)
 
     def _transfer(self, index: int, op: Op) -> None:
         n = self.n
@@ -651,14 +691,17 @@ class Simulator:
 
     def _free_parameters(self, after_backward: bool) -> None:
         for g in self.groups:
-            held = any(self.pl.entry(P, g, a).keep_gathered for a in self.mesh.axes)
-            if held and not after_backward:
-                continue
+            # After the forward, what was gathered along the holding axes stays (FSDP SGO: all of
+            # it; ZeRO++ hpZ: the secondary partition, whole across nodes), fetched offloaded
+            # parameters included.
+            held = frozenset() if after_backward else frozenset(
+                a for a in self.mesh.axes if self.pl.entry(P, g, a).keep_gathered)
+            self.gathered[g] &= held
             for dev in self.mesh.devices:
-                if g in self.offloaded[P]:
+                if g in self.offloaded[P] and not held:
                     self.P[dev][g][...] = 0
                 else:
-                    self.P[dev][g][~self.layout.mask(P, g, dev)] = 0
+                    self.P[dev][g][~self.layout.mask(P, g, dev, skip=held)] = 0
 
     def _free_gradients(self, arrays: dict[Device, dict[Group, Array]],
                         live: dict[Device, dict[Group, npt.NDArray[np.bool_]]]) -> None:
@@ -984,6 +1027,7 @@ class Simulator:
             for g in self.groups:
                 self.G[dev][g][...] = 0
                 self.live[dev][g][...] = False
+        self.scattered.clear()
         sync = self._phase_ops(Phase.GRAD_SYNC, (G, P, O))
         per_mb = [i for i in sync if self._per_micro_batch(i)]
         once = [i for i in sync if i not in per_mb]
@@ -992,6 +1036,8 @@ class Simulator:
             for dev in self.mesh.devices:
                 for g in self.groups:
                     self.fresh[dev][g][...] = 0
+            for g in self.groups:
+                self.scattered.pop((True, g), None)
             self._free_parameters(after_backward=False)
             # The forward math reads the parameters as they were at each group's forward read,
             # the backward (and its replay under recomputation) as at its backward read.
@@ -1011,6 +1057,8 @@ class Simulator:
                 for g in self.groups:
                     self.G[dev][g] = self.n.add(self.G[dev][g], self.fresh[dev][g])
                     self.live[dev][g] |= self.live_fresh[dev][g]
+            for g in self.groups:
+                self.scattered.setdefault((False, g), set()).update(self.scattered.get((True, g), ()))
             self._free_parameters(after_backward=True)
         for i in once:
             self._run_state_op(i)

@@ -34,6 +34,7 @@ NASTY_TEXTS = (
     "\x7f", "²", "٣", "１２", "Ⅷ", "1e400", "9" * 400, "-1", "0", "00", "2**70", "1180591620717411303424", "nan", "inf",
     "-inf", "auto", "$TP", "${WORLD}", "'", '"', "\\", "{}", "[]", "%s", "{0}", "😀", "\u202eevil", "\ufeff8",
     "\udcff", "\udc80abc", "-", "--", "x", "×", "*", " 8", "8 ", "+8", "0x10", "1_000", "8.0", "1e3", "٨", "8\x00",
+    "$\\frac{$", "$x^$", "</script>", "<b>", "&amp;", "%(x)s", "\\", "{}{}",
 )
 NASTY_NUMBERS = (
     "0", "1", "2", "8", "-1", "-3", "²", "٣", "８", "1e400", "1e30", "9" * 50, "9" * 400, "2**70",
@@ -482,7 +483,15 @@ def hf_configs(draw: st.DrawFn) -> Case:
     name = draw(st.sampled_from(("config.json",) * 6 + ("config.JSON", "config")))
     comp = draw(st.sampled_from(("dp2", "tp2", "pp2", "tp2xsp", "zero3", "ep2xdp2", "dp2xrecompute")))
     extra = draw(st.sampled_from(([], [], ["--json"], ["--micro-batch", "2"], ["--seq", "64"], ["--seq", "0"])))
-    return Case((comp, "--model", "{dir}/" + name, "--devices", "4", *extra), ((name, data),))
+    model = ("--model", "{dir}/" + name)
+    match draw(st.integers(0, 19)):  # the model's name also reaches charts and reports, rarely (they are slow)
+        case 0:
+            return Case(("compare", "dp2", comp, *model, "--chart", "{dir}/c.svg"), ((name, data),), slow=True)
+        case 1:
+            return Case((comp, *model, "--report", "{dir}/r.html"), ((name, data),), slow=True)
+        case 2:
+            return Case(("plan", *model, "--devices", "4"), ((name, data),))
+    return Case((comp, *model, "--devices", "4", *extra), ((name, data),))
 
 
 _STRATEGY_EXAMPLES = tuple(

@@ -190,6 +190,16 @@ def test_markup_in_a_config_name_is_shown_as_text(tmp_path: Path) -> None:
     assert "model [/bold][red]x (" in result.stdout
 
 
+@pytest.mark.parametrize("chart", ["c.svg", "c.png"])
+def test_dollars_in_a_config_name_are_not_mathematics(tmp_path: Path, chart: str) -> None:
+    """matplotlib used to parse ``$...$`` in the chart title as mathematics and fail (exit 4)."""
+    path = write(tmp_path, "config.json", json.dumps(TINY_HF | {"_name_or_path": "$\\frac{$ x^"}))
+    for args in (("compare", "dp2", "tp2"), ("sweep", "tp{}", "--values", "1,2")):
+        result = invoke(*args, "--model", path, "--chart", str(tmp_path / chart))
+        assert result.exit_code == 0, result.output
+        assert (tmp_path / chart).stat().st_size > 0
+
+
 def test_ansi_escapes_in_a_config_name_never_reach_the_terminal(tmp_path: Path) -> None:
     name = "\x1b[31mred\x1b[0m\x1b]0;title\x07\r"
     path = write(tmp_path, "config.json", json.dumps(TINY_HF | {"_name_or_path": name}))

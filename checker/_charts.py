@@ -22,7 +22,6 @@ STACK = ("parameters", "gradients", "optimizer", "activations", "buffers")
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
           "buffers": "#8172b3"}
 GB = 1e9
-_PLAIN_TEXT = {"text.parse_math": False, "text.usetex": False}
 
 
 def _stack(ax: object, labels: Sequence[str], rows: Sequence[Mapping[str, int | None]],
@@ -43,7 +42,7 @@ def _stack(ax: object, labels: Sequence[str], rows: Sequence[Mapping[str, int | 
 def memory_chart(labels: Sequence[str], rows: Sequence[Mapping[str, int | None]], device_memory: int | None,
                  title: str, fmt: str = "png") -> bytes:
     """A stacked bar per composition: bytes per device by state (most loaded device)."""
-    with rc_context(_PLAIN_TEXT):
+    with rc_context({"text.parse_math": False, "text.usetex": False}):
         fig = Figure(figsize=(max(7.0, 1.2 * len(labels) + 3), 4.5), layout="constrained")
         ax = fig.add_subplot()
         _stack(ax, labels, rows, device_memory)
@@ -54,7 +53,7 @@ def memory_chart(labels: Sequence[str], rows: Sequence[Mapping[str, int | None]]
 def sweep_chart(labels: Sequence[str], rows: Sequence[Mapping[str, int | None]], traffic: Sequence[int],
                 device_memory: int | None, title: str, fmt: str = "png") -> bytes:
     """Memory (stacked) and network bytes per device per step, against the swept degree."""
-    with rc_context(_PLAIN_TEXT):
+    with rc_context({"text.parse_math": False, "text.usetex": False}):
         fig = Figure(figsize=(max(7.0, 1.2 * len(labels) + 4), 7.5), layout="constrained")
         top, bottom = fig.subplots(2, 1)
         _stack(top, labels, rows, device_memory)

@@ -44,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 import sympy as sp
 
-from checker._numbers import gb
+from checker._numbers import MAX_DEGREE, gb
 from checker._parse import parse
 from formal._costs import (
     STAGES,
@@ -535,7 +535,9 @@ def mesh_rules(model: Model, global_batch: int, uneven: bool, deg: Ints, b: Ints
     """Family-independent rules: divisibility of sizes by degrees, batch by replicas."""
     t, c, e, p = deg[:, _TP], deg[:, _CP], deg[:, _EP], deg[:, _PP]
     replicas = deg[:, _DP] * deg[:, _DPR] * e * b
-    rules: dict[str, Bools] = {"batch": _divides(replicas, global_batch)}
+    # The micro-batch count is spelled m<N> in the composition, whose degrees are bounded.
+    rules: dict[str, Bools] = {"batch": _divides(replicas, global_batch),
+                               "micro_batches_bounded": global_batch // replicas <= MAX_DEGREE}
     if isinstance(model, Transformer):
         for name, size in (("heads", model.heads), ("kv_heads", model.kv_heads_), ("hidden", model.hidden),
                            ("ffn", model.ffn_), ("vocab", model.vocab)):

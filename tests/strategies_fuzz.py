@@ -511,6 +511,8 @@ def strategies_files(draw: st.DrawFn) -> Case:
         text = toml_text(draw(mutated_documents(doc, _ST_KEYS, json_only=False)))
     i = args.index("--strategies")
     argv = [*args[:i], "--strategies", "{dir}/user.toml", *args[i + 2:]]
+    if draw(st.integers(0, 9)) == 0:  # the file's program on the reference simulator (a few tenths of a second)
+        argv.append("--simulate")
     return Case(tuple(argv), (("user.toml", draw(corrupted_bytes(text))),))
 
 

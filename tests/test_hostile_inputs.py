@@ -289,6 +289,16 @@ def test_numbers_beyond_every_bound(args: tuple[str, ...], fragment: str) -> Non
     one_line(invoke(*args), fragment)
 
 
+def test_a_global_batch_beyond_spellable_micro_batches_plans_nothing() -> None:
+    """The planner used to fail on its own candidate (m1000000000: degree absurd) after planning."""
+    result = invoke("plan", "--params", "1e9", "--devices", "8", "--global-batch", "1000000000")
+    assert result.exit_code == 1 and "no composition fits" in result.stdout, result.output
+
+
+def test_compare_is_bounded() -> None:
+    one_line(invoke("compare", *["dp2"] * 65, "--params", "1e9"), "65 compositions")
+
+
 def test_a_leftover_degree_is_bounded() -> None:
     """A term without a degree takes the devices left over, and those are bounded too."""
     one_line(invoke("zero3", "--devices", "1000001"), "--devices")

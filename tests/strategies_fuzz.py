@@ -39,7 +39,8 @@ NASTY_TEXTS = (
 NASTY_NUMBERS = (
     "0", "1", "2", "8", "-1", "-3", "²", "٣", "８", "1e400", "1e30", "9" * 50, "9" * 400, "2**70",
     "1180591620717411303424", "1000000", "1000001", "nan", "inf", "", " ", "8 ", "0x8", "1_0", "8.5", "abc", "+2",
-    "\u0663\u0662", "\udcff", "4\n", "1e9", "7.5e9", "70B", "80GB", "80GiB", "1e-30", "0.4",
+    "\u0663\u0662", "\udcff", "4\n", "1e9", "7.5e9", "70B", "80GB", "80GiB", "1e-30", "0.4", "1e9\x1c", "8\u2028",
+    "80GB\x85", "\x1f2",
 )
 # Compositions quick to decide: small degrees, the default or a --params model.
 TINY_COMPOSITIONS = ("dp2", "zero1", "zero32", "zero2x", "tp2", "pp2", "dp2xtp2", "tp2xpp2", "fsdp2", "tp2xsp",

@@ -263,6 +263,15 @@ def test_numbers_are_ascii_digits(tmp_path: Path, digit: str) -> None:
     one_line(invoke(f"tp{digit}xdp2"), f"tp{digit}".lower().split("x")[0])
 
 
+@pytest.mark.parametrize("space", ["\x1c", "\x85", "\u2028", "\u3000", "\n"])
+def test_unicode_whitespace_is_not_part_of_a_number(space: str) -> None:
+    """Python's ``\\s`` takes these as whitespace: ``--params '1e9\\x1c'`` used to name the model
+    with a raw control character."""
+    one_line(invoke("dp2", "--params", f"1e9{space}"), "--params")
+    one_line(invoke("dp2", "--params", "1e9", "--device-memory", f"80GB{space}"), "--device-memory")
+    one_line(invoke("dp2", "--devices", f"8{space}"), "--devices")
+
+
 def test_an_empty_number_is_refused() -> None:
     one_line(invoke("zero3", "--devices", ""), "--devices")
     one_line(invoke("plan", "--params", "1e9", "--devices", "8", "--fix", "tp="), "--fix")

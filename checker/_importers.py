@@ -28,7 +28,6 @@ from checker._numbers import MAX_BATCH, MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, pa
 from formal._input import (
     BOOL,
     OBJECT,
-    TABLE,
     TEXT,
     TEXT_LIST,
     Expect,
@@ -381,7 +380,6 @@ _TT_MODELS = {("llama3", "8B"): "llama3-8b", ("llama3", "70B"): "llama3-70b", ("
 _TT_INT = integer()
 # The type of every key the torchtitan importer reads (values and ranges it checks itself).
 TORCHTITAN_SCHEMA: Schema = {
-    "*": TABLE,
     **{f"parallelism.{key}": _TT_INT for key in (
         "data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
         "pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree",

@@ -172,7 +172,7 @@ def load_model(model: str | None, params: str | None, micro_batch: int | None, s
         raise InputError(f"--params {params} and --model {model}: give one, not both")
     chosen: Model
     if params is not None:
-        chosen = ParameterCount(parse_count(params), name=f"{params} parameters")
+        chosen = ParameterCount(parse_count(params), name=f"{params.strip()} parameters")
     else:
         if model is not None and not model.strip():
             raise InputError(f"--model {model!r}: empty (give a preset name or a config.json)")

@@ -19,6 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from checker._analysis import Analysis
+from checker._command import build, fail, load_model
 from checker._exporters import Target, dtensor_placements, export
 from checker._frameworks import CONFUSED, all_rows, explain_row, placement_difference, placement_table
 from checker._html import write_report
@@ -40,13 +41,7 @@ __all__ = ["compare", "explain", "export_command", "resolve_from", "sweep", "wri
 
 
 def _fail(err: PlacementError) -> None:
-    _cli().fail(str(err))
-
-
-def _cli() -> Any:
-    from checker import cli  # the command module registers us; import it lazily to avoid a cycle
-
-    return cli
+    fail(str(err))
 
 
 # --- check --from ---------------------------------------------------------------------------
@@ -75,7 +70,7 @@ def resolve_from(from_path: str | None, composition: str | None, devices: int | 
         return Resolved(composition, devices, model, precision, micro_batch, seq, None)
     if composition is not None:
         raise InputError(f"{composition} and --from {from_path}: give one, not both")
-    chosen = _cli().load_model(model, params, None, None) if (model or params) else None
+    chosen = load_model(model, params, None, None) if (model or params) else None
     imported = load_config(Path(from_path), devices=devices, model=chosen)
     ctx = click.get_current_context(silent=True)
     precision_default = ctx is None or ctx.get_parameter_source("precision") is click.core.ParameterSource.DEFAULT
@@ -196,7 +191,7 @@ def _with(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 
 
 def _analyze(composition: str, kw: dict[str, Any]) -> Analysis:
-    analysis: Analysis = _cli().build(composition, kw["devices"], kw["model"], kw["params"], kw["precision"],
+    analysis: Analysis = build(composition, kw["devices"], kw["model"], kw["params"], kw["precision"],
                                       kw["device_memory"], kw["micro_batch"], kw["seq"])
     return analysis
 
@@ -389,7 +384,7 @@ def export_command(composition: str | None, target: str, from_path: str | None, 
         r = resolve_from(from_path, composition, kw["devices"], kw["model"], kw["params"], kw["precision"],
                          kw["micro_batch"], kw["seq"])
         comp = parse(r.composition, devices=r.devices if r.devices is not None else DEFAULT_DEVICES)
-        model: Model = _cli().load_model(r.model, kw["params"], r.micro_batch, r.seq)
+        model: Model = load_model(r.model, kw["params"], r.micro_batch, r.seq)
         tgt = Target(target)
         if tgt is Target.DTENSOR:
             doc = dtensor_placements(comp.placement(model))

@@ -1206,7 +1206,7 @@ def plan_command() -> Any:
                 uneven_stages: bool, rank_by: str, top: int, as_json: bool, csv_path: str | None) -> None:
         """Find the best valid composition for a model on a cluster, e.g.
         ``check-composition plan --model llama3-70b --devices 512 --device-memory 80GB``."""
-        from checker.cli import fail, load_model, set_outcome
+        from checker._command import fail, load_model, set_outcome
 
         try:
             csv_file = output_path(csv_path, "--csv") if csv_path is not None else None
@@ -1239,7 +1239,7 @@ def plan_command() -> Any:
         except InputError as err:
             fail(str(err))
             return
-        from checker.cli import EXIT_INVALID, EXIT_UNKNOWN, EXIT_VALID
+        from checker._command import EXIT_INVALID, EXIT_UNKNOWN, EXIT_VALID
 
         proved = bool(result.top) and all(c.status is Status.PROVED for c in result.top)
         code = EXIT_VALID if proved else EXIT_UNKNOWN if result.top else EXIT_INVALID

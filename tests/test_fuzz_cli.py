@@ -157,20 +157,22 @@ def test_the_harness_catches_a_half_written_file(monkeypatch: pytest.MonkeyPatch
 
 
 def test_the_harness_catches_an_internal_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    import checker.cli as cli
+    import checker._command as command  # where the subcommands build their analysis
 
     def broken(*args: object, **kwargs: object) -> None:
         raise KeyError("bug")
 
-    monkeypatch.setattr(cli, "analyze", broken)
+    monkeypatch.setattr(command, "analyze", broken)
     with pytest.raises(AssertionError, match="exit=4"):
         run_case(Case(("dp2", "--params", "1e9")))
 
 
 def test_the_harness_catches_a_control_character(monkeypatch: pytest.MonkeyPatch) -> None:
+    import checker._command as command
     import checker.cli as cli
 
-    monkeypatch.setattr(cli, "printable", lambda text, limit=None: text)
+    for module in (cli, command):  # click's own errors, and the one way to report bad input
+        monkeypatch.setattr(module, "printable", lambda text, limit=None: text)
     with pytest.raises(AssertionError):
         run_case(Case(("\x1b[2Jzero4",)))
 

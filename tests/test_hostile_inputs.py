@@ -414,12 +414,12 @@ def test_a_closed_pipe_keeps_unknown(z3_gives_up: None, monkeypatch: pytest.Monk
 
 
 def test_an_internal_error_is_one_line_and_exit_4(monkeypatch: pytest.MonkeyPatch) -> None:
-    import checker.cli as cli
+    import checker._command as command  # where the subcommands build their analysis
 
     def bug(*args: object, **kwargs: object) -> None:
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setattr(cli, "analyze", bug)
+    monkeypatch.setattr(command, "analyze", bug)
     result = invoke("dp2", "--params", "1e9")
     assert result.exit_code == 4
     assert result.stderr == ("error: internal error: ZeroDivisionError: division by zero "

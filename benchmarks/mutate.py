@@ -175,7 +175,10 @@ CATALOGUE: tuple[Mutant, ...] = (
          "read = host if case.host and host is not None else values", "read = values"),
     _smt("the optimizer reads the host gradient only when G itself is offloaded",
          "return Mode.OFFLOADED in (index.local.get((G, group)), index.local.get((O, group)))",
-         "return index.local.get((G, group)) is Mode.OFFLOADED"),
+         "return index.local.get((G, group)) is Mode.OFFLOADED",
+         equivalent="axis-free modes come only from the composition's modifiers, and the one that offloads the "
+                    "optimizer state offloads its gradients with it (ZeRO-Offload; formal/_strategies.py "
+                    "_apply_offload), so O offloaded implies G offloaded in every placement"),
     _smt("an axis-free scale charged to every axis",
          "(op.axis is axis or (op.axis is None and axis is home))", "(op.axis is axis or op.axis is None)"),
     _smt("an axis-free scale charged to the first axis, data or not",
@@ -202,7 +205,13 @@ CATALOGUE: tuple[Mutant, ...] = (
          "MAX_CONSISTENCY_DEVICES = 4", "MAX_CONSISTENCY_DEVICES = 2"),
     _smt("a reduction of differing holdings is accepted",
          "if state is G and first is not None and all(h == first for h in held):",
-         "if state is G and first is not None:"),
+         "if state is G and first is not None:",
+         equivalent="verdict-equivalent: devices that hold a gradient chunk always hold the same term (every op "
+                    "writes one value per chunk to all its holders), so the check fails only when some device "
+                    "lacks the chunk; holdings are rotations of device 0's, so unless device 0 holds every chunk "
+                    "(and then so does every device) some device reads a chunk device 0 lacks and gets junk in "
+                    "both versions: the same read fails, under the same rule, at the same step and op; only "
+                    "which device the witness names can change"),
     _smt("the optimizer's parameter read is unchecked",
          'self.check(P, "alignment_op", (p_value,), self.ref[P][k], **ctx)', "pass"),
     _smt("the optimizer's gradient read is unchecked",
@@ -472,7 +481,7 @@ def check_scratch_imports(scratch: Path) -> None:
             raise SystemExit(f"mutate: the scratch copy imports {path}, not its own modules")
 
 
-_FAILED = re.compile(r"^(FAILED|ERROR) (\S+)", re.MULTILINE)
+_FAILED = re.compile(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", re.MULTILINE)
 
 
 def run_subset(scratch: Path, tests: Sequence[str], timeout_s: float) -> tuple[str, float, str]:
@@ -490,7 +499,7 @@ def run_subset(scratch: Path, tests: Sequence[str], timeout_s: float) -> tuple[s
         return "passed", seconds, ""
     found = _FAILED.search(done.stdout)
     if found:
-        return "failed", seconds, found.group(2)
+        return "failed", seconds, found.group(1)
     tail = (done.stdout + done.stderr).strip().splitlines()
     return "failed", seconds, f"exit {done.returncode}: {tail[-1] if tail else ''}"
 

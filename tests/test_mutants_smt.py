@@ -459,3 +459,15 @@ def test_the_activation_exchange_models_four_tp_ranks() -> None:
                      if v.rule == "activation_exchange[A.layer_io, tp, forward, all_reduce]")
     assert violation.witness["degree"] == 4
     assert {key.split(".")[0] for key in violation.witness["start"]} == {"0", "1", "2", "3"}
+
+
+def test_reducing_a_complete_gradient_over_one_device_is_the_identity() -> None:
+    # Regression: tp has degree 1, so an all-reduce along it has one participant and returns its
+    # input (the simulator matches single-device training). z3 refuted it: the gradient's folded
+    # aggregate, meant for devices past the eighth, held an unconstrained value even with no
+    # device folded into it, and the reduction added that value in.
+    for reduce in (Reduce.SUM, Reduce.MEAN):
+        verdict, matches = judged("tp1xdp2", after(
+            lambda op: op.kind is OpKind.COMPUTE and op.phase is Phase.BACKWARD and op.group.name == "attention",
+            lambda op, how=reduce: [Op(OpKind.ALL_REDUCE, G, op.group, Axis.TP, Phase.GRAD_SYNC, reduce=how)]))
+        assert matches and verdict.status is Status.PROVED, reduce

@@ -104,12 +104,14 @@ def test_an_ffn_that_tp_cannot_split_is_refuted() -> None:
 def test_sequence_parallelism_needs_the_sequence_to_split_across_tp() -> None:
     # Korthikanti et al. 2022, 4.2.2: SP splits the sequence across the tp group, so 4097
     # tokens cannot go to 2 ranks; without SP the sequence is not split by tp at all.
-    model = replace(PRESETS["llama2-7b"], seq=4097)
+    base = PRESETS["llama2-7b"]
+    assert isinstance(base, Transformer)
+    model = replace(base, seq=4097)
     assert rules(composition_verdict("tp2xsp", model)) == {"divides[seq, tp]"}
     assert composition_verdict("tp2", model).status is Status.PROVED
     # Under cp x tp with SP each cp chunk is split again across tp: 4098 tokens divide by cp 2
     # and by tp 2, but not into cp x tp = 4 pieces (4098 = 1024 x 4 + 2).
-    model = replace(PRESETS["llama2-7b"], seq=4098)
+    model = replace(base, seq=4098)
     assert "divides[seq, tp]" in rules(composition_verdict("cp2xtp2xsp", model))
     assert composition_verdict("cp2xtp2", model).status is Status.PROVED
 
@@ -466,8 +468,11 @@ def test_reducing_a_complete_gradient_over_one_device_is_the_identity() -> None:
     # input (the simulator matches single-device training). z3 refuted it: the gradient's folded
     # aggregate, meant for devices past the eighth, held an unconstrained value even with no
     # device folded into it, and the reduction added that value in.
+    def reduced(how: Reduce) -> Callable[[Op], list[Op]]:
+        return lambda op: [Op(OpKind.ALL_REDUCE, G, op.group, Axis.TP, Phase.GRAD_SYNC, reduce=how)]
+
     for reduce in (Reduce.SUM, Reduce.MEAN):
         verdict, matches = judged("tp1xdp2", after(
             lambda op: op.kind is OpKind.COMPUTE and op.phase is Phase.BACKWARD and op.group.name == "attention",
-            lambda op, how=reduce: [Op(OpKind.ALL_REDUCE, G, op.group, Axis.TP, Phase.GRAD_SYNC, reduce=how)]))
+            reduced(reduce)))
         assert matches and verdict.status is Status.PROVED, reduce

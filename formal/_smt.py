@@ -384,7 +384,9 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
                 # Other devices hold other elements (their own shards): unrelated values.
                 others = [z3.ToReal(z3.Int(f"u{i}")) for i in range(1, k)]
                 init = [values[0] == reference] + [values[i] == others[i - 1] for i in range(1, k)]
-                init.append(rest_v == z3.ToReal(z3.Int("u_rest")))
+                # The folded aggregate holds other elements only if devices were folded: with
+                # none it is empty, so a collective over one device stays the identity.
+                init.append(rest_v == (z3.ToReal(z3.Int("u_rest")) if rest else 0))
             else:
                 init = [v == reference for v in values] + [rest_v == rest * reference]
         case _:

@@ -2,6 +2,8 @@
 
 Every chart reads rows of the JSON report (``memory.per_device``), never an ``Analysis``, so the
 chart and the numbers printed beside it cannot disagree. Sizes are plotted in GB (1e9 bytes).
+Titles and labels are drawn as plain text: a model name from a user's config.json may hold
+``$``, which matplotlib would otherwise parse as mathematics (and fail on).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from matplotlib import rc_context
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -39,25 +42,27 @@ def _stack(ax: object, labels: Sequence[str], rows: Sequence[Mapping[str, int | 
 def memory_chart(labels: Sequence[str], rows: Sequence[Mapping[str, int | None]], device_memory: int | None,
                  title: str, fmt: str = "png") -> bytes:
     """A stacked bar per composition: bytes per device by state (most loaded device)."""
-    fig = Figure(figsize=(max(7.0, 1.2 * len(labels) + 3), 4.5), layout="constrained")
-    ax = fig.add_subplot()
-    _stack(ax, labels, rows, device_memory)
-    ax.set_title(title)
-    return _render(fig, fmt)
+    with rc_context({"text.parse_math": False, "text.usetex": False}):
+        fig = Figure(figsize=(max(7.0, 1.2 * len(labels) + 3), 4.5), layout="constrained")
+        ax = fig.add_subplot()
+        _stack(ax, labels, rows, device_memory)
+        ax.set_title(title)
+        return _render(fig, fmt)
 
 
 def sweep_chart(labels: Sequence[str], rows: Sequence[Mapping[str, int | None]], traffic: Sequence[int],
                 device_memory: int | None, title: str, fmt: str = "png") -> bytes:
     """Memory (stacked) and network bytes per device per step, against the swept degree."""
-    fig = Figure(figsize=(max(7.0, 1.2 * len(labels) + 4), 7.5), layout="constrained")
-    top, bottom = fig.subplots(2, 1)
-    _stack(top, labels, rows, device_memory)
-    top.set_title(title)
-    bottom.plot(labels, [t / GB for t in traffic], marker="o", color="#333333")
-    bottom.set_ylabel("network GB per device per step")
-    bottom.set_xlabel("swept value")
-    bottom.grid(True, alpha=0.3)
-    return _render(fig, fmt)
+    with rc_context({"text.parse_math": False, "text.usetex": False}):
+        fig = Figure(figsize=(max(7.0, 1.2 * len(labels) + 4), 7.5), layout="constrained")
+        top, bottom = fig.subplots(2, 1)
+        _stack(top, labels, rows, device_memory)
+        top.set_title(title)
+        bottom.plot(labels, [t / GB for t in traffic], marker="o", color="#333333")
+        bottom.set_ylabel("network GB per device per step")
+        bottom.set_xlabel("swept value")
+        bottom.grid(True, alpha=0.3)
+        return _render(fig, fmt)
 
 
 def _render(fig: Figure, fmt: str) -> bytes:

@@ -34,6 +34,8 @@ from formal._presets import DEFAULT_DEVICES
 from formal._strategies import LIBRARY
 from formal.errors import InputError, PlacementError
 
+MAX_COMPARED = 64  # compositions side by side (and values of a sweep): a table, not a search
+
 __all__ = ["compare", "explain", "export_command", "resolve_from", "sweep", "write_report"]
 
 
@@ -245,6 +247,8 @@ def _write_chart(path: Path, data: bytes) -> None:
 def compare(compositions: tuple[str, ...], chart: str | None, as_csv: bool, as_json: bool, **kw: Any) -> None:
     """Compare COMPOSITIONS side by side, e.g. compare dp8 zero1 zero2 zero3 fsdp8."""
     try:
+        if len(compositions) > MAX_COMPARED:
+            raise InputError(f"compare: {len(compositions)} compositions (at most {MAX_COMPARED})")
         destination = _chart_path(chart)
         docs = [to_json(_analyze(c, kw)) for c in compositions]
         rows = [{**summary(d), "composition": typed} for d, typed in zip(docs, compositions, strict=True)]
@@ -277,8 +281,8 @@ def sweep(template: str, values: str, chart: str | None, as_csv: bool, as_json: 
         items = [v.strip() for v in values.split(",") if v.strip()]
         if not items:
             raise InputError(f"--values {values}: expected positive integers separated by commas")
-        if len(items) > 64:
-            raise InputError(f"--values {values[:40]}...: {len(items)} values (at most 64)")
+        if len(items) > MAX_COMPARED:
+            raise InputError(f"--values {values[:40]}...: {len(items)} values (at most {MAX_COMPARED})")
         numbers = [parse_int(v, "--values") for v in items]
         destination = _chart_path(chart)
         rows: list[dict[str, Any]] = []

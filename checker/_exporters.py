@@ -129,6 +129,9 @@ def export_torchtitan(comp: Composition, model: Model) -> Exported:
     o = layout.options
     assert layout.dp is not None
     _refuse(layout, "torchtitan",
+            # FSDP2 has it (fully_shard(reshard_after_forward=<int>)); torchtitan's
+            # fsdp_reshard_after_forward takes "default", "always" or "never" only
+            ZeRO_hierarchical_partitioning_hpZ=layout.replicate == "hpz-dpr",
             ZeRO_1_or_2_sharding_without_parameters=layout.data in (DataSharding.OPTIMIZER, DataSharding.GRADIENTS),
             tensor_parallelism_without_sequence_parallelism=layout.tp > 1 and not o.sequence_parallel,
             offload_of_only_some_states=o.offload_optimizer != o.offload_parameters,
@@ -229,9 +232,11 @@ def export_deepspeed(comp: Composition, model: Model) -> Exported:
     o = layout.options
     assert layout.dp is not None
     stage = _DS_STAGE.get(layout.data)
+    hpz = layout.replicate == "hpz-dpr"  # ZeRO++ hpZ: ZeRO-3 over dp x dpr, secondary partition within dp
     _refuse(layout, "DeepSpeed",
+            hierarchical_partitioning_without_ZeRO_3=hpz and stage != 3,
             parameters_held_through_backward=stage is None,
-            a_replicate_axis=layout.dpr > 1, context_parallelism=layout.cp > 1,
+            a_replicate_axis=layout.dpr > 1 and not hpz, context_parallelism=layout.cp > 1,
             expert_parallelism_in_the_JSON=layout.ep > 1,
             sequence_parallelism=o.sequence_parallel,
             **_schedule_refusal(o.pipeline_schedule, DEEPSPEED),
@@ -247,8 +252,10 @@ def export_deepspeed(comp: Composition, model: Model) -> Exported:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if o.offload_parameters:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if hpz and layout.dpr > 1:
+        zero["zero_hpz_partition_size"] = layout.dp  # the secondary partition's group: one node
     doc: dict[str, Any] = {
-        "train_batch_size": micro * o.micro_batches * layout.dp,
+        "train_batch_size": micro * o.micro_batches * layout.dp * (layout.dpr if hpz else 1),
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": o.micro_batches,
         "zero_optimization": zero,
@@ -280,6 +287,7 @@ def export_megatron(comp: Composition, model: Model) -> Exported:
     o = layout.options
     assert layout.dp is not None
     _refuse(layout, "Megatron-LM",
+            ZeRO_hierarchical_partitioning_hpZ=layout.replicate == "hpz-dpr",
             ZeRO_2_or_3_or_FSDP_in_its_DDP=layout.data not in (DataSharding.NONE, DataSharding.OPTIMIZER),
             a_replicate_axis=layout.dpr > 1, offload=o.offload_optimizer or o.offload_parameters,
             **_schedule_refusal(o.pipeline_schedule, MEGATRON))

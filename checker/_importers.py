@@ -28,7 +28,6 @@ from checker._numbers import MAX_BATCH, MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, pa
 from formal._input import (
     BOOL,
     OBJECT,
-    TABLE,
     TEXT,
     TEXT_LIST,
     Expect,
@@ -145,7 +144,7 @@ _DS_IGNORED = ("optimizer", "scheduler", "gradient_clipping", "steps_per_print",
                "seq_parallel_communication_data_type", "disable_allgather", "timers", "torch_autocast",
                "weight_quantization", "use_data_before_expert_parallelism", "graph_harvesting",
                "compile", "sparse_attention", "dataloader_drop_last")
-_DS_ZERO_MAPPED = ("stage", "offload_optimizer", "offload_param")
+_DS_ZERO_MAPPED = ("stage", "offload_optimizer", "offload_param", "zero_hpz_partition_size")
 _DS_ZERO_IGNORED = (
     "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
     "allgather_bucket_size", "round_robin_gradients", "load_from_fp32_weights", "elastic_checkpoint",
@@ -161,7 +160,6 @@ _DS_ZERO_IGNORED = (
 )
 # Keys that change the placement in a way the composition language cannot say: refused.
 _DS_ZERO_REFUSED = {
-    "zero_hpz_partition_size": "ZeRO++ hierarchical partitioning keeps a secondary parameter copy",
     "mics_shard_size": "MiCS shards within groups; write it as zero3<k>xdpr<n/k> instead",
     "cpu_offload": "deprecated: use offload_optimizer.device = \"cpu\"",
     "cpu_offload_param": "deprecated: use offload_param.device = \"cpu\"",
@@ -253,6 +251,23 @@ def import_deepspeed(raw: Any, *, devices: int | None, where: str = "deepspeed.j
     precision = _ds_precision(raw, where, notes)
     options = Options(offload_optimizer=off_opt, offload_parameters=off_par, recompute=recompute,
                       micro_batches=gas)
+    hpz = zero.get("zero_hpz_partition_size")  # DeepSpeed's default 1 (and 0) mean no secondary partition
+    node = 1 if hpz is None else max(1, _pos_int(hpz, where, "zero_optimization.zero_hpz_partition_size", allow=(0,)))
+    if node > 1:  # ZeRO++ hpZ: ZeRO-3 within groups of `node` ranks (dp), held across them (hpz-dpr)
+        if stage != 3:
+            raise ConfigError(f"{where}: zero_optimization.zero_hpz_partition_size={node} needs stage 3 "
+                              f"(ZeRO++ partitions ZeRO-3's parameters; stage is {stage})")
+        if dp is None:
+            dp = _divide(DEFAULT_DEVICES, {"tp": tp, "pp": pp}, where, "--devices")
+            devices = dp * tp * pp
+            notes.append(f"zero_hpz_partition_size: the data-parallel degree is taken as {dp} of the default "
+                         f"{DEFAULT_DEVICES} devices (give --devices)")
+        if dp % node:
+            raise ConfigError(f"{where}: zero_optimization.zero_hpz_partition_size={node} does not divide the "
+                              f"data-parallel degree {dp}")
+        layout = Layout("zero3", DataSharding.FULL, node, dpr=dp // node, tp=tp, pp=pp, options=options,
+                        replicate="hpz-dpr")
+        return Imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, tuple(notes))
     layout = Layout(_DS_STAGES[stage], _DS_SHARDING[stage], dp, tp=tp, pp=pp, options=options)
     return Imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, tuple(notes))
 
@@ -365,7 +380,6 @@ _TT_MODELS = {("llama3", "8B"): "llama3-8b", ("llama3", "70B"): "llama3-70b", ("
 _TT_INT = integer()
 # The type of every key the torchtitan importer reads (values and ranges it checks itself).
 TORCHTITAN_SCHEMA: Schema = {
-    "*": TABLE,
     **{f"parallelism.{key}": _TT_INT for key in (
         "data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
         "pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree",

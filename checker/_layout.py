@@ -47,12 +47,13 @@ class Layout:
     cp: int = 1
     ep: int = 1
     options: Options = field(default_factory=Options)
+    replicate: str = "dpr"  # the dpr-axis strategy: dpr (HSDP) or hpz-dpr (ZeRO++ hpZ across nodes)
 
     def strategy_terms(self) -> list[str]:
         dp = "" if self.dp is None else str(self.dp)
         terms = [f"tp{self.tp}"] if self.tp > 1 else []
         terms.append(f"{self.data_name}{dp}")
-        terms += [f"{name}{d}" for name, d in (("dpr", self.dpr), ("pp", self.pp), ("cp", self.cp),
+        terms += [f"{name}{d}" for name, d in ((self.replicate, self.dpr), ("pp", self.pp), ("cp", self.cp),
                                                 ("ep", self.ep)) if d > 1]
         return terms
 
@@ -134,8 +135,8 @@ def layout_of(comp: Composition, model: Model) -> Layout:
             raise ExportError(f"{comp}: {seen[s.axis]} and {s} both act on the {s.axis.value} axis")
         seen[s.axis] = str(s)
     dpr = comp.strategy_on(Axis.DPR)
-    if dpr is not None and dpr.name != "dpr":
-        raise ExportError(f"{comp}: {dpr} on the replicate axis is not expressible (only dpr)")
+    if dpr is not None and dpr.name not in ("dpr", "hpz-dpr"):
+        raise ExportError(f"{comp}: {dpr} on the replicate axis is not expressible (only dpr or hpz-dpr)")
     data = comp.strategy_on(Axis.DP)
     mesh = comp.mesh()
     return Layout(
@@ -144,6 +145,7 @@ def layout_of(comp: Composition, model: Model) -> Layout:
         dp=mesh.get(Axis.DP, 1),
         dpr=mesh.get(Axis.DPR, 1), tp=mesh.get(Axis.TP, 1), pp=mesh.get(Axis.PP, 1),
         cp=mesh.get(Axis.CP, 1), ep=mesh.get(Axis.EP, 1), options=comp.options,
+        replicate=dpr.name if dpr is not None else "dpr",
     )
 
 

@@ -93,7 +93,7 @@ def _power(n: int) -> str:
 
 def parse_count(text: str, option: str = "--params", high: int = 10**15) -> int:
     """``7.5e9``, ``7500000000``, ``7.5B``, ``70b`` -> an exact positive integer, at most ``high``."""
-    match = re.fullmatch(r"\s*([0-9.eE+_-]+?)\s*([kKmMbBgGtT]?)\s*", text)
+    match = re.fullmatch(r"[ \t]*([0-9.eE+_-]+?)[ \t]*([kKmMbBgGtT]?)[ \t]*", text)  # ASCII only
     if not match:
         raise InputError(f"{option} {text}: not a count (e.g. 7.5e9 or 70B)")
     value = _decimal(option, text, match.group(1).replace("_", "")) * _COUNT_SUFFIX[match.group(2).lower()]
@@ -108,7 +108,7 @@ def parse_count(text: str, option: str = "--params", high: int = 10**15) -> int:
 
 def parse_bytes(text: str, option: str = "--device-memory") -> int:
     """``80GB`` (1e9 bytes), ``80GiB`` (2^30), ``8e10`` -> bytes."""
-    match = re.fullmatch(r"\s*([0-9.eE+_-]+?)\s*([kKmMgGtT]?[iI]?[bB]?)\s*", text)
+    match = re.fullmatch(r"[ \t]*([0-9.eE+_-]+?)[ \t]*([kKmMgGtT]?[iI]?[bB]?)[ \t]*", text)  # ASCII only
     if not match:
         raise InputError(f"{option} {text}: not a size (e.g. 80GB or 80GiB)")
     suffix = match.group(2).lower()

@@ -14,7 +14,8 @@ from dataclasses import replace
 from checker._numbers import MAX_DEGREE, parse_int
 from formal._placement import Options, Recompute, Schedule, Strategy
 from formal._schedules import for_term, modifier_help
-from formal._strategies import LIBRARY, Composition
+from formal._strategies import LIBRARY, Composition, hpz_dpr
+from formal._vocab import Axis
 from formal.errors import CompositionError, InputError
 
 MAX_TERMS = 32  # more terms than any mesh has axes and modifiers: a typo or a generated string
@@ -30,7 +31,11 @@ MODIFIERS: dict[str, str] = {
     "recompute": "full activation recomputation (keep each layer's input only)",
     "selective": "selective recomputation of the attention core (Korthikanti et al. 2022)",
     "flash": "attention scores never stored (FlashAttention): the same placement as selective",
+    "hpz": "ZeRO++ hpZ on the zero3/fsdp term: zero3<k>xhpz-dpr<N/k>, k = --node-size (Wang et al. 2023)",
 }
+
+DEFAULT_NODE_SIZE = 8  # devices per node for the hpz modifier (check --node-size)
+_HPZ_BASES = ("zero3", "fsdp")  # the ZeRO-3 placements hpZ partitions hierarchically
 
 _TERM = re.compile(r"^([a-z][a-z0-9-]*?)([0-9]*)$")  # ASCII digits only: '²' or '٣' is not a degree
 _SPLIT = re.compile(r"[x×*]")
@@ -42,8 +47,12 @@ def _split_terms(text: str) -> list[str]:
 
 
 def parse(text: str, strategies: Mapping[str, Callable[[], Strategy]] | None = None,
-          devices: int | None = None) -> Composition:
-    """Parse a composition; a term without a degree takes the devices left over."""
+          devices: int | None = None, node_size: int = DEFAULT_NODE_SIZE) -> Composition:
+    """Parse a composition; a term without a degree takes the devices left over.
+
+    ``hpz`` splits the zero3/fsdp term's N devices into nodes of ``node_size``: it becomes
+    ``zero3<node_size>xhpz-dpr<N/node_size>``, which is what ``str`` of the result writes.
+    """
     if not isinstance(text, str) or not text.strip():
         raise CompositionError("empty composition: expected terms like tp2xzero3xpp4")
     if len(text) > MAX_TEXT:
@@ -58,9 +67,18 @@ def parse(text: str, strategies: Mapping[str, Callable[[], Strategy]] | None = N
     found: list[Strategy] = []
     modifiers: list[str] = []
     options = Options()
+    hpz = False
     for term in terms:
         if not term:
             raise CompositionError(f"{text.strip()!r}: empty term (doubled or trailing 'x')")
+        if term == "hpz":
+            if hpz:
+                raise CompositionError("hpz: modifier 'hpz' given twice")
+            hpz = True
+            continue
+        if re.fullmatch(r"hpz\d+", term):
+            raise CompositionError(f"{term}: hpz takes no degree (it splits the zero3/fsdp term into nodes of "
+                                   "--node-size devices; write zero3<k>xhpz-dpr<n> for n nodes of k)")
         mod = _modifier(term, options, modifiers)
         if mod is not None:
             options = mod
@@ -71,6 +89,8 @@ def parse(text: str, strategies: Mapping[str, Callable[[], Strategy]] | None = N
     if not found:
         raise CompositionError(f"{text.strip()!r}: no strategy, only modifiers")
     found = _resolve_leftover(found, devices, text)
+    if hpz:
+        found = _hierarchical_partitioning(found, node_size)
     total = 1
     for strategy in found:
         total *= strategy.degree or 1
@@ -80,6 +100,29 @@ def parse(text: str, strategies: Mapping[str, Callable[[], Strategy]] | None = N
     if not any(_modifier_kind(t) == "m" for t in modifiers):
         options = replace(options, micro_batches=_default_micro_batches(found))
     return Composition(tuple(found), options, tuple(modifiers))
+
+
+def _hierarchical_partitioning(found: list[Strategy], node_size: int) -> list[Strategy]:
+    """ZeRO++ hpZ (Wang et al. 2023, section 3.2): ZeRO-3 over N devices as ZeRO-3 within each
+    node of k (dp) and, across the N/k nodes, parameters held through the backward (dpr), so
+    that the backward gathers within the node from the secondary partition (P/k per device)."""
+    if node_size < 1:
+        raise CompositionError(f"hpz: --node-size {node_size} must be at least 1")
+    base = [i for i, s in enumerate(found) if s.name in _HPZ_BASES]
+    if not base:
+        raise CompositionError(f"hpz: needs a {' or '.join(_HPZ_BASES)} term (hpZ partitions ZeRO-3's parameters "
+                               "within and across nodes)")
+    taken = [s for s in found if s.axis is Axis.DPR]
+    if taken:
+        raise CompositionError(f"hpz: {taken[0]} already uses the dpr axis, where hpz places the nodes")
+    i = base[0]
+    total = found[i].degree or 1
+    if total % node_size:
+        raise CompositionError(f"{found[i]}xhpz: the node size {node_size} (--node-size) does not divide "
+                               f"the {found[i].name} degree {total}")
+    out = list(found)
+    out[i:i + 1] = [found[i].with_degree(node_size), hpz_dpr().with_degree(total // node_size)]
+    return out
 
 
 def _default_micro_batches(found: list[Strategy]) -> int:

@@ -44,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 import sympy as sp
 
-from checker._numbers import gb
+from checker._numbers import MAX_DEGREE, gb
 from checker._parse import parse
 from formal._costs import (
     STAGES,
@@ -521,7 +521,8 @@ def mesh_rules(model: Model, global_batch: int, uneven: bool, deg: Ints, b: Ints
     """The workload's own rule, before any family: the replicas divide the global batch (so
     that the micro-batch count m is a whole number)."""
     replicas = deg[:, _DP] * deg[:, _DPR] * deg[:, _EP] * b
-    return {"batch": _divides(replicas, global_batch)}
+    # The micro-batch count is spelled m<N> in the composition, whose degrees are bounded.
+    return {"batch": _divides(replicas, global_batch), "micro_batches_bounded": global_batch // replicas <= MAX_DEGREE}
 
 
 class _ArrayTerms:

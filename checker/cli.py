@@ -23,7 +23,7 @@ import click
 from checker._analysis import Analysis, analyze
 from checker._numbers import MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, WholeNumber, parse_bytes, parse_count
 from checker._output import PipeClosed, output_path, terminal
-from checker._parse import MODIFIERS, parse
+from checker._parse import DEFAULT_NODE_SIZE, MODIFIERS, parse
 from checker._report import print_human, print_verdict, to_json, verdict_json
 from checker._toml import StrategyFile
 from checker._toml import load as load_strategies
@@ -172,7 +172,7 @@ def load_model(model: str | None, params: str | None, micro_batch: int | None, s
         raise InputError(f"--params {params} and --model {model}: give one, not both")
     chosen: Model
     if params is not None:
-        chosen = ParameterCount(parse_count(params), name=f"{params} parameters")
+        chosen = ParameterCount(parse_count(params), name=f"{params.strip()} parameters")
     else:
         if model is not None and not model.strip():
             raise InputError(f"--model {model!r}: empty (give a preset name or a config.json)")
@@ -198,13 +198,14 @@ def load_model(model: str | None, params: str | None, micro_batch: int | None, s
 
 def build(composition: str, devices: int | None, model: str | None, params: str | None,
           precision: str, device_memory: str | None, micro_batch: int | None = None,
-          seq: int | None = None, strategies: StrategyFile | None = None) -> Analysis:
+          seq: int | None = None, strategies: StrategyFile | None = None,
+          node_size: int = DEFAULT_NODE_SIZE) -> Analysis:
     """``strategies``: a user file whose names the composition may use, and whose program (if any)
-    replaces the derived one."""
+    replaces the derived one. ``node_size``: devices per node, for the ``hpz`` modifier."""
     if devices is not None and not 1 <= devices <= MAX_DEGREE:
         raise InputError(f"--devices {devices}: must be from 1 to {MAX_DEGREE:,}")
     comp: Composition = parse(composition, strategies.factories() if strategies is not None else None,
-                              devices=devices if devices is not None else DEFAULT_DEVICES)
+                              devices=devices if devices is not None else DEFAULT_DEVICES, node_size=node_size)
     chosen = load_model(model, params, micro_batch, seq)
     if precision not in PRECISIONS:
         raise InputError(f"--precision {precision}: unknown (known: {', '.join(PRECISIONS)})")
@@ -268,6 +269,8 @@ def main() -> None:
 @click.option("--validate", type=click.Choice(["torch"]), default=None,
               help="Also run the composition with PyTorch (fake process group, small model) and print "
                    "predicted against measured; needs the torch extra.")
+@click.option("--node-size", type=WholeNumber(1, MAX_DEGREE), default=DEFAULT_NODE_SIZE, show_default=True,
+              help="Devices per node: the hpz modifier's intra-node group (zero3xhpz).")
 @click.option("--simulate", is_flag=True,
               help="Also run the composition on the small reference model over simulated devices beside "
                    "single-device training: match, or the first diverging element.")
@@ -275,7 +278,8 @@ def check(composition: str | None, devices: int | None, model: str | None, param
           device_memory: str | None, micro_batch: int | None, seq: int | None, as_json: bool,
           from_path: str | None = None, report: str | None = None, strategies_path: str | None = None,
           explain: bool = False, timeout_ms: int = DEFAULT_TIMEOUT_MS, validate: str | None = None,
-          simulate: bool = False, as_csv: bool = False, rlimit: int = DEFAULT_RUN_RLIMIT) -> None:
+          simulate: bool = False, as_csv: bool = False, rlimit: int = DEFAULT_RUN_RLIMIT,
+          node_size: int = DEFAULT_NODE_SIZE) -> None:
     """Check COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG: memory, communication and verdict.
 
     Exit codes: 0 valid, 1 invalid (a rule is broken), 2 usage or input error, 3 unknown, 4 internal error."""
@@ -287,7 +291,7 @@ def check(composition: str | None, devices: int | None, model: str | None, param
         user = load_strategies(strategies_path) if strategies_path is not None else None
         r = resolve_from(from_path, composition, devices, model, params, precision, micro_batch, seq)
         analysis = build(r.composition, r.devices, r.model, params, r.precision, device_memory, r.micro_batch, r.seq,
-                         strategies=user)
+                         strategies=user, node_size=node_size)
     except InputError as err:
         fail(str(err))
         return

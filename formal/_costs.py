@@ -268,20 +268,24 @@ def buffer_memory(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr], p
     for state in (State.PARAMETERS, State.GRADIENTS):
         nbytes = precision.wire_bytes_of(state)  # the gradient bucket holds the reduced width
         for g in pl.groups(state):
-            for axis in pl.axes:
-                entry = pl.entry(state, g, axis)
-                if not _needs_buffer(pl, state, g, axis, entry):
+            axes = [a for a in pl.axes if _needs_buffer(pl, state, g, a, pl.entry(state, g, a))]
+            if not axes:
+                continue
+            if layer_count is None:
+                return None
+            # Along several axes (ZeRO++ hpZ: within and across nodes) the buffer is whole along all.
+            held_axes = [a for a in axes if state is State.PARAMETERS and pl.entry(state, g, a).keep_gathered]
+            if held_axes:
+                # Held through the backward along these axes: the copy whole along them, minus the
+                # device's own shard (hpZ's secondary partition, P/k, when only the across-node axis holds).
+                copy = shard_elements(pl, state, g, sizes[g], held_axes, stage) * nbytes
+                held += copy - shard_elements(pl, state, g, sizes[g], None, stage) * nbytes
+                if len(held_axes) == len(axes):
                     continue
-                if layer_count is None:
-                    return None
-                d = pl.degree(axis)
-                full = shard_elements(pl, state, g, sizes[g], axis, stage) * nbytes
-                if state is State.PARAMETERS and entry.keep_gathered:
-                    held += full * (1 - 1 / d)
-                    continue
-                unit = f"{state.value}:{'layer' if g in LAYER_GROUPS else g.name}"
-                piece = full / pl.stage_layers(layer_count) if g in LAYER_GROUPS else full
-                units[unit] = units.get(unit, sp.Integer(0)) + piece
+            full = shard_elements(pl, state, g, sizes[g], axes, stage) * nbytes
+            unit = f"{state.value}:{'layer' if g in LAYER_GROUPS else g.name}"
+            piece = full / pl.stage_layers(layer_count) if g in LAYER_GROUPS else full
+            units[unit] = units.get(unit, sp.Integer(0)) + piece
     # sp.Max, not max(): with symbolic degrees the units may not be comparable (the planner derives
     # costs with symbolic degrees).
     largest = {st: sp.Max(sp.Integer(0), *(v for k, v in units.items() if k.startswith(st.value)))

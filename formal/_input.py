@@ -48,9 +48,9 @@ def printable(text: str, limit: int | None = None) -> str:
 def show(value: object) -> str:
     """A user's value as a message echoes it: ``repr``, one line, cut to ``MAX_SHOWN`` characters."""
     if isinstance(value, dict):
-        return "a table {...}" if value else "{}"
+        return "{...}" if value else "{}"
     if isinstance(value, list):
-        return "a list [...]" if value else "[]"
+        return "[...]" if value else "[]"
     return printable(repr(value), MAX_SHOWN)
 
 

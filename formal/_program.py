@@ -158,16 +158,18 @@ def owner_stage(group: Group) -> Stage:
     return Stage.FIRST
 
 
-def shard_elements(pl: Placement, state: State, group: Group, size: sp.Expr, skip: Axis | None,
-                   stage: Stage | None = None) -> sp.Expr:
-    """Elements one device holds of (state, group), ignoring axis ``skip`` and axis-free modes.
+def shard_elements(pl: Placement, state: State, group: Group, size: sp.Expr,
+                   skip: Axis | Iterable[Axis] | None, stage: Stage | None = None) -> sp.Expr:
+    """Elements one device holds of (state, group), ignoring the axis (or axes) ``skip`` and
+    axis-free modes: the tensor a collective along ``skip`` acts on, whole along it.
 
     Offloaded/materialized along an axis count as their shard (what would be held).
     """
     stage = stage or owner_stage(group)
+    skipped = {skip} if isinstance(skip, Axis) else set(skip or ())
     out = size
     for axis, d in pl.mesh:
-        if axis is skip:
+        if axis in skipped:
             continue
         entry = pl.entry(state, group, axis)
         if entry.mode in (Mode.OFFLOADED, Mode.MATERIALIZED):
@@ -257,11 +259,16 @@ def _fetch_parameters(pl: Placement, g: Group, size: sp.Expr, m: sp.Expr, phase:
     if pl.local_mode(P, g) is Mode.OFFLOADED:
         ops.append(Op(OpKind.HOST_TO_DEVICE, P, g, None, phase, shard_elements(pl, P, g, size, None), m,
                       note="fetch offloaded parameters"))
+    # Gathers along several axes run in mesh order, each on what the earlier ones (and, in the
+    # backward, the forward's held ones) made whole: ZeRO++ hpZ's forward gathers within the node,
+    # then across nodes, and its backward within the node only, from the held secondary copy.
+    whole = {a for a in pl.axes if phase is Phase.BACKWARD and pl.entry(P, g, a).keep_gathered}
     for axis in pl.axes:
         entry = pl.entry(P, g, axis)
         if entry.mode is Mode.SHARDED_GATHER and not (phase is Phase.BACKWARD and entry.keep_gathered):
-            ops.append(Op(OpKind.ALL_GATHER, P, g, axis, phase, shard_elements(pl, P, g, size, axis),
+            ops.append(Op(OpKind.ALL_GATHER, P, g, axis, phase, shard_elements(pl, P, g, size, whole | {axis}),
                           m, offset=entry.offset, note="gather before use"))
+            whole.add(axis)
     full = frozenset(axis for axis in pl.axes if not pl.computes_sharded(axis, g))
     ops.append(Op(OpKind.COMPUTE, P, g, None, phase, count=m, full=full))
     return ops
@@ -303,6 +310,13 @@ def _sync_gradients(pl: Placement, g: Group, size: sp.Expr, m: sp.Expr,
         else:
             reduce.append(Op(OpKind.ALL_REDUCE, G, g, axis, Phase.GRAD_SYNC, elements, count, how,
                              participants=participants))
+    # Reduce-scatters along several axes run in reverse mesh order (the transpose of the gathers),
+    # each on the gradient still whole along the axes scattered after it.
+    scatter.reverse()
+    for i, op in enumerate(scatter):
+        later = [o.axis for o in scatter[i:] if o.axis is not None]
+        if len(later) > 1:
+            scatter[i] = replace(op, elements=shard_elements(pl, G, g, size, later))
     ops = scatter + reduce
     if pl.local_mode(G, g) is Mode.OFFLOADED:
         ops.append(Op(OpKind.DEVICE_TO_HOST, G, g, None, Phase.GRAD_SYNC, shard_elements(pl, G, g, size, None),

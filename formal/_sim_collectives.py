@@ -22,7 +22,7 @@ from formal._reference import IndexArray, Numbers, Optimizer
 from formal._sim_mesh import Device, _chunk, _Layout, _Mesh
 from formal._sim_results import OpTraffic, _Judge
 from formal._sim_states import _States
-from formal._vocab import Axis, OpKind, Phase, Reduce, State
+from formal._vocab import Axis, Group, OpKind, Phase, Reduce, State
 from formal.errors import SimulationError
 
 P, O, G = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS  # noqa: E741
@@ -101,6 +101,11 @@ class _StateOps:
         self.ops, self.pl = program.ops, program.placement
         self.mesh, self.layout, self.states, self.traffic, self.judge = mesh, layout, states, traffic, judge
         self.optimizer, self.n, self.precision = optimizer, numbers, precision
+        # The axes the program reduce-scatters each group's gradient along: a reduce-scatter acts
+        # on the gradient still whole along those it has not scattered yet (``states.scattered``).
+        self.scatter_axes: dict[Group, frozenset[Axis]] = {
+            g: frozenset(op.axis for op in self.ops if op.group == g and op.state is G and op.axis is not None
+                         and op.kind is OpKind.REDUCE_SCATTER) for g in states.groups}
 
     def _wire(self, state: State) -> int:
         return self.precision.wire_bytes_of(state)
@@ -113,8 +118,16 @@ class _StateOps:
             return  # an axis of degree 1 that the mesh does not have: nothing to exchange
         n = self.n
         live = self.states.live_fresh if per_mb else self.states.live
+        # What earlier collectives along other axes left: parameters whole along the axes
+        # gathered since the last free, a gradient whole along the axes it is scattered along later.
+        whole: frozenset[Axis] = frozenset()
+        scattered = self.states.scattered.setdefault((per_mb, op.group), set())
+        if op.state is P and op.kind is OpKind.ALL_GATHER:
+            whole = frozenset(self.states.gathered[op.group] - {axis})
+        elif op.state is G and op.kind is OpKind.REDUCE_SCATTER:
+            whole = self.scatter_axes[op.group] - scattered - {axis}
         for peers in self.mesh.groups(axis, self.mesh.devices):
-            bases = {d: self.layout.holding(op.state, op.group, d, skip=axis) for d in peers}
+            bases = {d: self.layout.holding(op.state, op.group, d, skip=whole | {axis}) for d in peers}
             if op.state is G and op.kind is OpKind.ALL_REDUCE:
                 bases = {d: np.flatnonzero(self.layout.mask(G, op.group, d, axis) | live[d][op.group]) for d in peers}
             members = [d for d in peers if len(bases[d])]
@@ -138,6 +151,9 @@ class _StateOps:
                     return np.intersect1d(bases[d], self.layout.compute(op.group, d))
                 if tied:
                     return _chunk(bases[d], len(members), (members.index(d) - op.offset) % len(members))
+                if whole:  # its shard along the axis, whole along the others made whole
+                    return self.layout.holding(op.state, op.group, d, skip=whole, offsets={axis: op.offset},
+                                               force=axis)
                 return _chunk(bases[d], deg, (self.mesh.coord(d, axis) - op.offset) % deg)
 
             for d in members:
@@ -175,6 +191,10 @@ class _StateOps:
                         arrays[d][..., bases[d]] = arrays[src][..., bases[d]]
                 case _:
                     raise SimulationError(f"{op}: {op.kind.value} of {op.state.long_name} is not modelled")
+        if op.state is P and op.kind is OpKind.ALL_GATHER:
+            self.states.gathered[op.group].add(axis)
+        elif op.state is G and op.kind is OpKind.REDUCE_SCATTER:
+            scattered.add(axis)
 
     def transfer(self, index: int, op: Op) -> None:
         n, st = self.n, self.states

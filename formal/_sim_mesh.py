@@ -159,38 +159,56 @@ class _Layout:
             self._cache[key] = self._structural(group, dev, None, split)
         return self._cache[key]
 
-    def holding(self, state: State, group: Group, dev: Device, skip: Axis | None = None,
-                offsets: dict[Axis, int] | None = None) -> IndexArray:
-        """Positions a device holds of (state, group) by its placement (axis ``skip`` ignored).
+    def holding(self, state: State, group: Group, dev: Device, skip: Axis | Iterable[Axis] | None = None,
+                offsets: dict[Axis, int] | None = None, force: Axis | None = None) -> IndexArray:
+        """Positions a device holds of (state, group) by its placement (the axes ``skip`` ignored:
+        the union of what the devices along them hold).
 
         Structural splits first (pipeline stage, TP rows/columns of compute-sharded groups), then
-        flat shards along every other sharded axis in mesh order; shard ``k`` along an axis lives
-        on coordinate ``(k + offset) mod d``.
+        flat shards along every other sharded axis (and along ``force``, as if sharded there: the
+        partition a reduce-scatter onto the optimizer's shard cuts), dpr first, then in mesh order:
+        the replicate axis is the outer one, as in PyTorch's HSDP mesh ("replicate", "shard") and
+        DeepSpeed's node-major ranks. Shard ``k`` along an axis lives on coordinate
+        ``(k + offset) mod d``.
         """
-        key: tuple[object, ...] = ("hold", state, group, dev, skip, tuple(sorted((offsets or {}).items())))
+        skipped = frozenset({skip} if isinstance(skip, Axis) else skip or ())
+        key: tuple[object, ...] = ("hold", state, group, dev, skipped, tuple(sorted((offsets or {}).items())), force)
         if key in self._cache:
             return self._cache[key]
         pl = self.pl
         entries: dict[Axis, Entry] = {a: pl.entry(state, group, a) for a in self.mesh.axes}
         pp_mode = Mode.REPLICATED  # no pipeline axis, or ignored: every stage's share
-        if Axis.PP in entries and skip is not Axis.PP and entries[Axis.PP].mode.is_sharded:
+        if Axis.PP in entries and Axis.PP not in skipped and entries[Axis.PP].mode.is_sharded:
             pp_mode = Mode.SHARDED
-        tp_split = (Axis.TP in entries and skip is not Axis.TP and entries[Axis.TP].mode.is_sharded
+        tp_split = (Axis.TP in entries and Axis.TP not in skipped and entries[Axis.TP].mode.is_sharded
                     and pl.computes_sharded(Axis.TP, group))
+        flat = [a for a in sorted(self.mesh.axes, key=lambda a: a is not Axis.DPR)
+                if a is not Axis.PP and (entries[a].mode.is_sharded or a is force) and not (a is Axis.TP and tp_split)]
+        split = [a for a in flat if self.mesh.degree(a) > 1]
+        union = [a for a in split if a in skipped] if len(split) > 1 else []
+        if union:  # several flat axes nest: ignoring one is the union over its coordinates
+            rest = skipped - set(union)
+            peers = [dev]
+            for a in union:
+                peers = [self.mesh.moved(p, a, c) for p in peers for c in range(self.mesh.degree(a))]
+            pos = np.unique(np.concatenate([self.holding(state, group, p, rest, offsets, force) for p in peers]))
+            self._cache[key] = pos
+            return pos
         pos = self._structural(group, dev, pp_mode, tp_split)
-        for axis in self.mesh.axes:
-            e = entries[axis]
-            if axis in (skip, Axis.PP) or not e.mode.is_sharded or (axis is Axis.TP and tp_split):
+        for axis in flat:
+            if axis in skipped:
                 continue
             d = self.mesh.degree(axis)
-            offset = (offsets or {}).get(axis, e.offset)
+            offset = (offsets or {}).get(axis, entries[axis].offset)
             pos = _chunk(pos, d, (self.mesh.coord(dev, axis) - offset) % d)
         self._cache[key] = pos
         return pos
 
-    def mask(self, state: State | None, group: Group, dev: Device, skip: Axis | None = None) -> npt.NDArray[np.bool_]:
+    def mask(self, state: State | None, group: Group, dev: Device,
+             skip: Axis | Iterable[Axis] | None = None) -> npt.NDArray[np.bool_]:
         """``holding`` (or ``compute`` when ``state`` is None) as a boolean mask over the group."""
-        key: tuple[object, ...] = ("mask", state, group, dev, skip)
+        key: tuple[object, ...] = ("mask", state, group, dev,
+                                   frozenset({skip} if isinstance(skip, Axis) else skip or ()))
         if key not in self._masks:
             keep = np.zeros(self.model.size(group), dtype=bool)
             keep[self.compute(group, dev) if state is None else self.holding(state, group, dev, skip)] = True

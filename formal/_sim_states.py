@@ -4,6 +4,9 @@ A buffer is as long as its whole group on every device; the positions outside wh
 holds stay zero (a freed buffer), so an op that reads a shard it should not have reads zeros.
 Gradients have two buffers: ``fresh``, the current micro-batch's, and ``G``, their sum over
 the step so far; ``live`` and ``live_fresh`` mark the positions holding a current value.
+``gathered`` and ``scattered`` record along which axes the collectives so far have made a
+group's parameters whole, or scattered its gradients: a collective along one axis acts on what
+the earlier ones along other axes left (ZeRO++ hpZ).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import numpy.typing as npt
 from formal._placement import Placement
 from formal._reference import Array, Numbers, Optimizer, ReferenceModel
 from formal._sim_mesh import Device, _Layout, _Mesh
-from formal._vocab import Group, Mode, State
+from formal._vocab import Axis, Group, Mode, State
 
 P, O, G = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS  # noqa: E741
 Stores = dict[Device, dict[Group, Array]]
@@ -41,12 +44,21 @@ class _States:
         # reduce-scatter reduces the whole unsharded buffer, as an implementation would).
         self.live: Masks = {}
         self.live_fresh: Masks = {}
+        # Collectives along several axes of one group act on what the earlier ones left: a gather
+        # on the parameters made whole along the axes gathered since the last free (ZeRO++ hpZ:
+        # within the node, then across nodes), a reduce-scatter on the gradient still whole along
+        # the axes the program scatters it along later. ``scattered`` is keyed by (per micro-batch
+        # buffer, group).
+        self.gathered: dict[Group, set[Axis]] = {g: set() for g in self.groups}
+        self.scattered: dict[tuple[bool, Group], set[Axis]] = {}
 
     def reset(self, p0: dict[Group, Array]) -> None:
         """Every buffer zero but the parameters each device (or the host) holds of ``p0``."""
         n, model = self.n, self.model
         self.P, self.G, self.fresh, self.O, self.host = {}, {}, {}, {}, {}
         self.live, self.live_fresh = {}, {}
+        self.gathered = {g: set() for g in self.groups}
+        self.scattered = {}
         for dev in self.mesh.devices:
             self.P[dev], self.G[dev], self.O[dev], self.fresh[dev] = {}, {}, {}, {}
             self.live[dev], self.live_fresh[dev] = {}, {}
@@ -92,12 +104,15 @@ class _States:
             for g in self.groups:
                 self.G[dev][g][...] = 0
                 self.live[dev][g][...] = False
+        self.scattered.clear()
 
     def start_micro_batch(self) -> None:
-        """A micro-batch's gradients start from zero."""
+        """A micro-batch's gradients start from zero (and scattered along no axis yet)."""
         for dev in self.mesh.devices:
             for g in self.groups:
                 self.fresh[dev][g][...] = 0
+        for g in self.groups:
+            self.scattered.pop((True, g), None)
 
     def mark_computed(self) -> None:
         """After the backward every position the device's computation reads has a summand."""
@@ -111,18 +126,23 @@ class _States:
             for g in self.groups:
                 self.G[dev][g] = self.n.add(self.G[dev][g], self.fresh[dev][g])
                 self.live[dev][g] |= self.live_fresh[dev][g]
+        for g in self.groups:
+            self.scattered.setdefault((False, g), set()).update(self.scattered.get((True, g), ()))
 
     def free_parameters(self, after_backward: bool) -> None:
         """Gathered copies are freed after the forward, or after the backward if kept through it."""
         for g in self.groups:
-            held = any(self.pl.entry(P, g, a).keep_gathered for a in self.mesh.axes)
-            if held and not after_backward:
-                continue
+            # After the forward, what was gathered along the holding axes stays (FSDP SGO: all of
+            # it; ZeRO++ hpZ: the secondary partition, whole across nodes), fetched offloaded
+            # parameters included.
+            held = frozenset() if after_backward else frozenset(
+                a for a in self.mesh.axes if self.pl.entry(P, g, a).keep_gathered)
+            self.gathered[g] &= held
             for dev in self.mesh.devices:
-                if g in self.offloaded[P]:
+                if g in self.offloaded[P] and not held:
                     self.P[dev][g][...] = 0
                 else:
-                    self.P[dev][g][~self.layout.mask(P, g, dev)] = 0
+                    self.P[dev][g][~self.layout.mask(P, g, dev, skip=held)] = 0
 
     def free_gradients(self, arrays: Stores, live: Masks) -> None:
         """Gradients outside the device's holding are dropped, in ``arrays`` and from ``live``."""

@@ -617,6 +617,7 @@ class _ConsistencyCase:
     ops: tuple[Op, ...]
     computed_sharded: bool  # the computation itself is split along the axis (TP matrices, PP stages)
     held: bool  # parameters gathered once and held through the backward, along any axis (FSDP SGO)
+    held_here: bool  # ... along this axis: what was gathered along it stays (FSDP SGO; hpZ across nodes)
 
 
 def _consistency_case(index: _Index, group: Group, axis: Axis) -> _ConsistencyCase:
@@ -626,7 +627,8 @@ def _consistency_case(index: _Index, group: Group, axis: Axis) -> _ConsistencyCa
         (index.local.get((P, group)), index.local.get((O, group)), index.local.get((G, group))),
         tuple(op for op in index.ops.get(group, []) if op.state in (P, O, G) and op.axis in (None, axis)),
         index.placement.computes_sharded(axis, group),
-        any(index.entry(P, group, a).keep_gathered for a in index.placement.axes))
+        any(index.entry(P, group, a).keep_gathered for a in index.placement.axes),
+        index.entry(P, group, axis).keep_gathered)
 
 
 @dataclass
@@ -850,10 +852,13 @@ class _AxisRun:
         """At the end of the forward and of the backward: transient copies are freed (gathered
         shards of others, fetched offloaded parameters), unless held through the backward."""
         entry = self.entry[P]
-        if self.case.held and not after_backward:  # the device keeps its whole copy, on every axis
+        # Held through the backward: what was gathered along a holding axis stays; along the other
+        # axes the device keeps its shard (ZeRO++ hpZ holds across nodes and frees within the node,
+        # whose shards the backward gathers again), its fetched shard too when P is offloaded.
+        if not after_backward and self.case.held_here:
             return
         for i in range(self.d):
-            if self.local[P] is Mode.OFFLOADED:
+            if self.local[P] is Mode.OFFLOADED and (after_backward or not self.case.held):
                 self.hold[(False, i, P)] = {}
             else:
                 own = self.partition(entry, i)

@@ -103,6 +103,26 @@ def hsdp() -> Strategy:
                     "PyTorch FSDP HYBRID_SHARD")
 
 
+HPZ_SOURCE = ("Wang et al. 2023, ZeRO++ (arXiv 2306.10209), section 3.2 (hpZ); DeepSpeed "
+              "zero_optimization.zero_hpz_partition_size")
+
+
+def hpz_dpr() -> Strategy:
+    """The across-node axis of ZeRO++'s hierarchical partitioning (hpZ), composed with ZeRO-3 on
+    dp = the devices of one node: ``zero3<k>xhpz-dpr<n>`` (the ``hpz`` modifier writes it).
+
+    Along dpr the parameters are gathered once per micro-batch in the forward and held through
+    the backward, so after the forward a device holds P sharded along dp only, P/k: the secondary
+    partition, from which the backward gathers within the node. FSDP2 spells the same placement
+    ``fully_shard(reshard_after_forward=k)``: reshard after forward to a group of k devices
+    (torch.distributed.fsdp.fully_shard docs). Optimizer state and gradients are sharded along
+    dpr as along dp (reduce-scattered over the whole group, as ZeRO-3 does).
+    """
+    return _data_parallel("hpz-dpr", Entry(Mode.SHARDED_GATHER, keep_gathered=True), S, S,
+                          "ZeRO++ hpZ across nodes: parameters gathered in forward, held through backward "
+                          "(compose zero3<k>xhpz-dpr<n>, or write zero3xhpz)", HPZ_SOURCE, axis=Axis.DPR)
+
+
 def distributed_optimizer() -> Strategy:
     s = zero(1)
     return Strategy("distopt", s.axis, None, s.entries, s.compute_sharded,
@@ -152,7 +172,8 @@ def ep() -> Strategy:
 LIBRARY: dict[str, Callable[[], Strategy]] = {
     "dp": dp, "ddp": dp, "dpr": dpr,
     "zero1": lambda: zero(1), "zero2": lambda: zero(2), "zero3": lambda: zero(3),
-    "fsdp": fsdp, "fsdp-sgo": fsdp_shard_grad_op, "hsdp": hsdp, "distopt": distributed_optimizer,
+    "fsdp": fsdp, "fsdp-sgo": fsdp_shard_grad_op, "hsdp": hsdp, "hpz-dpr": hpz_dpr,
+    "distopt": distributed_optimizer,
     "tp": tp, "pp": pp, "cp": cp, "ep": ep,
 }
 

@@ -34,11 +34,13 @@ NASTY_TEXTS = (
     "\x7f", "²", "٣", "１２", "Ⅷ", "1e400", "9" * 400, "-1", "0", "00", "2**70", "1180591620717411303424", "nan", "inf",
     "-inf", "auto", "$TP", "${WORLD}", "'", '"', "\\", "{}", "[]", "%s", "{0}", "😀", "\u202eevil", "\ufeff8",
     "\udcff", "\udc80abc", "-", "--", "x", "×", "*", " 8", "8 ", "+8", "0x10", "1_000", "8.0", "1e3", "٨", "8\x00",
+    "$\\frac{$", "$x^$", "</script>", "<b>", "&amp;", "%(x)s", "\\", "{}{}",
 )
 NASTY_NUMBERS = (
     "0", "1", "2", "8", "-1", "-3", "²", "٣", "８", "1e400", "1e30", "9" * 50, "9" * 400, "2**70",
     "1180591620717411303424", "1000000", "1000001", "nan", "inf", "", " ", "8 ", "0x8", "1_0", "8.5", "abc", "+2",
-    "\u0663\u0662", "\udcff", "4\n", "1e9", "7.5e9", "70B", "80GB", "80GiB", "1e-30", "0.4",
+    "\u0663\u0662", "\udcff", "4\n", "1e9", "7.5e9", "70B", "80GB", "80GiB", "1e-30", "0.4", "1e9\x1c", "8\u2028",
+    "80GB\x85", "\x1f2",
 )
 # Compositions quick to decide: small degrees, the default or a --params model.
 TINY_COMPOSITIONS = ("dp2", "zero1", "zero32", "zero2x", "tp2", "pp2", "dp2xtp2", "tp2xpp2", "fsdp2", "tp2xsp",
@@ -482,7 +484,15 @@ def hf_configs(draw: st.DrawFn) -> Case:
     name = draw(st.sampled_from(("config.json",) * 6 + ("config.JSON", "config")))
     comp = draw(st.sampled_from(("dp2", "tp2", "pp2", "tp2xsp", "zero3", "ep2xdp2", "dp2xrecompute")))
     extra = draw(st.sampled_from(([], [], ["--json"], ["--micro-batch", "2"], ["--seq", "64"], ["--seq", "0"])))
-    return Case((comp, "--model", "{dir}/" + name, "--devices", "4", *extra), ((name, data),))
+    model = ("--model", "{dir}/" + name)
+    match draw(st.integers(0, 19)):  # the model's name also reaches charts and reports, rarely (they are slow)
+        case 0:
+            return Case(("compare", "dp2", comp, *model, "--chart", "{dir}/c.svg"), ((name, data),), slow=True)
+        case 1:
+            return Case((comp, *model, "--report", "{dir}/r.html"), ((name, data),), slow=True)
+        case 2:
+            return Case(("plan", *model, "--devices", "4"), ((name, data),))
+    return Case((comp, *model, "--devices", "4", *extra), ((name, data),))
 
 
 _STRATEGY_EXAMPLES = tuple(
@@ -502,6 +512,8 @@ def strategies_files(draw: st.DrawFn) -> Case:
         text = toml_text(draw(mutated_documents(doc, _ST_KEYS, json_only=False)))
     i = args.index("--strategies")
     argv = [*args[:i], "--strategies", "{dir}/user.toml", *args[i + 2:]]
+    if draw(st.integers(0, 9)) == 0:  # the file's program on the reference simulator (a few tenths of a second)
+        argv.append("--simulate")
     return Case(tuple(argv), (("user.toml", draw(corrupted_bytes(text))),))
 
 

@@ -1,9 +1,10 @@
 """Hypothesis strategies for differential testing (plural nouns): compositions the simulator can run
 on the reference model, and mutations of step programs.
 
-``compositions()`` draws library strategies on distinct axes (degrees 1, 2 or 4, at most
-``max_devices`` devices), modifiers (sequence parallelism, micro-batches, schedules, recomputation,
-offload) and a reference model they divide, tied or not. Unlike ``tests/strategies.py`` it does
+``compositions()`` draws library strategies on distinct axes (a data strategy, possibly with dpr
+or hpz-dpr beside it; degrees 1, 2 or 4, at most ``max_devices`` devices), modifiers (sequence
+parallelism, micro-batches, schedules, recomputation, offload) and a reference model they divide,
+tied or not. Unlike ``tests/strategies.py`` it does
 not exclude parameter offload under ZeRO-1/2: that derived program is invalid, and z3 and the
 simulator must agree that it is.
 
@@ -54,7 +55,9 @@ def compositions(draw: st.DrawFn, max_devices: int = 8) -> tuple[Composition, Re
         if data == "hsdp" or draw(st.integers(0, 3)) == 0:
             r = degree([1, 2])
             devices *= r
-            terms.append(f"dpr{r}")
+            # the across-node axis of ZeRO++ hpZ (parameters held along it) or HSDP's replicate axis
+            replicate = "dpr" if data == "hsdp" else draw(st.sampled_from(["dpr", "dpr", "hpz-dpr"]))
+            terms.append(f"{replicate}{r}")
     tp = draw(st.sampled_from([0, 0, 1, 2]))
     if tp:
         tp = degree([1, tp])

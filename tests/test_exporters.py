@@ -243,7 +243,7 @@ CARRIED = [  # (target, composition): each modifier on a base the target accepts
     (T, "fsdp4xpp2x1f1b"), (T, "fsdp4xpp2xuneven"), (T, "fsdp4xoffloadxoffload-params"),
     (T, "fsdp4xpp2xrecompute"), (T, "fsdp4xpp2xselective"), (T, "fsdp4xpp2xflash"),
     (D, "zero14xpp2xm4"), (D, "zero14xpp2x1f1b"), (D, "zero14xpp2xuneven"), (D, "zero14xoffload"),
-    (D, "zero34xoffloadxoffload-params"), (D, "zero14xpp2xrecompute"),
+    (D, "zero34xoffloadxoffload-params"), (D, "zero14xpp2xrecompute"), (D, "zero316xhpz"),
     (M, "tp2xdp2xpp2xsp"), (M, "dp2xpp2xm4"), (M, "dp2xpp2xv2"), (M, "dp2xpp2x1f1b"), (M, "dp2xpp2xuneven"),
     (M, "dp2xpp2xrecompute"), (M, "dp2xpp2xselective"), (M, "dp2xpp2xflash"),
 ]
@@ -256,6 +256,8 @@ REFUSED = [  # (target, composition, what the one-line refusal names)
     (M, "dp2xpp2xgpipe", "GPipe"), (M, "dp4xoffload", "offload"), (M, "dp4xoffload-params", "offload"),
     (M, "dp4xsp", "sequence parallelism without tensor parallelism"),
     (T, "fsdp4xpp2xzb", "ZB-H1"), (D, "zero14xpp2xzb", "zero-bubble"), (M, "dp2xpp2xzb", "zero-bubble"),
+    (T, "fsdp16xhpz", "hierarchical partitioning"), (M, "zero316xhpz", "hierarchical partitioning"),
+    (D, "zero216xhpz-dpr2", "hierarchical partitioning without ZeRO 3"),
 ]
 
 

@@ -190,6 +190,16 @@ def test_markup_in_a_config_name_is_shown_as_text(tmp_path: Path) -> None:
     assert "model [/bold][red]x (" in result.stdout
 
 
+@pytest.mark.parametrize("chart", ["c.svg", "c.png"])
+def test_dollars_in_a_config_name_are_not_mathematics(tmp_path: Path, chart: str) -> None:
+    """matplotlib used to parse ``$...$`` in the chart title as mathematics and fail (exit 4)."""
+    path = write(tmp_path, "config.json", json.dumps(TINY_HF | {"_name_or_path": "$\\frac{$ x^"}))
+    for args in (("compare", "dp2", "tp2"), ("sweep", "tp{}", "--values", "1,2")):
+        result = invoke(*args, "--model", path, "--chart", str(tmp_path / chart))
+        assert result.exit_code == 0, result.output
+        assert (tmp_path / chart).stat().st_size > 0
+
+
 def test_ansi_escapes_in_a_config_name_never_reach_the_terminal(tmp_path: Path) -> None:
     name = "\x1b[31mred\x1b[0m\x1b]0;title\x07\r"
     path = write(tmp_path, "config.json", json.dumps(TINY_HF | {"_name_or_path": name}))
@@ -253,6 +263,15 @@ def test_numbers_are_ascii_digits(tmp_path: Path, digit: str) -> None:
     one_line(invoke(f"tp{digit}xdp2"), f"tp{digit}".lower().split("x")[0])
 
 
+@pytest.mark.parametrize("space", ["\x1c", "\x85", "\u2028", "\u3000", "\n"])
+def test_unicode_whitespace_is_not_part_of_a_number(space: str) -> None:
+    """Python's ``\\s`` takes these as whitespace: ``--params '1e9\\x1c'`` used to name the model
+    with a raw control character."""
+    one_line(invoke("dp2", "--params", f"1e9{space}"), "--params")
+    one_line(invoke("dp2", "--params", "1e9", "--device-memory", f"80GB{space}"), "--device-memory")
+    one_line(invoke("dp2", "--devices", f"8{space}"), "--devices")
+
+
 def test_an_empty_number_is_refused() -> None:
     one_line(invoke("zero3", "--devices", ""), "--devices")
     one_line(invoke("plan", "--params", "1e9", "--devices", "8", "--fix", "tp="), "--fix")
@@ -277,6 +296,16 @@ def test_an_empty_number_is_refused() -> None:
 def test_numbers_beyond_every_bound(args: tuple[str, ...], fragment: str) -> None:
     """``zero3 --devices 2**70`` used to be proved on 1.18e21 devices."""
     one_line(invoke(*args), fragment)
+
+
+def test_a_global_batch_beyond_spellable_micro_batches_plans_nothing() -> None:
+    """The planner used to fail on its own candidate (m1000000000: degree absurd) after planning."""
+    result = invoke("plan", "--params", "1e9", "--devices", "8", "--global-batch", "1000000000")
+    assert result.exit_code == 1 and "no composition fits" in result.stdout, result.output
+
+
+def test_compare_is_bounded() -> None:
+    one_line(invoke("compare", *["dp2"] * 65, "--params", "1e9"), "65 compositions")
 
 
 def test_a_leftover_degree_is_bounded() -> None:

@@ -59,7 +59,7 @@ def engine_for(comp: Composition) -> Engine:
         return Engine.FSDP
     if axes == {Axis.DP, Axis.TP} and dp_name in ("fsdp", "fsdp-sgo", "zero3"):
         return Engine.FSDP_TP
-    if axes == {Axis.DP, Axis.DPR} and dp_name in ("fsdp", "fsdp-sgo", "zero3", "hsdp"):
+    if axes == {Axis.DP, Axis.DPR} and dp_name in ("fsdp", "fsdp-sgo", "zero3", "hsdp") and names[Axis.DPR] == "dpr":
         return Engine.HSDP
     raise CompositionError(f"{comp}: no PyTorch engine for this composition in the harness "
                            "(DDP, ZeRO-1, FSDP, TP, FSDP+TP, HSDP, PP)")

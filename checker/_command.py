@@ -1,6 +1,6 @@
 """What every subcommand of ``check-composition`` shares: the exit-code contract, the one way
 to report bad input, and building an analysis from the command line's words. The subcommands
-(``checker/cli.py``, ``checker/_commands_reports.py``, ``checker/_planner.py``) import it; it
+(``checker/cli.py``, ``checker/_commands_reports.py``, ``checker/_plan_command.py``) import it; it
 imports none of them.
 """
 

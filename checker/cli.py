@@ -275,7 +275,7 @@ def list_strategies() -> None:
 
 
 
-from checker._planner import plan_command  # noqa: E402 (the planner)
+from checker._plan_command import plan_command  # noqa: E402 (the planner)
 
 main.add_command(plan_command())
 

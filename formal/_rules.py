@@ -2,7 +2,7 @@
 
 A composition is judged by the rules of this table, and nothing else: ``formal._smt`` turns each
 applicable rule into a tracked z3 constraint over the composition's degrees and the model's
-sizes (an unsat core names the broken rule), and ``checker._planner`` evaluates the same
+sizes (an unsat core names the broken rule), and ``checker._plan_rules`` evaluates the same
 predicates on whole arrays of candidate meshes at once. A rule's predicate is written once,
 against ``Terms``: z3 terms in one case, numpy arrays in the other, with the same arithmetic
 (``%``, ``*``, ``==``, ``<=``) and two connectives the backend supplies (``implies``, ``all_of``).

@@ -36,7 +36,8 @@ _GROUPS = {
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        module = item.module.__name__.rpartition(".")[2] if item.module is not None else ""
+        owner = item.module if isinstance(item, pytest.Function) else None  # a test function's module
+        module = owner.__name__.rpartition(".")[2] if owner is not None else ""
         for marker, modules in _GROUPS.items():
             if module in modules:
                 item.add_marker(getattr(pytest.mark, marker))

@@ -23,6 +23,7 @@ from formal._vocab import (
     Axis,
     Group,
     Mode,
+    Stage,
     State,
 )
 
@@ -66,7 +67,7 @@ def test_more_devices_on_an_axis_never_raise_per_device_memory(text: str, model:
     assert sp.nsimplify(after - before) <= 0, (text, axis, before, after)
 
 
-def _group_bytes(pl: Placement, model: Model, precision: str, stage: str) -> dict[tuple[State, Group], sp.Expr]:
+def _group_bytes(pl: Placement, model: Model, precision: str, stage: Stage) -> dict[tuple[State, Group], sp.Expr]:
     sizes = group_sizes(model)
     out: dict[tuple[State, Group], sp.Expr] = {}
     for state in MODEL_STATES:
@@ -83,8 +84,8 @@ def test_devices_along_an_axis_hold_the_unsharded_state_between_them(text: str, 
     axis = data.draw(st.sampled_from([s.axis for s in comp.strategies]))
     d = comp.mesh()[axis]
     pl = comp.placement(model)
-    sharded = _group_bytes(pl, model, precision, "first")
-    whole = _group_bytes(with_degree(comp, axis, 1).placement(model), model, precision, "first")
+    sharded = _group_bytes(pl, model, precision, Stage.FIRST)
+    whole = _group_bytes(with_degree(comp, axis, 1).placement(model), model, precision, Stage.FIRST)
     for (state, g), value in sharded.items():
         mode = pl.mode(state, g, axis)
         if pl.local_mode(state, g) in (Mode.OFFLOADED, Mode.MATERIALIZED):
@@ -102,10 +103,10 @@ def test_pipeline_stages_hold_the_whole_model_between_them(model: Transformer, p
     """first + (p-2) middle + last stages hold every parameter once (a tied embedding twice)."""
     comp = parse(f"{rest}xpp{p}")
     pl = comp.placement(model)
-    whole = _group_bytes(parse(f"{rest}xpp1").placement(model), model, precision, "first")
-    stages = {st_: _group_bytes(pl, model, precision, st_) for st_ in ("first", "middle", "last")}
+    whole = _group_bytes(parse(f"{rest}xpp1").placement(model), model, precision, Stage.FIRST)
+    stages = {st_: _group_bytes(pl, model, precision, st_) for st_ in (Stage.FIRST, Stage.MIDDLE, Stage.LAST)}
     for key, value in whole.items():
-        summed = stages["first"][key] + (p - 2) * stages["middle"][key] + stages["last"][key]
+        summed = stages[Stage.FIRST][key] + (p - 2) * stages[Stage.MIDDLE][key] + stages[Stage.LAST][key]
         copies = 2 if key[1] in pl.tied else 1
         assert sp.nsimplify(summed - copies * value) == 0, key
 
@@ -139,7 +140,7 @@ def test_memory_is_what_the_placement_implies_axis_by_axis(text: str, model: Mod
     pl = comp.placement(model)
     rec = PRECISIONS[precision]
     sizes = model.group_elements()
-    for stage in ("first", "last"):
+    for stage in (Stage.FIRST, Stage.LAST):
         mem = memory(pl, model, rec, group_sizes(model), stage)
         by_state = {State.PARAMETERS: mem.parameters, State.GRADIENTS: mem.gradients, State.OPTIMIZER: mem.optimizer}
         host = sp.Integer(0)

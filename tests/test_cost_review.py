@@ -12,7 +12,7 @@ from checker._parse import parse
 from formal._costs import in_flight_micro_batches, stage_in_flight
 from formal._model import PRECISIONS, ParameterCount, Transformer
 from formal._presets import PRESETS
-from formal._vocab import Axis, OpKind, State
+from formal._vocab import Axis, OpKind, Stage, State
 
 
 def run(text: str, model: Transformer | ParameterCount, precision: str = "zero") -> Analysis:
@@ -36,16 +36,16 @@ def test_last_stage_holds_fewer_micro_batches_than_the_first() -> None:
     model = Transformer("k", layers=16, hidden=64, heads=4, vocab=1000, seq=32)
     for p, m in ((4, 16), (4, 2), (8, 8)):
         pl = parse(f"pp{p}xm{m}").placement(model)
-        assert in_flight_micro_batches(pl, "first") == min(p, m)
-        assert in_flight_micro_batches(pl, "last") == 1
+        assert in_flight_micro_batches(pl, Stage.FIRST) == min(p, m)
+        assert in_flight_micro_batches(pl, Stage.LAST) == 1
         gp = parse(f"pp{p}xm{m}xgpipe").placement(model)
-        assert in_flight_micro_batches(gp, "first") == in_flight_micro_batches(gp, "last") == m
+        assert in_flight_micro_batches(gp, Stage.FIRST) == in_flight_micro_batches(gp, Stage.LAST) == m
         for v in (2, 4):
             il = parse(f"pp{p}xm{m}xv{v}").placement(model)
             last_chunks = min(m * v, (v - 1) * p + 1)
-            assert in_flight_micro_batches(il, "last") == sp.Rational(last_chunks, v)
+            assert in_flight_micro_batches(il, Stage.LAST) == sp.Rational(last_chunks, v)
             if m >= p:  # rank 0: 2(p-1) + (v-1)p + 1 chunks, Korthikanti's p (1 + (p-1)/(p v))
-                assert sp.Rational(2 * (p - 1) + (v - 1) * p + 1, v) == in_flight_micro_batches(il, "first")
+                assert sp.Rational(2 * (p - 1) + (v - 1) * p + 1, v) == in_flight_micro_batches(il, Stage.FIRST)
 
 
 def test_every_stage_holds_its_own_warm_up() -> None:
@@ -56,10 +56,10 @@ def test_every_stage_holds_its_own_warm_up() -> None:
     for text in ("pp4xm16", "pp4xm2", "pp8xm8", "pp4xm16xgpipe", "pp4xm8xv2", "pp4xm8xv4", "pp8xm16xv2"):
         pl = parse(text).placement(model)
         p = int(pl.degree(Axis.PP))
-        assert stage_in_flight(pl, 0) == in_flight_micro_batches(pl, "first"), text
-        assert stage_in_flight(pl, p - 1) == in_flight_micro_batches(pl, "last"), text
+        assert stage_in_flight(pl, 0) == in_flight_micro_batches(pl, Stage.FIRST), text
+        assert stage_in_flight(pl, p - 1) == in_flight_micro_batches(pl, Stage.LAST), text
         for i in range(p):
-            assert stage_in_flight(pl, i) <= in_flight_micro_batches(pl, "middle"), (text, i)
+            assert stage_in_flight(pl, i) <= in_flight_micro_batches(pl, Stage.MIDDLE), (text, i)
             if "x" not in text.removeprefix(f"pp{p}x"):  # plain 1F1B
                 assert stage_in_flight(pl, i) == min(p - i, pl.options.micro_batches), (text, i)
 

@@ -35,7 +35,7 @@ from formal._vocab import Axis, OpKind, Phase, Reduce, State
 RERUN_SEEDS = (101, 202)
 # The whole differential run, on a busy two-core machine, takes a few minutes; the thorough
 # profile (20x the programs) is given 20x the time.
-POOL_TIMEOUT_S = 60 * max(15, settings.default.max_examples // 5)
+POOL_TIMEOUT_S = 60 * max(15, settings().max_examples // 5)
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def _describe(o: Outcome) -> str:
 def test_z3_and_the_simulator_agree_on_a_thousand_programs(summary_lines: list[str]) -> None:
     """The issue's bar: at least 1,000 compositions and mutations in the CI profile, no disagreement,
     and the simulator's memory and traffic equal the cost model's on every derived program."""
-    budget = max(1_000, 10 * settings.default.max_examples)
+    budget = max(1_000, 10 * settings().max_examples)
     drawn: list[Case] = []
 
     @settings(max_examples=budget, database=None)
@@ -133,7 +133,7 @@ def test_z3_and_the_simulator_agree_on_a_thousand_programs(summary_lines: list[s
     assert not costs, "\n".join(costs[:20])
 
 
-@settings(max_examples=max(20, settings.default.max_examples // 2))
+@settings(max_examples=max(20, settings().max_examples // 2))
 @given(cases(mutate=True))
 def test_a_mutated_program_is_valid_iff_it_trains_like_one_device(case: Case) -> None:
     outcome = evaluate(case)
@@ -141,7 +141,7 @@ def test_a_mutated_program_is_valid_iff_it_trains_like_one_device(case: Case) ->
     assert outcome.disagreement is None, _describe(outcome)
 
 
-@settings(max_examples=max(20, settings.default.max_examples // 2))
+@settings(max_examples=max(20, settings().max_examples // 2))
 @given(cases(mutate=False))
 def test_derived_programs_agree_and_cost_what_the_cost_model_says(case: Case) -> None:
     outcome = evaluate(case)

@@ -2,13 +2,14 @@
 
 from checker._analysis import analyze
 from checker._parse import parse
-from formal._model import PRECISIONS
+from formal._model import PRECISIONS, Transformer
 from formal._placement import Recompute
 from formal._presets import PRESETS
 
 
 def test_flash_attention_places_activations_like_selective_recomputation() -> None:
     model = PRESETS["llama3-8b"]
+    assert isinstance(model, Transformer)
     flash = analyze(parse("zero3xflash", devices=16), model, PRECISIONS["zero"])
     selective = analyze(parse("zero3xselective", devices=16), model, PRECISIONS["zero"])
     none = analyze(parse("zero3", devices=16), model, PRECISIONS["zero"])

@@ -14,7 +14,7 @@ from formal._costs import activation_memory, buffer_memory, communication, layer
 from formal._model import PRECISIONS, Transformer
 from formal._presets import PRESETS
 from formal._program import derive_program, group_sizes
-from formal._vocab import EMBEDDING, EXPERTS, LAYER_IO, Axis, OpKind, State
+from formal._vocab import EMBEDDING, EXPERTS, LAYER_IO, Axis, OpKind, Stage, State
 
 ZERO = PRECISIONS["zero"]  # fp16 parameters, gradients and activations (2 bytes), fp32 Adam state
 SMALL = Transformer("k", layers=8, hidden=64, heads=4, vocab=1000, seq=32)
@@ -32,7 +32,7 @@ def test_each_pipeline_stage_holds_its_own_warm_up_of_activations() -> None:
     one_micro_batch = layer_activations(pl, per_layer, sbh, ZERO) * sp.Rational(SMALL.layers, p)
     for i in (1, 2):
         assert stage_in_flight(pl, i) == min(p - i, m)
-        assert activation_memory(pl, SMALL, ZERO, "middle", index=i) == one_micro_batch * min(p - i, m)
+        assert activation_memory(pl, SMALL, ZERO, Stage.MIDDLE, index=i) == one_micro_batch * min(p - i, m)
 
 
 def test_the_last_stage_is_the_most_loaded_when_the_logits_outweigh_the_warm_up() -> None:
@@ -43,9 +43,9 @@ def test_the_last_stage_is_the_most_loaded_when_the_logits_outweigh_the_warm_up(
     model = PRESETS["llama3-8b"]
     assert isinstance(model, Transformer)
     a = analyze(parse("pp4xm1"), model, ZERO)
-    stages = {st: memory(a.placement, model, ZERO, group_sizes(model), st).total for st in ("first", "last")}
-    assert stages["last"] - stages["first"] > 4 * model.seq * model.vocab - 4 * model.seq * model.hidden
-    assert a.memory.stage == "last" and a.memory.total == stages["last"]
+    stages = {st: memory(a.placement, model, ZERO, group_sizes(model), st).total for st in (Stage.FIRST, Stage.LAST)}
+    assert stages[Stage.LAST] - stages[Stage.FIRST] > 4 * model.seq * model.vocab - 4 * model.seq * model.hidden
+    assert a.memory.stage == "last" and a.memory.total == stages[Stage.LAST]
 
 
 def test_full_recomputation_keeps_each_layers_input_split_by_cp() -> None:
@@ -84,7 +84,7 @@ def test_the_tied_embedding_gradient_is_summed_between_the_first_and_last_stage(
     assert isinstance(model, Transformer)
     program = derive_program(parse("pp4").placement(model), model)
     gradient_bytes = model.vocab * model.hidden * 2
-    for stage, expected in (("first", gradient_bytes), ("middle", 0), ("last", gradient_bytes)):
+    for stage, expected in ((Stage.FIRST, gradient_bytes), (Stage.MIDDLE, 0), (Stage.LAST, gradient_bytes)):
         traffic = [t for t in communication(program, ZERO, stage)
                    if t.state is State.GRADIENTS and t.group == EMBEDDING and t.axis is Axis.PP]
         assert sum(int(t.bytes) for t in traffic) == expected, stage

@@ -19,6 +19,7 @@ Published numbers, with their sources beside them:
 from __future__ import annotations
 
 import json
+from typing import cast
 
 import numpy as np
 import pytest
@@ -115,20 +116,20 @@ def test_megatron_145b_on_1536_gpus() -> None:
 
 def test_gpt3_175b_on_1536_gpus() -> None:
     # Narayanan et al. 2021 Table 2 (PTD-P): model-parallel 96 = t 8 x p 12, batch 1536, b = 1.
-    _published(PRESETS["gpt3-175b"], 1536, 1536, "tp8xpp12xdp16xm96xrecompute", A100_FLOPS)
+    _published(cast(Transformer, PRESETS["gpt3-175b"]), 1536, 1536, "tp8xpp12xdp16xm96xrecompute", A100_FLOPS)
 
 
 def test_llama3_405b_on_16k_gpus() -> None:
     # Dubey et al. 2024 Table 4: TP 8, CP 1, PP 16, DP 128; 16 sequences of 8192 per DP rank.
-    _published(PRESETS["llama3-405b"], 16384, 128 * 16, "tp8xfsdp-sgo128xpp16xspxunevenxm16xrecompute", H100_FLOPS,
-               uneven=True)
+    _published(cast(Transformer, PRESETS["llama3-405b"]), 16384, 128 * 16,
+               "tp8xfsdp-sgo128xpp16xspxunevenxm16xrecompute", H100_FLOPS, uneven=True)
 
 
 def test_llama3_405b_long_context() -> None:
     # Dubey et al. 2024 Table 4: TP 8, CP 16, PP 16, DP 8; sequence 131072, 16 sequences per DP rank.
     from dataclasses import replace
 
-    long = replace(PRESETS["llama3-405b"], seq=131072)
+    long = replace(cast(Transformer, PRESETS["llama3-405b"]), seq=131072)
     _published(long, 16384, 8 * 16, "tp8xcp16xfsdp-sgo8xpp16xspxunevenxm16xrecompute", H100_FLOPS, uneven=True)
 
 

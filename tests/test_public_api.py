@@ -80,7 +80,7 @@ def test_checker_reexports_each_name_from_its_one_home() -> None:
 
 def _readme_example() -> str:
     section = README.read_text(encoding="utf-8").split("## Python API", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    blocks: list[str] = re.findall(r"```python\n(.*?)```", section, re.S)
     assert len(blocks) == 1, "the Python API section has one example"
     return blocks[0]
 

@@ -12,6 +12,7 @@ import sys
 from decimal import ROUND_FLOOR, ROUND_HALF_UP, Decimal
 from fractions import Fraction
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import sympy as sp
@@ -21,7 +22,7 @@ from checker._parse import parse
 from formal._costs import STAGES, activation_memory, bubble_fraction, communication
 from formal._model import PRECISIONS, ParameterCount, Transformer, megatron_parameter_count
 from formal._presets import PRESETS
-from formal._vocab import EMBEDDING_IO, LAYER_IO, OUTPUT_IO, Axis, OpKind, State
+from formal._vocab import EMBEDDING_IO, LAYER_IO, OUTPUT_IO, Axis, OpKind, Stage, State
 
 # A copy of the project's shared/data/published-examples.json, kept beside the tests so that a
 # fresh clone runs them without the shared folder.
@@ -316,7 +317,7 @@ def test_korthikanti_first_stage_holds_p_micro_batches() -> None:
     for p, m in ((2, 8), (4, 8), (4, 2)):
         live = min(p, m)  # micro-batches in flight; the paper's p when m >= p
         embedding = korthikanti_io_bytes("none", values, p) * sp.Rational(live, p)
-        first = activation_memory(parse(f"pp{p}xm{m}").placement(model), model, PRECISIONS["zero"], "first")
+        first = activation_memory(parse(f"pp{p}xm{m}").placement(model), model, PRECISIONS["zero"], Stage.FIRST)
         assert first == layers_one * sp.Rational(live, p) + embedding
         for v in (2, 4):
             inter = activation_memory(parse(f"pp{p}xm{m}xv{v}").placement(model), model, PRECISIONS["zero"])
@@ -333,7 +334,7 @@ def test_korthikanti_output_layer_lives_on_the_last_stage() -> None:
     output = korthikanti_io_bytes("none", values, p=0, output=True)
     assert output == 4 * 32 * 64 * (1 + sp.Rational(1000, 64))  # 4sbh(1 + v/h), t = 1
     for p, m, schedule, live in ((2, 8, "", 1), (4, 8, "xgpipe", 8)):
-        last = activation_memory(parse(f"pp{p}xm{m}{schedule}").placement(model), model, PRECISIONS["zero"], "last")
+        last = activation_memory(parse(f"pp{p}xm{m}{schedule}").placement(model), model, PRECISIONS["zero"], Stage.LAST)
         assert last == (layers_one / p + output) * live
 
 
@@ -373,7 +374,7 @@ def test_ptdp_tensor_and_pipeline_communication() -> None:
     precision = PRECISIONS["zero"]
     for comp in (f"tp{t}xpp{p}xm{m}", f"tp{t}xspxpp{p}xm{m}"):
         program = analysis(comp, model).program
-        for stage, vocab_group in (("first", EMBEDDING_IO), ("last", OUTPUT_IO)):
+        for stage, vocab_group in ((Stage.FIRST, EMBEDDING_IO), (Stage.LAST, OUTPUT_IO)):
             tp = [x for x in communication(program, precision, stage)
                   if x.axis is Axis.TP and x.state is State.ACTIVATIONS]
             layers = [x for x in tp if x.group is LAYER_IO]
@@ -389,7 +390,7 @@ def test_ptdp_tensor_and_pipeline_communication() -> None:
             assert sum(Fraction(int(x.bytes)) for x in vocab) == m * bsh * 2 * ring
     for comp, chunks in ((f"pp{p}xm{m}", 1), (f"pp{p}xm{m}xv{v}", v)):
         a = analysis(comp, model)
-        for stage in ("first", "last"):
+        for stage in (Stage.FIRST, Stage.LAST):
             sends = [x for x in communication(a.program, precision, stage) if x.kind is OpKind.SEND_RECV]
             ends = 2 * chunks - 1  # both devices of a two-stage pipeline are a first or a last stage
             assert sum(int(x.bytes) for x in sends) == 2 * m * ends * bsh * 2  # fwd + bwd, 2-byte activations
@@ -405,9 +406,9 @@ def test_a_middle_stage_sends_both_ways_and_the_busiest_stage_is_reported() -> N
     a = analysis(f"pp4xm{m}", model)
     precision = PRECISIONS["zero"]
     per_stage = {st: sum(int(x.bytes) for x in communication(a.program, precision, st)) for st in STAGES}
-    assert per_stage["first"] == per_stage["last"] == 2 * m * bsh * 2
-    assert per_stage["middle"] == 2 * per_stage["first"]
-    assert a.traffic_stage == "middle" and int(a.communication_bytes) == per_stage["middle"]
+    assert per_stage[Stage.FIRST] == per_stage[Stage.LAST] == 2 * m * bsh * 2
+    assert per_stage[Stage.MIDDLE] == 2 * per_stage[Stage.FIRST]
+    assert a.traffic_stage == "middle" and int(a.communication_bytes) == per_stage[Stage.MIDDLE]
 
 
 # --- the CLI acceptance: check-composition ... --params 7.5e9 --json -------------------
@@ -439,7 +440,7 @@ def test_cli_zero_stages_at_8_devices() -> None:
         assert Fraction(comm["model_state_psi_units"]) == units
         assert doc["mesh"] == {"dp": 8} and doc["devices"] == 8
         docs[stage] = doc
-    dp, z3 = docs["dp"], docs["zero3"]
+    dp, z3 = cast(dict[str, Any], docs["dp"]), cast(dict[str, Any], docs["zero3"])
     assert Fraction(dp["memory"]["per_device"]["model_states"], z3["memory"]["per_device"]["model_states"]) == 8
     assert Fraction(z3["communication"]["model_state_psi_units"]) / Fraction(
         dp["communication"]["model_state_psi_units"]) == Fraction(3, 2)

@@ -80,7 +80,9 @@ def test_per_stage_counts_meet_the_first_and_last_stage_counts(schedule: Pipelin
         assert activation_memory(pl, MODEL, DEFAULT_PRECISION, Stage.LAST, pp - 1) == memory[Stage.LAST]
         for i in range(1, pp - 1):
             assert stage_in_flight(pl, i) <= in_flight_micro_batches(pl, Stage.MIDDLE)
-            assert activation_memory(pl, MODEL, DEFAULT_PRECISION, Stage.MIDDLE, i) <= memory[Stage.MIDDLE]
+            middle, bound = activation_memory(pl, MODEL, DEFAULT_PRECISION, Stage.MIDDLE, i), memory[Stage.MIDDLE]
+            assert middle is not None and bound is not None  # a Transformer has activations
+            assert middle <= bound
 
 
 @pytest.mark.parametrize("schedule", ALL, ids=lambda s: s.kind.value)

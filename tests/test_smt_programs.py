@@ -3,6 +3,7 @@ fires names what was broken (a quality test: the mutation generator finds known-
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from hypothesis import HealthCheck, given, settings
@@ -50,7 +51,7 @@ def test_dropping_any_needed_collective_is_refuted(data: st.DataObject) -> None:
 
 
 def test_each_kind_of_dropped_op_fires_its_rule() -> None:
-    cases = [
+    cases: list[tuple[str, Callable[[Op], bool], str]] = [
         ("zero14", lambda op: op.phase is Phase.REFRESH, "refresh[P.attention, dp]"),
         ("zero34", lambda op: op.kind is OpKind.ALL_GATHER and op.phase is Phase.FORWARD,
          "gather_before_use[P.attention, dp]"),

@@ -21,7 +21,7 @@ MODEL = PRESETS["gpt3-1.3b"]
 
 def _verdict(text: str, **limits: int) -> Verdict:
     comp = parse(text, devices=16)
-    return decide(comp, derive_program(comp.placement(MODEL), MODEL), MODEL, **limits)  # type: ignore[arg-type]
+    return decide(comp, derive_program(comp.placement(MODEL), MODEL), MODEL, **limits)
 
 
 def _shape(v: Verdict) -> list[tuple[str, Status, str]]:

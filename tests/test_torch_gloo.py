@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("torch", reason="the PyTorch validation needs the torch extra: pip install -e '.[torch]'")
 
 from checker._parse import parse
+from checker._torch._compare import ACTIVATION_TOLERANCE
 from checker._torch._gloo import GLOO_COMPOSITIONS, GlooComparison, compare_world
-from checker._torch_validate import ACTIVATION_TOLERANCE
 
 _RUNS: dict[int, list[GlooComparison]] = {}
 

@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("torch", reason="the PyTorch validation needs the torch extra: pip install -e '.[torch]'")
 
+from checker._torch._compare import ACTIVATION_TOLERANCE, Comparison
 from checker._torch._large import LARGE, LARGE_RUNS, LargeResult, compare_large, saved_row
 from checker._torch._record import local
-from checker._torch_validate import ACTIVATION_TOLERANCE, Comparison
 
 _CACHE: dict[tuple[str, int], tuple[Comparison, LargeResult]] = {}
 

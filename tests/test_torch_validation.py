@@ -12,9 +12,10 @@ import pytest
 pytest.importorskip("torch", reason="the PyTorch validation needs the torch extra: pip install -e '.[torch]'")
 
 from checker._parse import parse
+from checker._torch._compare import ACTIVATION_TOLERANCE, Comparison
 from checker._torch._net import NetConfig
 from checker._torch._predict import Implementation, parameter_tensors, predict
-from checker._torch_validate import ACTIVATION_TOLERANCE, TABLE_COMPOSITIONS, TABLE_RUNS, Comparison, validate
+from checker._torch_validate import TABLE_COMPOSITIONS, TABLE_RUNS, validate
 from formal._vocab import OpKind
 
 _CACHE: dict[tuple[str, int], Comparison] = {}

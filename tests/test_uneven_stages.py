@@ -9,6 +9,7 @@ stage ceil(126/16) = 8 layers, which is what the cost model charges.
 from __future__ import annotations
 
 import json
+from typing import cast
 
 import sympy as sp
 from click.testing import CliRunner
@@ -16,12 +17,12 @@ from click.testing import CliRunner
 from checker._parse import MODIFIERS, parse
 from checker.cli import main
 from formal._costs import activation_memory, state_memory
-from formal._model import DEFAULT_PRECISION
+from formal._model import DEFAULT_PRECISION, Transformer
 from formal._presets import PRESETS
 from formal._program import group_sizes
 from formal._vocab import LAYER_GROUPS, Axis, State
 
-LLAMA3_405B = PRESETS["llama3-405b"]
+LLAMA3_405B = cast(Transformer, PRESETS["llama3-405b"])
 
 
 def test_modifier_parses_and_round_trips() -> None:
@@ -74,7 +75,7 @@ def test_activations_count_the_fullest_stage() -> None:
 
 
 def test_divisible_layers_are_unchanged() -> None:
-    model = PRESETS["llama2-7b"]  # 32 layers
+    model = cast(Transformer, PRESETS["llama2-7b"])  # 32 layers
     assert model.layers % 4 == 0
     even = parse("tp2xpp4xdp2xm8").placement(model)
     uneven = parse("tp2xpp4xdp2xm8xuneven").placement(model)

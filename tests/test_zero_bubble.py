@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from fractions import Fraction
+from typing import cast
 
 import pytest
 import sympy as sp
@@ -21,7 +22,7 @@ from checker._planner import DataParallel, Deriver, Family, Offload, Pipeline
 from checker._torch._engine import engine_for
 from checker.cli import main
 from formal._costs import activation_memory, bubble_fraction, communication, in_flight_micro_batches
-from formal._model import DEFAULT_PRECISION
+from formal._model import DEFAULT_PRECISION, Transformer
 from formal._placement import Recompute
 from formal._presets import PRESETS
 from formal._program import derive_program
@@ -32,7 +33,7 @@ from formal._verdict import Status
 from formal._vocab import Stage
 from formal.errors import CompositionError
 
-GPT3 = PRESETS["gpt3-1.3b"]  # Brown et al. 2020: 24 layers, h 2048, 16 heads, s 2048, v 51200
+GPT3 = cast(Transformer, PRESETS["gpt3-1.3b"])  # Brown et al. 2020: 24 layers, h 2048, 16 heads, s 2048, v 51200
 
 
 # --- the schedule itself, simulated from the paper's description ---------------------------
@@ -68,7 +69,8 @@ def _simulate(p: int, m: int, split: bool, whole: int = 0, deferred: int = 0) ->
     for its own F; W for its own B. Returns the bubble (idle over compute, m (T_F + T_B + T_W))
     and each stage's peak activation bytes: a forward adds ``whole``, a backward turns it into
     ``deferred`` (what W reads), a W frees that."""
-    orders, done, clock, nxt = _orders(p, m, split), {}, [0] * p, [0] * p
+    orders, clock, nxt = _orders(p, m, split), [0] * p, [0] * p
+    done: dict[tuple[str, int, int], int] = {}  # (pass, stage, micro-batch): its finishing time
     held, peak = [0] * p, [0] * p
     progressed = True
     while progressed:
@@ -184,6 +186,7 @@ def test_what_w_reads_is_split_like_the_linear_layers_it_belongs_to() -> None:
         pl = parse(text).placement(GPT3)
         base = parse(text.replace("xzb", "")).placement(GPT3)
         whole = activation_memory(base, GPT3, DEFAULT_PRECISION, Stage.LAST, p - 1)  # 1F1B: one micro-batch
+        assert whole is not None
         assert activation_memory(pl, GPT3, DEFAULT_PRECISION, Stage.LAST, p - 1) == whole + 3 * layers * per_layer
 
 

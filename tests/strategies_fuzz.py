@@ -523,7 +523,7 @@ def strategies_files(draw: st.DrawFn) -> Case:
 def output_cases(draw: st.DrawFn) -> Case:
     """``--report``, ``plan --csv`` and ``--chart`` into good and bad places, over an old file or
     none, and sometimes on a disk that fills up part-way."""
-    named = st.text(st.characters(exclude_categories=("Cs",), exclude_characters="/\x00"), min_size=1, max_size=12)
+    named = st.text(st.characters(exclude_categories=["Cs"], exclude_characters="/\x00"), min_size=1, max_size=12)
     target = draw(st.one_of(
         st.sampled_from(("report.html", "out.csv", "chart.svg", "chart.png", "chart.gif", "missing/x.html", "", ".",
                          "sub", "sub/deeper/x.csv", "r\x00.html", "ünï.html")),

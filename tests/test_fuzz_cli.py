@@ -38,6 +38,7 @@ from strategies_fuzz import (
 )
 
 from checker.cli import main
+from formal.errors import InputError
 
 # Cases per test, as multiples of the profile's max_examples (ci 100, thorough 2,000).
 SHARES: dict[str, int] = {"argvs": 9, "deepspeed": 3, "torchtitan": 3, "megatron": 3, "hf": 3, "strategies": 3,
@@ -49,7 +50,7 @@ _TEMPORARY = re.compile(r"^\..*\.tmp$")
 
 
 def budget(name: str) -> int:
-    return SHARES[name] * settings.default.max_examples
+    return SHARES[name] * settings().max_examples
 
 
 def _complete(argv: list[str], name: str, data: bytes) -> bool:
@@ -182,7 +183,7 @@ def test_the_harness_catches_a_temporary_file_left_behind(monkeypatch: pytest.Mo
 
     def leaves_temporary(path: Path, data: str | bytes, option: str) -> None:
         Path(path.parent, f".{path.name}.x.tmp").write_bytes(b"")
-        raise output.InputError(f"{option} {path}: cannot write")
+        raise InputError(f"{option} {path}: cannot write")
 
     monkeypatch.setattr(output, "write_atomic", leaves_temporary)
     with pytest.raises(AssertionError, match="temporary files left"):

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from checker._parse import parse
-from checker._planner import AXES, Cluster, DataParallel, Family, Offload, Pipeline, Workload, family_rules, plan
+from checker._plan_rules import family_rules
+from checker._planner import AXES, Cluster, DataParallel, Family, Offload, Pipeline, Workload, plan
 from formal._model import Transformer
 from formal._placement import Recompute, Schedule
 from formal._presets import PRESETS

@@ -1,0 +1,412 @@
+"""State consistency's two-step run along one axis (``formal/_smt.py`` explains the encoding).
+
+``_T`` is a value of the model (an initial chunk value, a step's gradient, junk, or an update of
+the (p, o, g) it read); ``_consistency_case`` collects what one obligation depends on (the group
+erased); ``_AxisRun`` executes the program for two steps over per-device and per-host holdings
+and records every read and coverage condition as a ``_Check`` against the single-device value.
+``formal/_smt_consistency.py`` gives the checks to z3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from formal._placement import Entry
+from formal._program import Op
+from formal._smt_common import MAX_CONSISTENCY_DEVICES, PHASE_ORDER, PLACEHOLDER, G, O, P, _Index
+from formal._vocab import Axis, Group, Mode, OpKind, Phase, State
+
+_SHAPES: dict[tuple[Any, ...], int] = {}  # term shapes seen so far, interned as ints
+
+
+@dataclass(frozen=True)
+class _T:
+    """A value in the consistency model: an atom or an update of the (p, o, g) it read.
+
+    Heads: ``P0``/``O0`` initial chunk values, ``g`` a step's gradient of a chunk, ``junk``
+    whatever memory holds where nothing was written, ``upd_p``/``upd_o`` the element-wise
+    optimizer (uninterpreted: any optimizer).
+    """
+
+    head: str
+    chunk: int = -1
+    tag: int = 0
+    args: tuple[_T, ...] = ()
+    digest: int = field(default=0, init=False, repr=False, compare=False)
+    shape: int = field(default=0, init=False, repr=False, compare=False)
+    leaves: tuple[tuple[str, int], ...] = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Terms nest and are compared often: hash once. ``shape`` (the term with its chunks and
+        # junk tags erased, interned as an int) and ``leaves`` (its chunks and junk tags in
+        # order) let checks that differ only by a renaming of chunks be recognised cheaply.
+        object.__setattr__(self, "digest", hash((self.head, self.chunk, self.tag, self.args)))
+        if self.args:
+            shape: tuple[Any, ...] = (self.head, tuple(a.shape for a in self.args))
+            leaves = tuple(leaf for a in self.args for leaf in a.leaves)
+        else:
+            shape = (self.head, self.tag if self.head == "g" else 0)
+            leaves = (("junk", self.tag) if self.head == "junk" else ("chunk", self.chunk),)
+        object.__setattr__(self, "shape", _SHAPES.setdefault(shape, len(_SHAPES)))
+        object.__setattr__(self, "leaves", leaves)
+
+    def __hash__(self) -> int:
+        return self.digest
+
+    def __str__(self) -> str:
+        match self.head:
+            case "P0" | "O0":
+                return f"{self.head}[{self.chunk}]"
+            case "g":
+                return f"g{self.tag}[{self.chunk}]"
+            case "junk":
+                return f"junk{self.tag}"
+            case "upd_p" | "upd_o":
+                return f"{self.head}({', '.join(map(str, self.args))})"
+            case _:
+                raise AssertionError(self.head)
+
+    def subterms(self) -> Iterator[_T]:
+        yield self
+        for a in self.args:
+            yield from a.subterms()
+
+    def chunks(self) -> frozenset[int]:
+        return frozenset(t.chunk for t in self.subterms() if t.head in ("P0", "O0", "g"))
+
+    @property
+    def updates(self) -> int:
+        return 0 if not self.args else 1 + max(a.updates for a in self.args)
+
+
+@dataclass(frozen=True)
+class _Check:
+    """One read (or one coverage condition) to compare with single-device training."""
+
+    state: State
+    rule: str  # the rule its failure breaks, e.g. "refresh"
+    label: str  # the tracked name, e.g. "refresh[P.attention, dp]"
+    target: str  # what is read, e.g. "[P.attention, dp]" (the label of another rule it may break)
+    values: tuple[_T, ...]  # a read: one value; coverage: every holder's value (none: lost)
+    expected: _T
+    where: tuple[tuple[str, Any], ...]
+
+
+Holder = tuple[bool, int, State]  # (on the host, device along the axis, state)
+
+
+@dataclass(frozen=True)
+class _ConsistencyCase:
+    """All one state-consistency obligation depends on, with the group erased (``PLACEHOLDER``)."""
+
+    axis: Axis
+    degree: int
+    entries: tuple[Entry, Entry, Entry]  # P, O, G along the axis
+    local: tuple[Mode | None, Mode | None, Mode | None]  # P, O, G axis-free modes
+    ops: tuple[Op, ...]
+    computed_sharded: bool  # the computation itself is split along the axis (TP matrices, PP stages)
+    held: bool  # parameters gathered once and held through the backward, along any axis (FSDP SGO)
+    held_here: bool  # ... along this axis: what was gathered along it stays (FSDP SGO; hpZ across nodes)
+
+
+def _consistency_case(index: _Index, group: Group, axis: Axis) -> _ConsistencyCase:
+    return _ConsistencyCase(
+        axis, index.degrees[axis],
+        (index.entry(P, group, axis), index.entry(O, group, axis), index.entry(G, group, axis)),
+        (index.local.get((P, group)), index.local.get((O, group)), index.local.get((G, group))),
+        tuple(op for op in index.ops.get(group, []) if op.state in (P, O, G) and op.axis in (None, axis)),
+        index.placement.computes_sharded(axis, group),
+        any(index.entry(P, group, a).keep_gathered for a in index.placement.axes),
+        index.entry(P, group, axis).keep_gathered)
+
+
+@dataclass
+class _AxisRun:
+    """Two steps of a program along one axis for one group: holdings, reads, coverage."""
+
+    case: _ConsistencyCase
+    checks: list[_Check] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.group = PLACEHOLDER
+        self.axis = self.case.axis
+        self.degree = self.case.degree
+        self.entry = dict(zip((P, O, G), self.case.entries, strict=True))
+        self.local = dict(zip((P, O, G), self.case.local, strict=True))
+        self.ops = list(self.case.ops)
+        raw = sorted({e.offset % self.degree for e in self.entry.values()}
+                     | {op.offset % self.degree for op in self.ops} | {0})
+        if self.degree <= MAX_CONSISTENCY_DEVICES:
+            self.d = self.degree
+            self.offsets = {o: o for o in raw}
+        else:
+            self.d = max(MAX_CONSISTENCY_DEVICES, len(raw))
+            self.offsets = {o: i for i, o in enumerate(raw)}
+        self.hold: dict[Holder, dict[int, _T]] = {
+            (host, i, st): {} for host in (False, True) for i in range(self.d) for st in (P, O, G)}
+        self.ref: dict[State, list[_T]] = {st: [_T(f"{st.value}0", k) for k in range(self.d)] for st in (P, O)}
+        self.junk = 0
+        self.names = {"P": f"P.{self.group.name}, {self.axis.value}", "O": f"O.{self.group.name}, {self.axis.value}",
+                      "G": f"G.{self.group.name}, {self.axis.value}"}
+
+    # -- partitions and holdings
+    def off(self, offset: int) -> int:
+        return self.offsets.get(offset % self.degree, 0)
+
+    def partition(self, entry: Entry, device: int) -> list[int]:
+        match entry.mode:
+            case Mode.REPLICATED | Mode.OFFLOADED:
+                return list(range(self.d))
+            case Mode.SHARDED | Mode.SHARDED_GATHER:
+                return [(device - self.off(entry.offset)) % self.d]
+            case Mode.MATERIALIZED:
+                return []
+            case _:
+                raise AssertionError(entry.mode)
+
+    def on_host(self, state: State) -> bool:
+        return self.local[state] is Mode.OFFLOADED or self.entry[state].mode is Mode.OFFLOADED
+
+    def fresh_junk(self) -> _T:
+        self.junk += 1
+        return _T("junk", tag=self.junk)
+
+    def initialise(self) -> None:
+        for st in (P, O):
+            host = self.on_host(st)
+            for i in range(self.d):
+                for k in self.partition(self.entry[st], i):
+                    self.hold[(host, i, st)][k] = self.ref[st][k]
+        if self.on_host(O) and not self.on_host(P):
+            # ZeRO-Offload: the fp32 master parameters live with the optimizer state on the host.
+            for i in range(self.d):
+                for k in self.partition(self.entry[O], i):
+                    self.hold[(True, i, P)][k] = self.ref[P][k]
+
+    def contribute(self, holder: Holder, chunk: int) -> _T:
+        """What a holder supplies for ``chunk``: its copy, else its one shard (misaligned), else junk."""
+        held = self.hold[holder]
+        if chunk in held:
+            return held[chunk]
+        if len(held) == 1:
+            return next(iter(held.values()))
+        return self.fresh_junk()
+
+    # -- checks
+    def check(self, state: State, rule: str, values: tuple[_T, ...], expected: _T, **where: Any) -> None:
+        if rule in ("alignment_og", "alignment_op"):
+            label = f"alignment[O/{'G' if rule == 'alignment_og' else 'P'}.{self.group.name}, {self.axis.value}]"
+            rule = "alignment"
+        elif rule == "fetch_before_use":
+            label = f"fetch_before_use[P.{self.group.name}]"
+        else:
+            label = f"{rule}[{self.names[state.value]}]"
+        self.checks.append(_Check(state, rule, label, f"[{self.names[state.value]}]", values, expected,
+                                  tuple(where.items())))
+
+    def compute_rule(self, full: bool) -> str:
+        entry = self.entry[P]
+        if self.local[P] is Mode.OFFLOADED:
+            return "fetch_before_use"
+        if entry.mode.is_sharded and full:
+            return "gather_before_use"
+        if entry.mode is Mode.REPLICATED and (self.entry[O].mode.is_sharded or self.on_host(O)):
+            return "refresh"
+        return "agreement"
+
+    # -- ops
+    def run(self) -> None:
+        self.initialise()
+        for step in (0, 1):
+            gradient = [_T("g", k, step) for k in range(self.d)]
+            updated = produced = trimmed = False
+            phase: Phase | None = None
+            for n, op in enumerate(self.ops):
+                where = {"step": step, "op": n, "phase": op.phase.value, "kind": op.kind.value}
+                if phase in (Phase.FORWARD, Phase.BACKWARD) and op.phase is not phase:
+                    self.free_parameters(after_backward=phase is Phase.BACKWARD)
+                phase = op.phase
+                after_backward = PHASE_ORDER.index(op.phase) > PHASE_ORDER.index(Phase.BACKWARD)
+                if not produced and (after_backward or (op.phase is Phase.BACKWARD and op.state is G)):
+                    self.produce(gradient)  # the backward ran without a listed read of this group
+                    produced = True
+                if not trimmed and op.phase in (Phase.OPTIMIZER, Phase.REFRESH):
+                    self.free_outside_shard()
+                    trimmed = True
+                if op.kind.is_collective and self.degree == 1:
+                    continue  # one device along the axis: a collective exchanges nothing (the identity)
+                match op.kind:
+                    case OpKind.ALL_GATHER:
+                        self.gather(op)
+                    case OpKind.REDUCE_SCATTER:
+                        self.reduce_scatter(op)
+                    case OpKind.ALL_REDUCE:
+                        self.all_reduce(op)
+                    case OpKind.BROADCAST:
+                        for i in range(1, self.d):
+                            self.hold[(False, i, op.state)] = dict(self.hold[(False, 0, op.state)])
+                    case OpKind.HOST_TO_DEVICE:
+                        for i in range(self.d):
+                            self.hold[(False, i, op.state)].update(self.hold[(True, i, op.state)])
+                    case OpKind.DEVICE_TO_HOST:
+                        for i in range(self.d):
+                            self.hold[(True, i, op.state)].update(self.hold[(False, i, op.state)])
+                    case OpKind.COMPUTE:
+                        self.compute(op, gradient, where)
+                        produced = produced or op.phase is Phase.BACKWARD
+                    case OpKind.OPTIMIZER_STEP:
+                        self.optimizer_step(op, gradient, where, update_reference=not updated)
+                        updated = True
+                    case OpKind.SCALE | OpKind.SEND_RECV | OpKind.ALL_TO_ALL:
+                        pass  # values, not placements: gradient integrity judges them
+                    case _:
+                        raise AssertionError(op.kind)
+            if phase in (Phase.FORWARD, Phase.BACKWARD):
+                self.free_parameters(after_backward=phase is Phase.BACKWARD)
+            if not updated:
+                self.update_reference(gradient)
+            for st in (P, O):
+                for k in range(self.d):
+                    holders = tuple(dict.fromkeys(h[k] for (_, _, s), h in self.hold.items() if s is st and k in h))
+                    self.check(st, "coverage", holders, self.ref[st][k], step=step, op=len(self.ops), chunk=k,
+                               at="end of step")
+            for key in self.hold:
+                if key[2] is G:
+                    self.hold[key] = {}  # gradients live for one step
+
+    def needs_all(self, full: bool) -> bool:
+        return full or self.entry[P].mode in (Mode.REPLICATED, Mode.OFFLOADED)
+
+    def produce(self, gradient: list[_T]) -> None:
+        """The backward's gradient on every device: the chunks its computation covers."""
+        full = self.needs_all(not self.case.computed_sharded)
+        for i in range(self.d):
+            self.hold[(False, i, G)] = {k: gradient[k] for k in (range(self.d) if full else [i])}
+
+    def free_outside_shard(self) -> None:
+        """After gradient synchronisation a sharded gradient is kept only on its shard."""
+        if not self.entry[G].mode.is_sharded:
+            return
+        for i in range(self.d):
+            own = self.partition(self.entry[G], i)
+            self.hold[(False, i, G)] = {k: v for k, v in self.hold[(False, i, G)].items() if k in own}
+
+    def gather(self, op: Op) -> None:
+        o = self.off(op.offset)
+        values = {k: self.contribute((False, (k + o) % self.d, op.state), k) for k in range(self.d)}
+        for i in range(self.d):
+            self.hold[(False, i, op.state)] = dict(values)
+
+    def combined(self, state: State, chunk: int) -> _T:
+        """A reduction's result for a chunk: the gradient if every device holds it, else junk."""
+        held = [self.hold[(False, i, state)].get(chunk) for i in range(self.d)]
+        first = held[0]
+        if state is G and first is not None and all(h == first for h in held):
+            return first
+        return self.fresh_junk()
+
+    def reduce_scatter(self, op: Op) -> None:
+        o = self.off(op.offset)
+        mine = {i: (i - o) % self.d for i in range(self.d)}
+        values = {i: self.combined(op.state, mine[i]) for i in range(self.d)}
+        for i in range(self.d):
+            self.hold[(False, i, op.state)] = {mine[i]: values[i]}
+
+    def all_reduce(self, op: Op) -> None:
+        chunks = {k for i in range(self.d) for k in self.hold[(False, i, op.state)]}
+        values = {k: self.combined(op.state, k) for k in chunks}
+        for i in range(self.d):
+            held = self.hold[(False, i, op.state)]
+            for k in list(held):
+                held[k] = values[k]
+
+    def compute(self, op: Op, gradient: list[_T], where: dict[str, Any]) -> None:
+        full = self.needs_all(self.axis in op.full)
+        rule = self.compute_rule(full)
+        for i in range(self.d):
+            held = self.hold[(False, i, P)]
+            needed = list(range(self.d)) if full else [i]  # a sharded computation uses shard i
+            for k in needed:
+                if k in held:
+                    value = held[k]
+                elif not full and len(held) == 1:
+                    value = next(iter(held.values()))
+                else:
+                    value = self.fresh_junk()
+                self.check(P, rule, (value,), self.ref[P][k], **where, device=i, chunk=k, holder="device")
+            if op.phase is Phase.BACKWARD:
+                self.hold[(False, i, G)] = {k: gradient[k] for k in needed}
+
+    def free_parameters(self, after_backward: bool) -> None:
+        """At the end of the forward and of the backward: transient copies are freed (gathered
+        shards of others, fetched offloaded parameters), unless held through the backward."""
+        entry = self.entry[P]
+        # Held through the backward: what was gathered along a holding axis stays; along the other
+        # axes the device keeps its shard (ZeRO++ hpZ holds across nodes and frees within the node,
+        # whose shards the backward gathers again), its fetched shard too when P is offloaded.
+        if not after_backward and self.case.held_here:
+            return
+        for i in range(self.d):
+            if self.local[P] is Mode.OFFLOADED and (after_backward or not self.case.held):
+                self.hold[(False, i, P)] = {}
+            else:
+                own = self.partition(entry, i)
+                self.hold[(False, i, P)] = {k: v for k, v in self.hold[(False, i, P)].items() if k in own}
+
+    def read_for_update(self, updater: Holder, chunk: int) -> _T:
+        """What an update reads for ``chunk``: its copy, else its one shard (misaligned), else junk."""
+        host, device, state = updater
+        held = self.hold[updater]
+        if chunk in held:
+            return held[chunk]
+        if not host and chunk in self.hold[(True, device, state)]:
+            return self.hold[(True, device, state)][chunk]  # offloaded parameters, read in place
+        if len(held) == 1:
+            return next(iter(held.values()))
+        return self.fresh_junk()
+
+    def optimizer_step(self, op: Op, gradient: list[_T], where: dict[str, Any], *, update_reference: bool) -> None:
+        """Each holder updates the chunks of the step's partition (``op.offset`` along an axis
+        where the optimizer state is sharded, as the simulator does), reading P, O and G there."""
+        host = self.on_host(O)
+        entry = self.entry[O]
+        partition = Entry(entry.mode, op.offset) if entry.mode.is_sharded else entry
+        writes: list[tuple[Holder, int, _T]] = []
+        for i in range(self.d):
+            at = "host" if host else "device"
+            for k in self.partition(partition, i):
+                o_value = self.read_for_update((host, i, O), k)
+                g_value = self.read_for_update((host, i, G), k)
+                p_value = self.read_for_update((host, i, P), k)
+                ctx = {**where, "device": i, "chunk": k, "holder": at}
+                self.check(O, "agreement", (o_value,), self.ref[O][k], **ctx)
+                self.check(G, "alignment_og", (g_value,), gradient[k], **ctx)
+                self.check(P, "alignment_op", (p_value,), self.ref[P][k], **ctx)
+                args = (p_value, o_value, g_value)
+                for state, head in ((O, "upd_o"), (P, "upd_p")):
+                    target = self.write_target((host, i, state), k)
+                    if target is not None:
+                        writes.append((target[0], target[1], _T(head, k, args=args)))
+        if update_reference:
+            self.update_reference(gradient)
+        for holder, k, value in writes:
+            self.hold[holder][k] = value
+
+    def write_target(self, updater: Holder, chunk: int) -> tuple[Holder, int] | None:
+        host, device, state = updater
+        if chunk in self.hold[updater]:
+            return updater, chunk
+        if not host and chunk in self.hold[(True, device, state)]:
+            return (True, device, state), chunk
+        if len(self.hold[updater]) == 1:
+            return updater, next(iter(self.hold[updater]))  # misaligned: overwrites another chunk
+        return None
+
+    def update_reference(self, gradient: list[_T]) -> None:
+        for k in range(self.d):
+            args = (self.ref[P][k], self.ref[O][k], gradient[k])
+            self.ref[P][k] = _T("upd_p", k, args=args)
+            self.ref[O][k] = _T("upd_o", k, args=args)
+

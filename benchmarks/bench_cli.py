@@ -70,8 +70,10 @@ def main() -> None:
         ]
         print(text)
         for label, times in rows:
-            print(f"  {label:<36} median {statistics.median(times) * 1000:8.1f} ms"
-                  f"  (min {min(times) * 1000:.1f}, max {max(times) * 1000:.1f})")
+            print(
+                f"  {label:<36} median {statistics.median(times) * 1000:8.1f} ms"
+                f"  (min {min(times) * 1000:.1f}, max {max(times) * 1000:.1f})"
+            )
 
 
 if __name__ == "__main__":

@@ -62,15 +62,22 @@ def main() -> None:
             decisions = full_result.decided
     assert result is not None
     figures = {
-        "model": args.model, "devices": args.devices, "runs": args.runs,
-        "families": len(result.families), "combinations": result.enumerated,
-        "pass_rules": len(result.table), "fit": result.feasible, "derivations": result.derivations,
-        "cold_plan_s": statistics.median(cold), "warm_plan_s": statistics.median(warm),
+        "model": args.model,
+        "devices": args.devices,
+        "runs": args.runs,
+        "families": len(result.families),
+        "combinations": result.enumerated,
+        "pass_rules": len(result.table),
+        "fit": result.feasible,
+        "derivations": result.derivations,
+        "cold_plan_s": statistics.median(cold),
+        "warm_plan_s": statistics.median(warm),
         "evaluate_s": statistics.median(evaluate),
         "combinations_per_s": result.enumerated / statistics.median(evaluate),
         "candidates_per_s": len(result.table) / statistics.median(evaluate),
         "full_plan_with_z3_s": statistics.median(full) if full else None,
-        "z3_decisions": decisions, "solver": solver,
+        "z3_decisions": decisions,
+        "solver": solver,
         "best": result.top[0].text if result.top else None,
     }
     if args.json:

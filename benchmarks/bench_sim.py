@@ -17,8 +17,23 @@ from checker._parse import parse
 from formal._reference import ReferenceModel
 from formal._simulator import reference_for, simulate
 
-DEFAULT = ["dp2", "zero32", "fsdp4", "tp2", "tp2xsp", "pp2xm4", "cp2", "zero22xm2", "hsdp2xdpr2", "dp2xoffload",
-           "tp2xzero32xpp2", "tp2xspxcp2xpp2", "pp2xv2xm2", "tp2xrecompute", "tp2xzero34xpp4"]
+DEFAULT = [
+    "dp2",
+    "zero32",
+    "fsdp4",
+    "tp2",
+    "tp2xsp",
+    "pp2xm4",
+    "cp2",
+    "zero22xm2",
+    "hsdp2xdpr2",
+    "dp2xoffload",
+    "tp2xzero32xpp2",
+    "tp2xspxcp2xpp2",
+    "pp2xv2xm2",
+    "tp2xrecompute",
+    "tp2xzero34xpp4",
+]
 
 
 def main() -> None:
@@ -39,8 +54,10 @@ def main() -> None:
         rounds.append(len(cases) / (time.perf_counter() - start))
     for text, composition in cases:
         print(f"{text:<18} {composition.devices:>3} devices  {statistics.median(per[text]) * 1e3:8.1f} ms")
-    print(f"median: {statistics.median(rounds):.1f} simulated compositions per second "
-          f"({len(cases)} compositions, {args.runs} runs)")
+    print(
+        f"median: {statistics.median(rounds):.1f} simulated compositions per second "
+        f"({len(cases)} compositions, {args.runs} runs)"
+    )
 
 
 if __name__ == "__main__":

@@ -74,8 +74,14 @@ def bench(axes: int, groups: int, repeats: int) -> Cell:
         unshared.append(time.perf_counter() - start)
         smt._MEMO_LIMIT = limit
     distinct = sum(1 for o in verdict.obligations if o.seconds > 0)
-    return Cell(len(verdict.obligations), distinct, statistics.median(cold), statistics.median(solver),
-                statistics.median(warm), statistics.median(unshared))
+    return Cell(
+        len(verdict.obligations),
+        distinct,
+        statistics.median(cold),
+        statistics.median(solver),
+        statistics.median(warm),
+        statistics.median(unshared),
+    )
 
 
 def main() -> None:
@@ -85,13 +91,18 @@ def main() -> None:
     parser.add_argument("--axes", type=int, default=len(AXES))
     args = parser.parse_args()
     group_counts = [int(g) for g in args.groups.split(",")]
-    print(f"{'composition':<26} {'groups':>6} {'obligations':>11} {'z3 queries':>10} {'cold s':>8} "
-          f"{'in z3 s':>8} {'warm s':>8} {'unshared s':>10}")
+    print(
+        f"{'composition':<26} {'groups':>6} {'obligations':>11} {'z3 queries':>10} {'cold s':>8} "
+        f"{'in z3 s':>8} {'warm s':>8} {'unshared s':>10}"
+    )
     for axes in range(1, args.axes + 1):
         for groups in group_counts:
             c = bench(axes, groups, args.repeats)
-            print(f"{'x'.join(AXES[:axes]):<26} {groups:>6} {c.obligations:>11} {c.distinct:>10} {c.cold:>8.3f} "
-                  f"{c.solver:>8.3f} {c.warm:>8.4f} {c.unshared:>10.3f}", flush=True)
+            print(
+                f"{'x'.join(AXES[:axes]):<26} {groups:>6} {c.obligations:>11} {c.distinct:>10} {c.cold:>8.3f} "
+                f"{c.solver:>8.3f} {c.warm:>8.4f} {c.unshared:>10.3f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

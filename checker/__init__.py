@@ -47,8 +47,11 @@ if TYPE_CHECKING:
     from formal._reference import ReferenceModel
     from formal._simulator import Divergence, SimulationResult
 
-_LAZY = {"Divergence": "formal._simulator", "SimulationResult": "formal._simulator",
-         "ReferenceModel": "formal._reference"}
+_LAZY = {
+    "Divergence": "formal._simulator",
+    "SimulationResult": "formal._simulator",
+    "ReferenceModel": "formal._reference",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -62,14 +65,57 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     # the four entry points, and a user strategy file
-    "analyze", "decide", "load_strategies", "parse", "reference_model", "simulate",
+    "analyze",
+    "decide",
+    "load_strategies",
+    "parse",
+    "reference_model",
+    "simulate",
     # values
-    "DEFAULT_DEVICES", "DEFAULT_DEVICE_MEMORY", "DEFAULT_MODEL", "DEFAULT_PRECISION", "LIBRARY", "MODIFIERS",
-    "PRECISIONS", "PRESETS", "Analysis", "Axis", "Composition", "Condition", "Divergence", "Entry", "Group",
-    "Memory", "Mode", "Model", "Obligation", "Op", "Options", "ParameterCount", "Placement", "Precision",
-    "Recompute", "ReferenceModel", "Schedule", "SimulationResult", "State", "Status", "StepProgram", "Strategy",
-    "StrategyFile", "Traffic", "Transformer", "Verdict", "Violation",
+    "DEFAULT_DEVICES",
+    "DEFAULT_DEVICE_MEMORY",
+    "DEFAULT_MODEL",
+    "DEFAULT_PRECISION",
+    "LIBRARY",
+    "MODIFIERS",
+    "PRECISIONS",
+    "PRESETS",
+    "Analysis",
+    "Axis",
+    "Composition",
+    "Condition",
+    "Divergence",
+    "Entry",
+    "Group",
+    "Memory",
+    "Mode",
+    "Model",
+    "Obligation",
+    "Op",
+    "Options",
+    "ParameterCount",
+    "Placement",
+    "Precision",
+    "Recompute",
+    "ReferenceModel",
+    "Schedule",
+    "SimulationResult",
+    "State",
+    "Status",
+    "StepProgram",
+    "Strategy",
+    "StrategyFile",
+    "Traffic",
+    "Transformer",
+    "Verdict",
+    "Violation",
     # errors
-    "CompositionError", "InexactError", "InputError", "ModelError", "PlacementError", "SimulationError",
-    "SolverError", "StrategyFileError",
+    "CompositionError",
+    "InexactError",
+    "InputError",
+    "ModelError",
+    "PlacementError",
+    "SimulationError",
+    "SolverError",
+    "StrategyFileError",
 ]

@@ -67,8 +67,13 @@ class Analysis:
         return in_flight_micro_batches(self.placement, self.memory.stage)  # of the most-loaded stage
 
 
-def analyze(composition: Composition, model: Model, precision: Precision = DEFAULT_PRECISION,
-            device_memory: int | None = None, program: StepProgram | None = None) -> Analysis:
+def analyze(
+    composition: Composition,
+    model: Model,
+    precision: Precision = DEFAULT_PRECISION,
+    device_memory: int | None = None,
+    program: StepProgram | None = None,
+) -> Analysis:
     """Placement, step program, memory (the most-loaded pipeline stage) and communication (the
     stage that sends the most) of ``composition`` on ``model``, bytes per ``precision``
     (default: the ZeRO paper's mixed-precision Adam, 2 + 2 + 12 bytes per parameter).
@@ -85,8 +90,15 @@ def analyze(composition: Composition, model: Model, precision: Precision = DEFAU
     sym = most_loaded(symbolic_pl, model, precision, sizes)
     traffic_stage, traffic = busiest_stage_traffic(program, precision)
     return Analysis(
-        composition=composition, model=model, precision=precision, placement=placement,
-        program=program, memory=mem, traffic=traffic,
-        transfers=transfers(program, precision), device_memory=device_memory, symbolic_memory=sym,
+        composition=composition,
+        model=model,
+        precision=precision,
+        placement=placement,
+        program=program,
+        memory=mem,
+        traffic=traffic,
+        transfers=transfers(program, precision),
+        device_memory=device_memory,
+        symbolic_memory=sym,
         traffic_stage=traffic_stage,
     )

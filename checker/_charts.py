@@ -19,28 +19,44 @@ from matplotlib.figure import Figure
 from formal.errors import InputError
 
 STACK = ("parameters", "gradients", "optimizer", "activations", "buffers")
-COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
-          "buffers": "#8172b3"}
+COLORS = {
+    "parameters": "#4c72b0",
+    "gradients": "#dd8452",
+    "optimizer": "#55a868",
+    "activations": "#c44e52",
+    "buffers": "#8172b3",
+}
 GB = 1e9
 
 
-def _stack(ax: object, labels: Sequence[str], rows: Sequence[Mapping[str, int | None]],
-           device_memory: int | None) -> None:
+def _stack(
+    ax: object, labels: Sequence[str], rows: Sequence[Mapping[str, int | None]], device_memory: int | None
+) -> None:
     bottoms = [0.0] * len(rows)
     for state in STACK:
         heights = [(row.get(state) or 0) / GB for row in rows]
         ax.bar(labels, heights, bottom=bottoms, label=state, color=COLORS[state])  # type: ignore[attr-defined]
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
     if device_memory:
-        ax.axhline(device_memory / GB, color="black", linestyle="--", linewidth=1,  # type: ignore[attr-defined]
-                   label=f"device memory {device_memory / GB:.0f} GB")
+        ax.axhline(  # type: ignore[attr-defined]
+            device_memory / GB,
+            color="black",
+            linestyle="--",
+            linewidth=1,
+            label=f"device memory {device_memory / GB:.0f} GB",
+        )
     ax.set_ylabel("GB per device (1e9 bytes)")  # type: ignore[attr-defined]
     ax.legend(fontsize="small")  # type: ignore[attr-defined]
     ax.tick_params(axis="x", labelrotation=20)  # type: ignore[attr-defined]
 
 
-def memory_chart(labels: Sequence[str], rows: Sequence[Mapping[str, int | None]], device_memory: int | None,
-                 title: str, fmt: str = "png") -> bytes:
+def memory_chart(
+    labels: Sequence[str],
+    rows: Sequence[Mapping[str, int | None]],
+    device_memory: int | None,
+    title: str,
+    fmt: str = "png",
+) -> bytes:
     """A stacked bar per composition: bytes per device by state (most loaded device)."""
     with rc_context({"text.parse_math": False, "text.usetex": False}):
         fig = Figure(figsize=(max(7.0, 1.2 * len(labels) + 3), 4.5), layout="constrained")
@@ -50,8 +66,14 @@ def memory_chart(labels: Sequence[str], rows: Sequence[Mapping[str, int | None]]
         return _render(fig, fmt)
 
 
-def sweep_chart(labels: Sequence[str], rows: Sequence[Mapping[str, int | None]], traffic: Sequence[int],
-                device_memory: int | None, title: str, fmt: str = "png") -> bytes:
+def sweep_chart(
+    labels: Sequence[str],
+    rows: Sequence[Mapping[str, int | None]],
+    traffic: Sequence[int],
+    device_memory: int | None,
+    title: str,
+    fmt: str = "png",
+) -> bytes:
     """Memory (stacked) and network bytes per device per step, against the swept degree."""
     with rc_context({"text.parse_math": False, "text.usetex": False}):
         fig = Figure(figsize=(max(7.0, 1.2 * len(labels) + 4), 7.5), layout="constrained")

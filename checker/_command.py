@@ -26,8 +26,10 @@ from formal._verdict import Status, Verdict
 from formal.errors import InputError
 
 EXIT_VALID, EXIT_INVALID, EXIT_USAGE, EXIT_UNKNOWN, EXIT_INTERNAL = 0, 1, 2, 3, 4
-EXIT_CODES = ("Exit codes: 0 valid, 1 invalid (the rule is named), 2 usage or input error, 3 unknown, "
-              "4 internal error (a bug: please report it; --debug shows the traceback).")
+EXIT_CODES = (
+    "Exit codes: 0 valid, 1 invalid (the rule is named), 2 usage or input error, 3 unknown, "
+    "4 internal error (a bug: please report it; --debug shows the traceback)."
+)
 
 
 _outcome = [EXIT_VALID]  # the exit code a command has decided on, for an output pipe closed while printing
@@ -67,8 +69,9 @@ def load_model(model: str | None, params: str | None, micro_batch: int | None, s
         elif name.endswith(".json"):
             chosen = load_hf_config(Path(name))
         else:
-            raise InputError(f"--model {name}: unknown model (presets: {', '.join(sorted(PRESETS))}; "
-                             "or a Hugging Face config.json)")
+            raise InputError(
+                f"--model {name}: unknown model (presets: {', '.join(sorted(PRESETS))}; or a Hugging Face config.json)"
+            )
     if micro_batch is not None:
         if not 1 <= micro_batch <= MAX_MICRO_BATCH:
             raise InputError(f"--micro-batch {micro_batch}: must be from 1 to {MAX_MICRO_BATCH:,}")
@@ -81,16 +84,28 @@ def load_model(model: str | None, params: str | None, micro_batch: int | None, s
     return chosen
 
 
-def build(composition: str, devices: int | None, model: str | None, params: str | None,
-          precision: str, device_memory: str | None, micro_batch: int | None = None,
-          seq: int | None = None, strategies: StrategyFile | None = None,
-          node_size: int = DEFAULT_NODE_SIZE) -> Analysis:
+def build(
+    composition: str,
+    devices: int | None,
+    model: str | None,
+    params: str | None,
+    precision: str,
+    device_memory: str | None,
+    micro_batch: int | None = None,
+    seq: int | None = None,
+    strategies: StrategyFile | None = None,
+    node_size: int = DEFAULT_NODE_SIZE,
+) -> Analysis:
     """``strategies``: a user file whose names the composition may use, and whose program (if any)
     replaces the derived one. ``node_size``: devices per node, for the ``hpz`` modifier."""
     if devices is not None and not 1 <= devices <= MAX_DEGREE:
         raise InputError(f"--devices {devices}: must be from 1 to {MAX_DEGREE:,}")
-    comp: Composition = parse(composition, strategies.factories() if strategies is not None else None,
-                              devices=devices if devices is not None else DEFAULT_DEVICES, node_size=node_size)
+    comp: Composition = parse(
+        composition,
+        strategies.factories() if strategies is not None else None,
+        devices=devices if devices is not None else DEFAULT_DEVICES,
+        node_size=node_size,
+    )
     chosen = load_model(model, params, micro_batch, seq)
     if precision not in PRECISIONS:
         raise InputError(f"--precision {precision}: unknown (known: {', '.join(PRECISIONS)})")
@@ -114,6 +129,17 @@ def verdict_exit(verdict: Verdict) -> int:
             raise AssertionError(verdict.status)
 
 
-
-__all__ = ["EXIT_CODES", "EXIT_INTERNAL", "EXIT_INVALID", "EXIT_UNKNOWN", "EXIT_USAGE", "EXIT_VALID", "build", "fail",
-           "load_model", "outcome", "set_outcome", "verdict_exit"]
+__all__ = [
+    "EXIT_CODES",
+    "EXIT_INTERNAL",
+    "EXIT_INVALID",
+    "EXIT_UNKNOWN",
+    "EXIT_USAGE",
+    "EXIT_VALID",
+    "build",
+    "fail",
+    "load_model",
+    "outcome",
+    "set_outcome",
+    "verdict_exit",
+]

@@ -46,6 +46,7 @@ def _fail(err: PlacementError) -> None:
 
 # --- check --from ---------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Resolved:
     composition: str
@@ -57,8 +58,16 @@ class Resolved:
     imported: dict[str, Any] | None
 
 
-def resolve_from(from_path: str | None, composition: str | None, devices: int | None, model: str | None,
-                 params: str | None, precision: str, micro_batch: int | None, seq: int | None) -> Resolved:
+def resolve_from(
+    from_path: str | None,
+    composition: str | None,
+    devices: int | None,
+    model: str | None,
+    params: str | None,
+    precision: str,
+    micro_batch: int | None,
+    seq: int | None,
+) -> Resolved:
     """``check --from CONFIG``: the config's composition, unless COMPOSITION is given too (error).
 
     The config's batch, sequence and precision fill options the user left at their defaults; an
@@ -95,8 +104,15 @@ def _print_import(imported: Imported) -> None:
 
 # --- table output ---------------------------------------------------------------------------
 
-def emit(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: str, as_csv: bool, as_json: bool,
-         fmt: Callable[[str, Any], str] | None = None) -> None:
+
+def emit(
+    rows: Sequence[dict[str, Any]],
+    columns: Sequence[str],
+    title: str,
+    as_csv: bool,
+    as_json: bool,
+    fmt: Callable[[str, Any], str] | None = None,
+) -> None:
     """One table three ways: rich (default), CSV (raw values) or JSON (a list of objects)."""
     if as_json:
         click.echo(json.dumps(list(rows), indent=2, default=str))
@@ -119,8 +135,20 @@ def emit(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: str, as_
     terminal(160).print(table)
 
 
-CHECK_CSV_COLUMNS = ("section", "name", "stage", "axis", "state", "group", "phase", "elements", "count",
-                     "participants", "bytes", "detail")
+CHECK_CSV_COLUMNS = (
+    "section",
+    "name",
+    "stage",
+    "axis",
+    "state",
+    "group",
+    "phase",
+    "elements",
+    "count",
+    "participants",
+    "bytes",
+    "detail",
+)
 
 
 def check_csv_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -133,17 +161,41 @@ def check_csv_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     ]
     rows.append({"section": "memory", "name": "host", "stage": stage, "bytes": memory.get("host")})
     for c in doc["communication"]["collectives"]:
-        rows.append({"section": "collective", "name": c["op"], "axis": c["axis"], "state": c["state"],
-                     "group": c["group"], "phase": c["phase"], "elements": c["elements"], "count": c["count"],
-                     "participants": c["participants"], "bytes": c["bytes"]})
-    rows.append({"section": "communication", "name": "per_device_per_step",
-                 "bytes": doc["communication"]["per_device_per_step"]})
+        rows.append(
+            {
+                "section": "collective",
+                "name": c["op"],
+                "axis": c["axis"],
+                "state": c["state"],
+                "group": c["group"],
+                "phase": c["phase"],
+                "elements": c["elements"],
+                "count": c["count"],
+                "participants": c["participants"],
+                "bytes": c["bytes"],
+            }
+        )
+    rows.append(
+        {
+            "section": "communication",
+            "name": "per_device_per_step",
+            "bytes": doc["communication"]["per_device_per_step"],
+        }
+    )
     verdict = doc["verdict"]
     for key in ("status", "gradient_integrity", "state_consistency", "composition_rules"):
         rows.append({"section": "verdict", "name": key, "detail": verdict[key]})
     for v in verdict["violations"]:
-        rows.append({"section": "violation", "name": v["rule"], "axis": v["axis"], "state": v["state"],
-                     "group": v["group"], "detail": v["explanation"]})
+        rows.append(
+            {
+                "section": "violation",
+                "name": v["rule"],
+                "axis": v["axis"],
+                "state": v["state"],
+                "group": v["group"],
+                "detail": v["explanation"],
+            }
+        )
     return rows
 
 
@@ -166,14 +218,16 @@ def _gb_fmt(column: str, value: Any) -> str:
 
 
 _model_options = [
-    click.option("--devices", type=WholeNumber(1, MAX_DEGREE), default=None,
-                 help=f"Device count (default {DEFAULT_DEVICES})."),
+    click.option(
+        "--devices", type=WholeNumber(1, MAX_DEGREE), default=None, help=f"Device count (default {DEFAULT_DEVICES})."
+    ),
     click.option("--model", default=None, help="Preset name or Hugging Face config.json."),
     click.option("--params", default=None, help="A bare parameter count instead of a model (7.5e9, 70B)."),
     click.option("--precision", default="zero", show_default=True, help="Bytes per element: " + ", ".join(PRECISIONS)),
     click.option("--device-memory", default=None, help="Per-device memory, e.g. 80GB."),
-    click.option("--micro-batch", type=WholeNumber(1, MAX_MICRO_BATCH), default=None,
-                 help="Micro-batch size per replica."),
+    click.option(
+        "--micro-batch", type=WholeNumber(1, MAX_MICRO_BATCH), default=None, help="Micro-batch size per replica."
+    ),
     click.option("--seq", type=WholeNumber(1, MAX_SEQ), default=None, help="Sequence length."),
 ]
 _table_options = [
@@ -187,29 +241,51 @@ def _with(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
         for option in reversed(options):
             f = option(f)
         return f
+
     return wrap
 
 
 def _analyze(composition: str, kw: dict[str, Any]) -> Analysis:
-    analysis: Analysis = build(composition, kw["devices"], kw["model"], kw["params"], kw["precision"],
-                                      kw["device_memory"], kw["micro_batch"], kw["seq"])
+    analysis: Analysis = build(
+        composition,
+        kw["devices"],
+        kw["model"],
+        kw["params"],
+        kw["precision"],
+        kw["device_memory"],
+        kw["micro_batch"],
+        kw["seq"],
+    )
     return analysis
 
 
 # --- compare and sweep ----------------------------------------------------------------------
 
-SUMMARY_COLUMNS = ("composition", "devices", "parameters_bytes", "gradients_bytes", "optimizer_bytes",
-                   "activations_bytes", "buffers_bytes", "total_bytes", "fits", "network_bytes",
-                   "model_state_psi", "bubble")
+SUMMARY_COLUMNS = (
+    "composition",
+    "devices",
+    "parameters_bytes",
+    "gradients_bytes",
+    "optimizer_bytes",
+    "activations_bytes",
+    "buffers_bytes",
+    "total_bytes",
+    "fits",
+    "network_bytes",
+    "model_state_psi",
+    "bubble",
+)
 
 
 def summary(doc: dict[str, Any]) -> dict[str, Any]:
     """One row of a JSON report: bytes per device by state, traffic, bubble."""
     per = doc["memory"]["per_device"]
     return {
-        "composition": doc["composition"], "devices": doc["devices"],
+        "composition": doc["composition"],
+        "devices": doc["devices"],
         **{f"{k}_bytes": per[k] for k in ("parameters", "gradients", "optimizer", "activations", "buffers")},
-        "total_bytes": per["total"], "fits": doc["memory"]["fits"],
+        "total_bytes": per["total"],
+        "fits": doc["memory"]["fits"],
         "network_bytes": doc["communication"]["per_device_per_step"],
         "model_state_psi": doc["communication"]["model_state_psi_units"],
         "bubble": doc["pipeline"]["bubble_fraction"],
@@ -252,14 +328,22 @@ def compare(compositions: tuple[str, ...], chart: str | None, as_csv: bool, as_j
 
             path, fmt = destination
             device_memory = docs[0]["memory"]["device_memory"]
-            _write_chart(path, memory_chart([r["composition"] for r in rows],
-                                                   [d["memory"]["per_device"] for d in docs], device_memory,
-                                                   f"memory per device, {docs[0]['model']['name']}", fmt))
+            _write_chart(
+                path,
+                memory_chart(
+                    [r["composition"] for r in rows],
+                    [d["memory"]["per_device"] for d in docs],
+                    device_memory,
+                    f"memory per device, {docs[0]['model']['name']}",
+                    fmt,
+                ),
+            )
     except PlacementError as err:
         _fail(err)
         return
-    emit(rows, SUMMARY_COLUMNS, f"compositions on {docs[0]['model']['name']} (GB = 1e9 bytes)", as_csv, as_json,
-         _gb_fmt)
+    emit(
+        rows, SUMMARY_COLUMNS, f"compositions on {docs[0]['model']['name']} (GB = 1e9 bytes)", as_csv, as_json, _gb_fmt
+    )
 
 
 @click.command("sweep")
@@ -299,10 +383,17 @@ def sweep(template: str, values: str, chart: str | None, as_csv: bool, as_json: 
 
             path, fmt = destination
             first = docs[0][1]
-            _write_chart(path, sweep_chart([v for v, _ in docs], [d["memory"]["per_device"] for _, d in docs],
-                                                  [d["communication"]["per_device_per_step"] for _, d in docs],
-                                                  first["memory"]["device_memory"],
-                                                  f"{template} on {first['model']['name']}", fmt))
+            _write_chart(
+                path,
+                sweep_chart(
+                    [v for v, _ in docs],
+                    [d["memory"]["per_device"] for _, d in docs],
+                    [d["communication"]["per_device_per_step"] for _, d in docs],
+                    first["memory"]["device_memory"],
+                    f"{template} on {first['model']['name']}",
+                    fmt,
+                ),
+            )
     except PlacementError as err:
         _fail(err)
         return
@@ -311,11 +402,17 @@ def sweep(template: str, values: str, chart: str | None, as_csv: bool, as_json: 
 
 # --- explain --------------------------------------------------------------------------------
 
+
 @click.command("explain")
 @click.argument("strategy", required=False)
 @click.option("--all", "show_all", is_flag=True, help="The cross-framework table of every strategy.")
-@click.option("--degree", type=WholeNumber(1, MAX_DEGREE), default=8, show_default=True,
-              help="Degree used to instantiate the strategy.")
+@click.option(
+    "--degree",
+    type=WholeNumber(1, MAX_DEGREE),
+    default=8,
+    show_default=True,
+    help="Degree used to instantiate the strategy.",
+)
 @_with(_table_options)
 def explain(strategy: str | None, show_all: bool, degree: int, as_csv: bool, as_json: bool) -> None:
     """Show a strategy's placement and what each framework calls it (explain zero2, explain --all)."""
@@ -326,9 +423,14 @@ def explain(strategy: str | None, show_all: bool, degree: int, as_csv: bool, as_
             raise InputError("give a STRATEGY (e.g. zero2) or --all")
         if show_all:
             rows = [r.as_json() for r in all_rows(degree)]
-            emit(rows, ("strategy", "axis", "modes", "model_state_bytes", "known_as", "configs", "same_placement_as"),
-                 f"strategies as placements (degree {degree}; model-state bytes per device, Psi parameters, "
-                 "2+2+12 bytes)", as_csv, as_json)
+            emit(
+                rows,
+                ("strategy", "axis", "modes", "model_state_bytes", "known_as", "configs", "same_placement_as"),
+                f"strategies as placements (degree {degree}; model-state bytes per device, Psi parameters, "
+                "2+2+12 bytes)",
+                as_csv,
+                as_json,
+            )
             return
         assert strategy is not None
         name = strategy.strip().lower()
@@ -337,11 +439,16 @@ def explain(strategy: str | None, show_all: bool, degree: int, as_csv: bool, as_
         row = explain_row(name, degree)
         table = placement_table(name, degree)
         axis = row.axis
-        modes = [{"state.group": k, axis: cells.get(axis, "R"), "local": cells.get("local", "")}
-                 for k, cells in table.items()]
+        modes = [
+            {"state.group": k, axis: cells.get(axis, "R"), "local": cells.get("local", "")}
+            for k, cells in table.items()
+        ]
         differences: dict[str, dict[str, str]] = {
             other: {k: f"{a} vs {b}" for k, (a, b) in placement_difference(name, other, degree).items()}
-            for pair in CONFUSED if name in pair for other in pair if other != name
+            for pair in CONFUSED
+            if name in pair
+            for other in pair
+            if other != name
         }
         confused = [{"versus": other, "differences": diff} for other, diff in differences.items()]
         if as_json:
@@ -352,8 +459,10 @@ def explain(strategy: str | None, show_all: bool, degree: int, as_csv: bool, as_
             return
         console = terminal(140)
         console.print(f"[bold]{name}[/bold] (axis {axis}): {row.description}")
-        console.print(f"model-state bytes per device: {row.model_states}  (Psi parameters, d = {axis} degree, "
-                      "mixed-precision Adam 2+2+12)")
+        console.print(
+            f"model-state bytes per device: {row.model_states}  (Psi parameters, d = {axis} degree, "
+            "mixed-precision Adam 2+2+12)"
+        )
         if row.same_placement_as:
             console.print(f"same placement as: {', '.join(row.same_placement_as)}")
         emit(modes, ("state.group", axis, "local"), f"placement of {name}{degree} (modes along {axis})", False, False)
@@ -369,35 +478,56 @@ def explain(strategy: str | None, show_all: bool, degree: int, as_csv: bool, as_
 
 # --- export ---------------------------------------------------------------------------------
 
+
 @click.command("export")
 @click.argument("composition", required=False)
-@click.option("--to", "target", type=click.Choice([t.value for t in Target]), required=True,
-              help="torchtitan TOML, DeepSpeed JSON, Megatron arguments, or DTensor placements.")
+@click.option(
+    "--to",
+    "target",
+    type=click.Choice([t.value for t in Target]),
+    required=True,
+    help="torchtitan TOML, DeepSpeed JSON, Megatron arguments, or DTensor placements.",
+)
 @click.option("--from", "from_path", default=None, help="Convert a DeepSpeed/torchtitan/Megatron config instead.")
 @_with(_model_options)
 @click.option("--json", "as_json", is_flag=True, help="dtensor: print JSON instead of a table.")
 @click.option("--csv", "as_csv", is_flag=True, help="dtensor: print CSV instead of a table.")
-def export_command(composition: str | None, target: str, from_path: str | None, as_json: bool, as_csv: bool,
-                   **kw: Any) -> None:
+def export_command(
+    composition: str | None, target: str, from_path: str | None, as_json: bool, as_csv: bool, **kw: Any
+) -> None:
     """Write COMPOSITION (or --from CONFIG) as a framework configuration: export tp2xfsdp8xsp --to torchtitan."""
     try:
-        r = resolve_from(from_path, composition, kw["devices"], kw["model"], kw["params"], kw["precision"],
-                         kw["micro_batch"], kw["seq"])
+        r = resolve_from(
+            from_path,
+            composition,
+            kw["devices"],
+            kw["model"],
+            kw["params"],
+            kw["precision"],
+            kw["micro_batch"],
+            kw["seq"],
+        )
         comp = parse(r.composition, devices=r.devices if r.devices is not None else DEFAULT_DEVICES)
         model: Model = load_model(r.model, kw["params"], r.micro_batch, r.seq)
         tgt = Target(target)
         if tgt is Target.DTENSOR:
             doc = dtensor_placements(comp.placement(model))
-            rows = [{"group": g, "state": st, **dict(zip(doc["mesh_dims"], cells, strict=True)),
-                     "pp": body.get("pp", "")}
-                    for g, body in doc["groups"].items()
-                    for st, cells in body.items() if st != "pp"]
+            rows = [
+                {"group": g, "state": st, **dict(zip(doc["mesh_dims"], cells, strict=True)), "pp": body.get("pp", "")}
+                for g, body in doc["groups"].items()
+                for st, cells in body.items()
+                if st != "pp"
+            ]
             if as_json:
                 click.echo(json.dumps(doc, indent=2))
             else:
-                emit(rows, ("group", "state", *doc["mesh_dims"], "pp"),
-                     f"DTensor placements of {canonical(comp, model)} (mesh {doc['mesh_dims']} = "
-                     f"{doc['mesh_shape']})", as_csv, False)
+                emit(
+                    rows,
+                    ("group", "state", *doc["mesh_dims"], "pp"),
+                    f"DTensor placements of {canonical(comp, model)} (mesh {doc['mesh_dims']} = {doc['mesh_shape']})",
+                    as_csv,
+                    False,
+                )
             return
         out = export(comp, model, tgt)
     except PlacementError as err:
@@ -406,5 +536,3 @@ def export_command(composition: str | None, target: str, from_path: str | None, 
     click.echo(out.text, nl=not out.text.endswith("\n"))
     for note in out.notes:
         click.echo(f"note: {note}", err=True)
-
-

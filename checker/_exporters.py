@@ -43,8 +43,10 @@ class Exported:
 
 def export(comp: Composition, model: Model, target: Target) -> Exported:
     if comp.options.sequence_parallel and comp.mesh().get(Axis.TP, 1) == 1:
-        raise ExportError(f"{comp}: sequence parallelism without tensor parallelism (tp) has no "
-                          "framework spelling (the composition breaks sp_needs_tp)")
+        raise ExportError(
+            f"{comp}: sequence parallelism without tensor parallelism (tp) has no "
+            "framework spelling (the composition breaks sp_needs_tp)"
+        )
     match target:
         case Target.TORCHTITAN:
             return export_torchtitan(comp, model)
@@ -78,15 +80,19 @@ def _micro(model: Model) -> int:
 def _layers_per_chunk(layout: Layout, model: Model, target: str) -> int:
     """Layers per virtual stage: L / (pp x v), or its ceiling with declared uneven stages."""
     if not isinstance(model, Transformer):
-        raise ExportError(f"{layout.text()}: the interleaved schedule needs a model with layers (--model) "
-                          f"to write {target}'s layers per virtual stage")
+        raise ExportError(
+            f"{layout.text()}: the interleaved schedule needs a model with layers (--model) "
+            f"to write {target}'s layers per virtual stage"
+        )
     stages = layout.pp * layout.options.chunks
     if model.layers % stages == 0:
         return model.layers // stages
     per = -(-model.layers // stages)
     if not layout.options.uneven_stages or -(-model.layers // per) != stages:
-        raise ExportError(f"{layout.text()}: {model.name}'s {model.layers} layers do not split into "
-                          f"pp({layout.pp}) x v({layout.options.chunks}) = {stages} virtual stages")
+        raise ExportError(
+            f"{layout.text()}: {model.name}'s {model.layers} layers do not split into "
+            f"pp({layout.pp}) x v({layout.options.chunks}) = {stages} virtual stages"
+        )
     return per
 
 
@@ -117,30 +123,37 @@ def megatron_uneven_split(layers: int, pp: int) -> tuple[int, int]:
             return rest // 2, rest - rest // 2
         if middle < fullest and fullest + 1 <= rest <= 2 * fullest:
             return fullest, rest - fullest
-    raise ExportError(f"{layers} layers on pp({pp}): Megatron-LM's first/last-stage layer counts cannot "
-                      f"hold them with at most {fullest} layers on every stage")
+    raise ExportError(
+        f"{layers} layers on pp({pp}): Megatron-LM's first/last-stage layer counts cannot "
+        f"hold them with at most {fullest} layers on every stage"
+    )
 
 
 # --- torchtitan -----------------------------------------------------------------------------
+
 
 def export_torchtitan(comp: Composition, model: Model) -> Exported:
     """``[parallelism]``, ``[training]`` and ``[activation_checkpoint]`` of a torchtitan job TOML."""
     layout = layout_of(comp, model)
     o = layout.options
     assert layout.dp is not None
-    _refuse(layout, "torchtitan",
-            # FSDP2 has it (fully_shard(reshard_after_forward=<int>)); torchtitan's
-            # fsdp_reshard_after_forward takes "default", "always" or "never" only
-            ZeRO_hierarchical_partitioning_hpZ=layout.replicate == "hpz-dpr",
-            ZeRO_1_or_2_sharding_without_parameters=layout.data in (DataSharding.OPTIMIZER, DataSharding.GRADIENTS),
-            tensor_parallelism_without_sequence_parallelism=layout.tp > 1 and not o.sequence_parallel,
-            offload_of_only_some_states=o.offload_optimizer != o.offload_parameters,
-            offload_without_FSDP=o.offload_optimizer and layout.data is DataSharding.NONE,
-            expert_parallelism_without_FSDP=layout.ep > 1 and layout.data is DataSharding.NONE,
-            expert_parallelism_with_context_parallelism=layout.ep > 1 and layout.cp > 1,
-            a_replicate_axis_without_FSDP=layout.dpr > 1 and layout.data is DataSharding.NONE,
-            FSDP_over_one_device_as_shard_degree_1_disables_FSDP=(
-                layout.data is not DataSharding.NONE and layout.dp * layout.ep == 1))
+    _refuse(
+        layout,
+        "torchtitan",
+        # FSDP2 has it (fully_shard(reshard_after_forward=<int>)); torchtitan's
+        # fsdp_reshard_after_forward takes "default", "always" or "never" only
+        ZeRO_hierarchical_partitioning_hpZ=layout.replicate == "hpz-dpr",
+        ZeRO_1_or_2_sharding_without_parameters=layout.data in (DataSharding.OPTIMIZER, DataSharding.GRADIENTS),
+        tensor_parallelism_without_sequence_parallelism=layout.tp > 1 and not o.sequence_parallel,
+        offload_of_only_some_states=o.offload_optimizer != o.offload_parameters,
+        offload_without_FSDP=o.offload_optimizer and layout.data is DataSharding.NONE,
+        expert_parallelism_without_FSDP=layout.ep > 1 and layout.data is DataSharding.NONE,
+        expert_parallelism_with_context_parallelism=layout.ep > 1 and layout.cp > 1,
+        a_replicate_axis_without_FSDP=layout.dpr > 1 and layout.data is DataSharding.NONE,
+        FSDP_over_one_device_as_shard_degree_1_disables_FSDP=(
+            layout.data is not DataSharding.NONE and layout.dp * layout.ep == 1
+        ),
+    )
     if layout.data is DataSharding.NONE:
         replicate, shard = layout.dp, 1
     else:
@@ -167,8 +180,10 @@ def export_torchtitan(comp: Composition, model: Model) -> Exported:
         uneven = _uneven_layers(layout, model)
         if uneven is not None:
             stages = layout.pp * o.chunks
-            notes.append(f"uneven stages: torchtitan splits the {uneven} layers over the {stages} stages itself, "
-                         f"at most {-(-uneven // stages)} on one; no key of the TOML says so")
+            notes.append(
+                f"uneven stages: torchtitan splits the {uneven} layers over the {stages} stages itself, "
+                f"at most {-(-uneven // stages)} on one; no key of the TOML says so"
+            )
         schedule = o.pipeline_schedule
         _refuse(layout, TORCHTITAN, **_schedule_refusal(schedule, TORCHTITAN))
         assert schedule.torchtitan is not None, schedule  # a schedule torchtitan lacks says so in its refusals
@@ -233,18 +248,22 @@ def export_deepspeed(comp: Composition, model: Model) -> Exported:
     assert layout.dp is not None
     stage = _DS_STAGE.get(layout.data)
     hpz = layout.replicate == "hpz-dpr"  # ZeRO++ hpZ: ZeRO-3 over dp x dpr, secondary partition within dp
-    _refuse(layout, "DeepSpeed",
-            hierarchical_partitioning_without_ZeRO_3=hpz and stage != 3,
-            parameters_held_through_backward=stage is None,
-            a_replicate_axis=layout.dpr > 1 and not hpz, context_parallelism=layout.cp > 1,
-            expert_parallelism_in_the_JSON=layout.ep > 1,
-            sequence_parallelism=o.sequence_parallel,
-            **_schedule_refusal(o.pipeline_schedule, DEEPSPEED),
-            ZeRO_2_or_3_with_pipeline_parallelism=layout.pp > 1 and (stage or 0) >= 2,
-            AutoTP_with_ZeRO_3=layout.tp > 1 and stage == 3,
-            optimizer_offload_at_stage_0=o.offload_optimizer and stage == 0,
-            parameter_offload_below_stage_3=o.offload_parameters and stage != 3,
-            selective_recomputation=o.recompute is Recompute.SELECTIVE)
+    _refuse(
+        layout,
+        "DeepSpeed",
+        hierarchical_partitioning_without_ZeRO_3=hpz and stage != 3,
+        parameters_held_through_backward=stage is None,
+        a_replicate_axis=layout.dpr > 1 and not hpz,
+        context_parallelism=layout.cp > 1,
+        expert_parallelism_in_the_JSON=layout.ep > 1,
+        sequence_parallelism=o.sequence_parallel,
+        **_schedule_refusal(o.pipeline_schedule, DEEPSPEED),
+        ZeRO_2_or_3_with_pipeline_parallelism=layout.pp > 1 and (stage or 0) >= 2,
+        AutoTP_with_ZeRO_3=layout.tp > 1 and stage == 3,
+        optimizer_offload_at_stage_0=o.offload_optimizer and stage == 0,
+        parameter_offload_below_stage_3=o.offload_parameters and stage != 3,
+        selective_recomputation=o.recompute is Recompute.SELECTIVE,
+    )
     assert stage is not None
     micro = _micro(model)
     zero: dict[str, Any] = {"stage": stage}
@@ -268,10 +287,12 @@ def export_deepspeed(comp: Composition, model: Model) -> Exported:
             doc["pipeline"]["activation_checkpoint_interval"] = 1
         uneven = _uneven_layers(layout, model)
         split = "" if uneven is None else f" (uneven: at most {-(-uneven // layout.pp)} of the {uneven} layers each)"
-        notes.append(f"build the model as deepspeed.pipe.PipelineModule(num_stages={layout.pp}, "
-                     "partition_method=\"type:<your transformer block class>\"): equal transformer layers per "
-                     f"stage{split}, as the composition places them (the default, \"parameters\", balances "
-                     "parameter counts instead)")
+        notes.append(
+            f"build the model as deepspeed.pipe.PipelineModule(num_stages={layout.pp}, "
+            'partition_method="type:<your transformer block class>"): equal transformer layers per '
+            f'stage{split}, as the composition places them (the default, "parameters", balances '
+            "parameter counts instead)"
+        )
     elif o.recompute is Recompute.FULL:
         notes.append("full recomputation: wrap each layer in deepspeed.checkpointing.checkpoint (model code)")
     if layout.tp > 1:
@@ -281,21 +302,30 @@ def export_deepspeed(comp: Composition, model: Model) -> Exported:
 
 # --- Megatron-LM ----------------------------------------------------------------------------
 
+
 def export_megatron(comp: Composition, model: Model) -> Exported:
     """Megatron-LM command-line arguments (one per line, ready for a launch script)."""
     layout = layout_of(comp, model)
     o = layout.options
     assert layout.dp is not None
-    _refuse(layout, "Megatron-LM",
-            ZeRO_hierarchical_partitioning_hpZ=layout.replicate == "hpz-dpr",
-            ZeRO_2_or_3_or_FSDP_in_its_DDP=layout.data not in (DataSharding.NONE, DataSharding.OPTIMIZER),
-            a_replicate_axis=layout.dpr > 1, offload=o.offload_optimizer or o.offload_parameters,
-            **_schedule_refusal(o.pipeline_schedule, MEGATRON))
+    _refuse(
+        layout,
+        "Megatron-LM",
+        ZeRO_hierarchical_partitioning_hpZ=layout.replicate == "hpz-dpr",
+        ZeRO_2_or_3_or_FSDP_in_its_DDP=layout.data not in (DataSharding.NONE, DataSharding.OPTIMIZER),
+        a_replicate_axis=layout.dpr > 1,
+        offload=o.offload_optimizer or o.offload_parameters,
+        **_schedule_refusal(o.pipeline_schedule, MEGATRON),
+    )
     micro = _micro(model)
     args: list[tuple[str, str | None]] = []
     if isinstance(model, Transformer):
-        args += [("--num-layers", str(model.layers)), ("--hidden-size", str(model.hidden)),
-                 ("--num-attention-heads", str(model.heads)), ("--seq-length", str(model.seq))]
+        args += [
+            ("--num-layers", str(model.layers)),
+            ("--hidden-size", str(model.hidden)),
+            ("--num-attention-heads", str(model.heads)),
+            ("--seq-length", str(model.seq)),
+        ]
     args += [("--tensor-model-parallel-size", str(layout.tp)), ("--pipeline-model-parallel-size", str(layout.pp))]
     uneven = _uneven_layers(layout, model)
     if uneven is not None:
@@ -304,8 +334,7 @@ def export_megatron(comp: Composition, model: Model) -> Exported:
             first, last = megatron_uneven_split(uneven, layout.pp)
         except ExportError as err:
             raise ExportError(f"{layout.text()}: {err}") from None
-        args += [("--decoder-first-pipeline-num-layers", str(first)),
-                 ("--decoder-last-pipeline-num-layers", str(last))]
+        args += [("--decoder-first-pipeline-num-layers", str(first)), ("--decoder-last-pipeline-num-layers", str(last))]
     flag = o.pipeline_schedule.megatron_flag
     if flag is not None:
         args.append((flag, str(_layers_per_chunk(layout, model, "Megatron"))))
@@ -321,15 +350,21 @@ def export_megatron(comp: Composition, model: Model) -> Exported:
         case Recompute.NONE:
             pass
         case Recompute.FULL:
-            args += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
-                     ("--recompute-num-layers", "1")]
+            args += [
+                ("--recompute-granularity", "full"),
+                ("--recompute-method", "uniform"),
+                ("--recompute-num-layers", "1"),
+            ]
         case Recompute.SELECTIVE:
             args.append(("--recompute-granularity", "selective"))
         case _:
             raise AssertionError(o.recompute)
     dp_megatron = layout.dp * layout.ep  # Megatron's data-parallel group contains the expert ranks
-    args += [("--micro-batch-size", str(micro)),
-             ("--global-batch-size", str(micro * dp_megatron * o.micro_batches)), ("--bf16", None)]
+    args += [
+        ("--micro-batch-size", str(micro)),
+        ("--global-batch-size", str(micro * dp_megatron * o.micro_batches)),
+        ("--bf16", None),
+    ]
     text = " \\\n".join(name if value is None else f"{name} {value}" for name, value in args) + "\n"
     devices = dp_megatron * layout.tp * layout.pp * layout.cp
     return Exported(Target.MEGATRON, text, (f"launch on {devices} devices (torchrun ... pretrain_gpt.py ARGS)",))
@@ -381,8 +416,11 @@ def dtensor_placements(pl: Placement) -> dict[str, Any]:
     groups: dict[str, Any] = {}
     for group in pl.groups(State.PARAMETERS):
         row: dict[str, Any] = {}
-        for state, key in ((State.PARAMETERS, "parameters"), (State.OPTIMIZER, "optimizer"),
-                           (State.GRADIENTS, "gradients")):
+        for state, key in (
+            (State.PARAMETERS, "parameters"),
+            (State.OPTIMIZER, "optimizer"),
+            (State.GRADIENTS, "gradients"),
+        ):
             cells = [_placement_name(pl.mode(state, group, axis), axis, group) for axis in mesh]
             if pl.local_mode(state, group) is Mode.OFFLOADED:
                 cells = [f"{c} (host)" for c in cells]
@@ -398,5 +436,4 @@ def dtensor_placements(pl: Placement) -> dict[str, Any]:
             if group in pl.tied:
                 row["pp"] = "on the first and last stage; gradients summed across them"
         groups[group.name] = row
-    return {"mesh_dims": [a.value for a in mesh], "mesh_shape": [int(pl.degree(a)) for a in mesh],
-            "groups": groups}
+    return {"mesh_dims": [a.value for a in mesh], "mesh_shape": [int(pl.degree(a)) for a in mesh], "groups": groups}

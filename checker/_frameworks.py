@@ -24,35 +24,64 @@ from formal._vocab import WEIGHTS, State
 
 # What people call each placement (sources beside each name).
 KNOWN_AS: dict[str, dict[str, str]] = {
-    "dp": {"PyTorch": "DistributedDataParallel (DDP)", "DeepSpeed": "ZeRO stage 0",
-           "Megatron-LM": "DDP (default)", "torchtitan": "data_parallel_replicate_degree"},
-    "zero1": {"DeepSpeed": "ZeRO stage 1 (Rajbhandari et al. 2020: P_os)",
-              "Megatron-LM": "--use-distributed-optimizer (ZeRO-1; fp32 grads: 6 + 12/N bytes/param)",
-              "PyTorch": "ZeroRedundancyOptimizer"},
-    "zero2": {"DeepSpeed": "ZeRO stage 2 (P_os+g)",
-              "PyTorch": "no FSDP equivalent: SHARD_GRAD_OP also shards parameters (see fsdp-sgo)"},
-    "zero3": {"DeepSpeed": "ZeRO stage 3 (P_os+g+p)", "PyTorch": "FSDP FULL_SHARD / fully_shard()",
-              "torchtitan": "data_parallel_shard_degree, fsdp_reshard_after_forward = \"always\""},
+    "dp": {
+        "PyTorch": "DistributedDataParallel (DDP)",
+        "DeepSpeed": "ZeRO stage 0",
+        "Megatron-LM": "DDP (default)",
+        "torchtitan": "data_parallel_replicate_degree",
+    },
+    "zero1": {
+        "DeepSpeed": "ZeRO stage 1 (Rajbhandari et al. 2020: P_os)",
+        "Megatron-LM": "--use-distributed-optimizer (ZeRO-1; fp32 grads: 6 + 12/N bytes/param)",
+        "PyTorch": "ZeroRedundancyOptimizer",
+    },
+    "zero2": {
+        "DeepSpeed": "ZeRO stage 2 (P_os+g)",
+        "PyTorch": "no FSDP equivalent: SHARD_GRAD_OP also shards parameters (see fsdp-sgo)",
+    },
+    "zero3": {
+        "DeepSpeed": "ZeRO stage 3 (P_os+g+p)",
+        "PyTorch": "FSDP FULL_SHARD / fully_shard()",
+        "torchtitan": 'data_parallel_shard_degree, fsdp_reshard_after_forward = "always"',
+    },
     "fsdp": {"PyTorch": "FSDP FULL_SHARD / fully_shard(reshard_after_forward=True)", "DeepSpeed": "ZeRO stage 3"},
-    "fsdp-sgo": {"PyTorch": "FSDP SHARD_GRAD_OP / fully_shard(reshard_after_forward=False)",
-                 "torchtitan": "fsdp_reshard_after_forward = \"never\" (\"default\" under PP)",
-                 "DeepSpeed": "none: NOT ZeRO-2 (parameters rest sharded, held unsharded through backward)"},
-    "hsdp": {"PyTorch": "FSDP HYBRID_SHARD / fully_shard(mesh=2-D): compose hsdp<k>xdpr<n>",
-             "torchtitan": "data_parallel_shard_degree x data_parallel_replicate_degree"},
+    "fsdp-sgo": {
+        "PyTorch": "FSDP SHARD_GRAD_OP / fully_shard(reshard_after_forward=False)",
+        "torchtitan": 'fsdp_reshard_after_forward = "never" ("default" under PP)',
+        "DeepSpeed": "none: NOT ZeRO-2 (parameters rest sharded, held unsharded through backward)",
+    },
+    "hsdp": {
+        "PyTorch": "FSDP HYBRID_SHARD / fully_shard(mesh=2-D): compose hsdp<k>xdpr<n>",
+        "torchtitan": "data_parallel_shard_degree x data_parallel_replicate_degree",
+    },
     "dpr": {"PyTorch": "the replicate dimension of HYBRID_SHARD", "torchtitan": "data_parallel_replicate_degree"},
     "distopt": {"Megatron-LM": "--use-distributed-optimizer", "DeepSpeed": "ZeRO stage 1 (16-bit grads)"},
-    "tp": {"Megatron-LM": "--tensor-model-parallel-size", "PyTorch": "ColwiseParallel / RowwiseParallel",
-           "DeepSpeed": "tensor_parallel.autotp_size (AutoTP)"},
-    "pp": {"Megatron-LM": "--pipeline-model-parallel-size", "DeepSpeed": "PipelineModule(num_stages) / pipeline.stages",
-           "torchtitan": "pipeline_parallel_degree"},
+    "tp": {
+        "Megatron-LM": "--tensor-model-parallel-size",
+        "PyTorch": "ColwiseParallel / RowwiseParallel",
+        "DeepSpeed": "tensor_parallel.autotp_size (AutoTP)",
+    },
+    "pp": {
+        "Megatron-LM": "--pipeline-model-parallel-size",
+        "DeepSpeed": "PipelineModule(num_stages) / pipeline.stages",
+        "torchtitan": "pipeline_parallel_degree",
+    },
     "cp": {"Megatron-LM": "--context-parallel-size", "torchtitan": "context_parallel_degree"},
-    "ep": {"Megatron-LM": "--expert-model-parallel-size", "torchtitan": "expert_parallel_degree",
-           "DeepSpeed": "MoE(ep_size=...) in model code"},
+    "ep": {
+        "Megatron-LM": "--expert-model-parallel-size",
+        "torchtitan": "expert_parallel_degree",
+        "DeepSpeed": "MoE(ep_size=...) in model code",
+    },
 }
 
 # Pairs that users confuse, compared placement against placement (docs/semantics.md, "The strategy library").
-CONFUSED: tuple[tuple[str, str], ...] = (("fsdp-sgo", "zero2"), ("distopt", "zero1"), ("fsdp", "zero3"),
-                                         ("hsdp", "fsdp"), ("zero2", "zero1"))
+CONFUSED: tuple[tuple[str, str], ...] = (
+    ("fsdp-sgo", "zero2"),
+    ("distopt", "zero1"),
+    ("fsdp", "zero3"),
+    ("hsdp", "fsdp"),
+    ("zero2", "zero1"),
+)
 
 
 @dataclass(frozen=True)
@@ -67,9 +96,16 @@ class Row:
     same_placement_as: tuple[str, ...]
 
     def as_json(self) -> dict[str, object]:
-        return {"strategy": self.name, "axis": self.axis, "description": self.description, "modes": self.modes,
-                "model_state_bytes": self.model_states, "configs": self.configs, "known_as": self.known_as,
-                "same_placement_as": list(self.same_placement_as)}
+        return {
+            "strategy": self.name,
+            "axis": self.axis,
+            "description": self.description,
+            "modes": self.modes,
+            "model_state_bytes": self.model_states,
+            "configs": self.configs,
+            "known_as": self.known_as,
+            "same_placement_as": list(self.same_placement_as),
+        }
 
 
 def _explain_model(name: str) -> Model:
@@ -127,21 +163,39 @@ def _summary(target: Target, text: str) -> str:
         case Target.DEEPSPEED:
             doc = json.loads(text)
             parts = [f"zero_optimization.stage={doc['zero_optimization']['stage']}"]
-            parts += [f"{k}={v}" for k, v in (("pipeline.stages", doc.get("pipeline", {}).get("stages")),
-                                                ("tensor_parallel.autotp_size",
-                                                 doc.get("tensor_parallel", {}).get("autotp_size"))) if v]
+            parts += [
+                f"{k}={v}"
+                for k, v in (
+                    ("pipeline.stages", doc.get("pipeline", {}).get("stages")),
+                    ("tensor_parallel.autotp_size", doc.get("tensor_parallel", {}).get("autotp_size")),
+                )
+                if v
+            ]
             return ", ".join(parts)
         case Target.TORCHTITAN:
-            keep = ("data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
-                    "tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
-                    "expert_parallel_degree")
+            keep = (
+                "data_parallel_replicate_degree",
+                "data_parallel_shard_degree",
+                "fsdp_reshard_after_forward",
+                "tensor_parallel_degree",
+                "pipeline_parallel_degree",
+                "context_parallel_degree",
+                "expert_parallel_degree",
+            )
             lines = [ln for ln in text.splitlines() if ln.split(" = ")[0] in keep and not ln.endswith(" = 1")]
             if "data_parallel_shard_degree = 1" in text:
                 lines = [ln for ln in lines if not ln.startswith("fsdp_reshard")]
             return ", ".join(lines)
         case Target.MEGATRON:
-            skip = ("--num-layers ", "--hidden-size", "--num-attention-heads", "--seq-length", "--micro-batch-size",
-                    "--global-batch-size", "--bf16")
+            skip = (
+                "--num-layers ",
+                "--hidden-size",
+                "--num-attention-heads",
+                "--seq-length",
+                "--micro-batch-size",
+                "--global-batch-size",
+                "--bf16",
+            )
             lines = [ln.rstrip(" \\") for ln in text.splitlines()]
             kept = [ln for ln in lines if ln and not ln.startswith(skip) and not ln.endswith(" 1")]
             return ", ".join(kept) if kept else "no flag (DDP is the default)"
@@ -161,16 +215,26 @@ def placement_difference(a: str, b: str, degree: int = 8) -> dict[str, tuple[str
     ta = _composition(a, degree).placement(model).table()
     tb = _composition(b, degree).placement(model).table()
     axis = LIBRARY[a]().axis.value
-    return {k: (ta[k].get(axis, "R"), tb[k].get(axis, "R")) for k in ta
-            if ta[k].get(axis, "R") != tb.get(k, {}).get(axis, "R")}
+    return {
+        k: (ta[k].get(axis, "R"), tb[k].get(axis, "R"))
+        for k in ta
+        if ta[k].get(axis, "R") != tb.get(k, {}).get(axis, "R")
+    }
 
 
 def explain_row(name: str, degree: int = 8) -> Row:
     strategy = LIBRARY[name]()
     same = tuple(other for other in sorted(LIBRARY) if other != name and same_placement(name, other, degree))
-    return Row(name=name, axis=strategy.axis.value, description=strategy.description, modes=_modes(name, degree),
-               model_states=model_state_formula(name), configs=_configs(name, degree),
-               known_as=KNOWN_AS.get(name, {}), same_placement_as=same)
+    return Row(
+        name=name,
+        axis=strategy.axis.value,
+        description=strategy.description,
+        modes=_modes(name, degree),
+        model_states=model_state_formula(name),
+        configs=_configs(name, degree),
+        known_as=KNOWN_AS.get(name, {}),
+        same_placement_as=same,
+    )
 
 
 def all_rows(degree: int = 8) -> list[Row]:
@@ -178,5 +242,14 @@ def all_rows(degree: int = 8) -> list[Row]:
     return [explain_row(n, degree) for n in names]
 
 
-__all__ = ["CONFUSED", "KNOWN_AS", "Row", "all_rows", "explain_row", "model_state_formula",
-           "placement_difference", "placement_table", "same_placement"]
+__all__ = [
+    "CONFUSED",
+    "KNOWN_AS",
+    "Row",
+    "all_rows",
+    "explain_row",
+    "model_state_formula",
+    "placement_difference",
+    "placement_table",
+    "same_placement",
+]

@@ -33,9 +33,11 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[object]], numeric: It
     num = set(numeric)
     head = "".join(f"<th>{_e(h)}</th>" for h in headers)
     body = "".join(
-        "<tr>" + "".join(f"<td class=\"n\">{_e(c)}</td>" if i in num else f"<td>{_e(c)}</td>"
-                         for i, c in enumerate(row)) + "</tr>"
-        for row in rows)
+        "<tr>"
+        + "".join(f'<td class="n">{_e(c)}</td>' if i in num else f"<td>{_e(c)}</td>" for i, c in enumerate(row))
+        + "</tr>"
+        for row in rows
+    )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -47,25 +49,46 @@ def _verdict_section(doc: dict[str, Any]) -> str:
     verdict = doc.get("verdict")
     memory = doc["memory"]
     fits = memory.get("fits")
-    fit_line = ("" if fits is None else
-                f"<p id=\"memory-verdict\">Memory: <b>{'fits' if fits else 'does NOT fit'}</b> in "
-                f"{_gb(memory['device_memory'])} GB per device.</p>")
+    fit_line = (
+        ""
+        if fits is None
+        else f'<p id="memory-verdict">Memory: <b>{"fits" if fits else "does NOT fit"}</b> in '
+        f"{_gb(memory['device_memory'])} GB per device.</p>"
+    )
     if not isinstance(verdict, dict):
-        return ("<section id=\"verdict\"><h2>Verdict</h2><p id=\"verdict-status\">correctness verdict: "
-                f"<b>not computed</b> (the report has no verdict)</p>{fit_line}</section>")
+        return (
+            '<section id="verdict"><h2>Verdict</h2><p id="verdict-status">correctness verdict: '
+            f"<b>not computed</b> (the report has no verdict)</p>{fit_line}</section>"
+        )
     status = str(verdict.get("status", "unknown"))
-    parts = ["<section id=\"verdict\"><h2>Verdict</h2>",
-             f"<p id=\"verdict-status\" class=\"{_e(status)}\">correctness verdict: <b>{_e(status)}</b></p>"]
-    conditions = [(k.replace("_", " "), verdict[k]) for k in ("gradient_integrity", "state_consistency",
-                                                               "composition_rules") if k in verdict]
+    parts = [
+        '<section id="verdict"><h2>Verdict</h2>',
+        f'<p id="verdict-status" class="{_e(status)}">correctness verdict: <b>{_e(status)}</b></p>',
+    ]
+    conditions = [
+        (k.replace("_", " "), verdict[k])
+        for k in ("gradient_integrity", "state_consistency", "composition_rules")
+        if k in verdict
+    ]
     if conditions:
         parts.append(_table(["condition", "status"], conditions))
     violations = verdict.get("violations") or []
     if violations:
         parts.append("<h3>Rules violated</h3>")
-        parts.append(_table(["rule", "condition", "explanation", "witness"],
-                            [(v.get("rule"), v.get("condition"), v.get("explanation"),
-                              json.dumps(v.get("witness", {}), sort_keys=True)) for v in violations]))
+        parts.append(
+            _table(
+                ["rule", "condition", "explanation", "witness"],
+                [
+                    (
+                        v.get("rule"),
+                        v.get("condition"),
+                        v.get("explanation"),
+                        json.dumps(v.get("witness", {}), sort_keys=True),
+                    )
+                    for v in violations
+                ],
+            )
+        )
     unknown = verdict.get("unknown") or []
     if unknown:
         parts.append("<h3>Undecided obligations</h3>")
@@ -84,44 +107,70 @@ def render_html(doc: dict[str, Any]) -> str:
     from checker._charts import memory_chart  # matplotlib loads only when a chart is drawn
 
     per = doc["memory"]["per_device"]
-    png = memory_chart([doc["composition"]], [per], doc["memory"].get("device_memory"),
-                       f"memory per device ({doc['memory']['most_loaded_rank']['pipeline_stage']} pipeline stage)")
+    png = memory_chart(
+        [doc["composition"]],
+        [per],
+        doc["memory"].get("device_memory"),
+        f"memory per device ({doc['memory']['most_loaded_rank']['pipeline_stage']} pipeline stage)",
+    )
     model = doc["model"]
     prec = doc["precision"]
-    mem_rows = [(k, f"{per[k]:,}" if per[k] is not None else "unknown", _gb(per[k]))
-                for k in ("parameters", "gradients", "optimizer", "model_states", "activations", "buffers", "total")]
+    mem_rows = [
+        (k, f"{per[k]:,}" if per[k] is not None else "unknown", _gb(per[k]))
+        for k in ("parameters", "gradients", "optimizer", "model_states", "activations", "buffers", "total")
+    ]
     coll = doc["communication"]["collectives"]
-    coll_rows = [(c["op"], c["axis"], f"{c['state']}.{c['group']}", c["phase"], f"{c['elements']:,}",
-                  f"{c['count']:,}", f"{c['bytes']:,}", c["psi_units"]) for c in coll]
+    coll_rows = [
+        (
+            c["op"],
+            c["axis"],
+            f"{c['state']}.{c['group']}",
+            c["phase"],
+            f"{c['elements']:,}",
+            f"{c['count']:,}",
+            f"{c['bytes']:,}",
+            c["psi_units"],
+        )
+        for c in coll
+    ]
     place_rows = [(key, ", ".join(f"{a}={m}" for a, m in cells.items())) for key, cells in doc["placement"].items()]
     imported = doc.get("imported_from")
     imported_html = ""
     if isinstance(imported, dict):
-        imported_html = ("<section id=\"imported\"><h2>Imported configuration</h2>"
-                         f"<p>{_e(imported.get('framework'))}: <code>{_e(imported.get('composition'))}</code></p>"
-                         + "<ul>" + "".join(f"<li>{_e(n)}</li>" for n in imported.get("not_mapped", [])) + "</ul>"
-                         "</section>")
+        imported_html = (
+            '<section id="imported"><h2>Imported configuration</h2>'
+            f"<p>{_e(imported.get('framework'))}: <code>{_e(imported.get('composition'))}</code></p>"
+            + "<ul>"
+            + "".join(f"<li>{_e(n)}</li>" for n in imported.get("not_mapped", []))
+            + "</ul>"
+            "</section>"
+        )
     data = json.dumps(doc, sort_keys=True).replace("</", "<\\/")
     title = f"{doc['composition']} — placement-semantics report"
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title><style>{_CSS}</style></head>
 <body>
-<h1>{_e(doc['composition'])}</h1>
-<p>{_e(doc['devices'])} devices, mesh {_e(' x '.join(f'{a}={d}' for a, d in doc['mesh'].items()))};
-model <b>{_e(model['name'])}</b> ({model['parameters']:,} parameters); precision {_e(prec['name'])}
-({prec['parameters']}/{prec['gradients']}/{prec['optimizer']} bytes per parameter). GB = 1e9 bytes.</p>
+<h1>{_e(doc["composition"])}</h1>
+<p>{_e(doc["devices"])} devices, mesh {_e(" x ".join(f"{a}={d}" for a, d in doc["mesh"].items()))};
+model <b>{_e(model["name"])}</b> ({model["parameters"]:,} parameters); precision {_e(prec["name"])}
+({prec["parameters"]}/{prec["gradients"]}/{prec["optimizer"]} bytes per parameter). GB = 1e9 bytes.</p>
 {_verdict_section(doc)}
 {imported_html}
 <section id="memory"><h2>Memory per device</h2>
 <img id="memory-chart" alt="stacked bar chart of per-device memory by state"
- src="data:image/png;base64,{base64.b64encode(png).decode('ascii')}">
+ src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">
 {_table(["state", "bytes", "GB"], mem_rows, numeric=(1, 2))}
-<p>host (offloaded): {doc['memory']['host']:,} bytes</p></section>
-<section id="collectives"><h2>Collectives per step ({doc['communication']['per_device_per_step']:,} bytes per device;
-model states {_e(doc['communication']['model_state_psi_units'])} Psi)</h2>
-{_table(["op", "axis", "state.group", "phase", "elements", "count", "bytes", "Psi units"], coll_rows,
-        numeric=(4, 5, 6))}
-<p>pipeline bubble fraction: {_e(doc['pipeline']['bubble_fraction'])}</p></section>
+<p>host (offloaded): {doc["memory"]["host"]:,} bytes</p></section>
+<section id="collectives"><h2>Collectives per step ({doc["communication"]["per_device_per_step"]:,} bytes per device;
+model states {_e(doc["communication"]["model_state_psi_units"])} Psi)</h2>
+{
+        _table(
+            ["op", "axis", "state.group", "phase", "elements", "count", "bytes", "Psi units"],
+            coll_rows,
+            numeric=(4, 5, 6),
+        )
+    }
+<p>pipeline bubble fraction: {_e(doc["pipeline"]["bubble_fraction"])}</p></section>
 <section id="placement"><h2>Placement</h2>{_table(["state.group", "modes per axis"], place_rows)}</section>
 <script type="application/json" id="report-data">{data}</script>
 <script>/* record the decoded chart size, so a headless browser can confirm the image rendered */

@@ -46,12 +46,20 @@ class Imported:
         return self.layout.text()
 
     def as_json(self) -> dict[str, Any]:
-        return {"framework": self.framework.value, "composition": self.composition, "devices": self.devices,
-                "micro_batch": self.micro_batch, "seq": self.seq, "precision": self.precision,
-                "model": self.model, "not_mapped": list(self.notes)}
+        return {
+            "framework": self.framework.value,
+            "composition": self.composition,
+            "devices": self.devices,
+            "micro_batch": self.micro_batch,
+            "seq": self.seq,
+            "precision": self.precision,
+            "model": self.model,
+            "not_mapped": list(self.notes),
+        }
 
 
 # --- small readers --------------------------------------------------------------------------
+
 
 def _where(where: str, key: str) -> str:
     return f"{where}: {key}"

@@ -28,57 +28,152 @@ from formal._presets import DEFAULT_DEVICES
 
 _DS_STAGES = {0: "dp", 1: "zero1", 2: "zero2", 3: "zero3"}
 _DS_SHARDING = {0: DataSharding.NONE, 1: DataSharding.OPTIMIZER, 2: DataSharding.GRADIENTS, 3: DataSharding.FULL}
-_DS_MAPPED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-              "zero_optimization", "pipeline", "tensor_parallel", "fp16", "bf16", "activation_checkpointing")
+_DS_MAPPED = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "zero_optimization",
+    "pipeline",
+    "tensor_parallel",
+    "fp16",
+    "bf16",
+    "activation_checkpointing",
+)
 # Keys with no effect on placements (optimizer hyper-parameters, logging, I/O): accepted, not mapped.
-_DS_IGNORED = ("optimizer", "scheduler", "gradient_clipping", "steps_per_print", "wall_clock_breakdown",
-               "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "prescale_gradients",
-               "gradient_predivide_factor", "sparse_gradients", "dump_state", "flops_profiler", "tensorboard",
-               "wandb", "csv_monitor", "comet", "monitor_config", "comms_logger", "communication_data_type",
-               "data_types", "amp", "memory_breakdown", "checkpoint", "elasticity", "autotuning",
-               "data_efficiency", "curriculum_learning", "compression_training", "aio", "nebula",
-               "seq_parallel_communication_data_type", "disable_allgather", "timers", "torch_autocast",
-               "weight_quantization", "use_data_before_expert_parallelism", "graph_harvesting",
-               "compile", "sparse_attention", "dataloader_drop_last")
+_DS_IGNORED = (
+    "optimizer",
+    "scheduler",
+    "gradient_clipping",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "sparse_gradients",
+    "dump_state",
+    "flops_profiler",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "monitor_config",
+    "comms_logger",
+    "communication_data_type",
+    "data_types",
+    "amp",
+    "memory_breakdown",
+    "checkpoint",
+    "elasticity",
+    "autotuning",
+    "data_efficiency",
+    "curriculum_learning",
+    "compression_training",
+    "aio",
+    "nebula",
+    "seq_parallel_communication_data_type",
+    "disable_allgather",
+    "timers",
+    "torch_autocast",
+    "weight_quantization",
+    "use_data_before_expert_parallelism",
+    "graph_harvesting",
+    "compile",
+    "sparse_attention",
+    "dataloader_drop_last",
+)
 _DS_ZERO_MAPPED = ("stage", "offload_optimizer", "offload_param", "zero_hpz_partition_size")
 _DS_ZERO_IGNORED = (
-    "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
-    "allgather_bucket_size", "round_robin_gradients", "load_from_fp32_weights", "elastic_checkpoint",
-    "sub_group_size", "stage3_prefetch_bucket_size", "prefetch_bucket_size", "stage3_param_persistence_threshold",
-    "param_persistence_threshold", "stage3_model_persistence_threshold", "model_persistence_threshold",
-    "stage3_max_live_parameters", "max_live_parameters", "stage3_max_reuse_distance", "max_reuse_distance",
-    "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
-    "gather_16bit_weights_on_model_save", "ignore_unused_parameters", "legacy_stage1",
-    "use_multi_rank_bucket_allreduce", "memory_efficient_linear", "pipeline_loading_checkpoint",
-    "override_module_apply", "log_trace_cache_warnings", "module_granularity_threshold",
-    "use_all_reduce_for_fetch_params", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
-    "zero_quantized_gradients", "zeropp_loco_param", "cpu_offload_use_pin_memory",
+    "contiguous_gradients",
+    "overlap_comm",
+    "reduce_scatter",
+    "reduce_bucket_size",
+    "allgather_partitions",
+    "allgather_bucket_size",
+    "round_robin_gradients",
+    "load_from_fp32_weights",
+    "elastic_checkpoint",
+    "sub_group_size",
+    "stage3_prefetch_bucket_size",
+    "prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "param_persistence_threshold",
+    "stage3_model_persistence_threshold",
+    "model_persistence_threshold",
+    "stage3_max_live_parameters",
+    "max_live_parameters",
+    "stage3_max_reuse_distance",
+    "max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save",
+    "gather_16bit_weights_on_model_save",
+    "ignore_unused_parameters",
+    "legacy_stage1",
+    "use_multi_rank_bucket_allreduce",
+    "memory_efficient_linear",
+    "pipeline_loading_checkpoint",
+    "override_module_apply",
+    "log_trace_cache_warnings",
+    "module_granularity_threshold",
+    "use_all_reduce_for_fetch_params",
+    "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients",
+    "zeropp_loco_param",
+    "cpu_offload_use_pin_memory",
 )
 # Keys that change the placement in a way the composition language cannot say: refused.
 _DS_ZERO_REFUSED = {
     "mics_shard_size": "MiCS shards within groups; write it as zero3<k>xdpr<n/k> instead",
-    "cpu_offload": "deprecated: use offload_optimizer.device = \"cpu\"",
-    "cpu_offload_param": "deprecated: use offload_param.device = \"cpu\"",
+    "cpu_offload": 'deprecated: use offload_optimizer.device = "cpu"',
+    "cpu_offload_param": 'deprecated: use offload_param.device = "cpu"',
 }
-_DS_OFFLOAD_KEYS = ("device", "pin_memory", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu",
-                    "pipeline_read", "pipeline_write", "fast_init", "ratio", "pipeline")
-_DS_PIPELINE_KEYS = ("stages", "partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
-                     "grad_partitioned", "use_reentrant")
+_DS_OFFLOAD_KEYS = (
+    "device",
+    "pin_memory",
+    "nvme_path",
+    "buffer_count",
+    "buffer_size",
+    "max_in_cpu",
+    "pipeline_read",
+    "pipeline_write",
+    "fast_init",
+    "ratio",
+    "pipeline",
+)
+_DS_PIPELINE_KEYS = (
+    "stages",
+    "partition",
+    "seed_layers",
+    "activation_checkpoint_interval",
+    "pipe_partitioned",
+    "grad_partitioned",
+    "use_reentrant",
+)
 
 
 _DS_BATCH = integer(words=("auto",))
 _DS_OFFLOAD = Expect(OBJECT.label, OBJECT.types, nullable=True)
 # The type of every key the DeepSpeed importer reads (values and ranges it checks itself).
 DEEPSPEED_SCHEMA: Schema = {
-    "train_batch_size": _DS_BATCH, "train_micro_batch_size_per_gpu": _DS_BATCH,
+    "train_batch_size": _DS_BATCH,
+    "train_micro_batch_size_per_gpu": _DS_BATCH,
     "gradient_accumulation_steps": _DS_BATCH,
-    "zero_optimization": OBJECT, "zero_optimization.stage": integer(),
-    "zero_optimization.offload_optimizer": _DS_OFFLOAD, "zero_optimization.offload_optimizer.device": TEXT,
-    "zero_optimization.offload_param": _DS_OFFLOAD, "zero_optimization.offload_param.device": TEXT,
-    "pipeline": OBJECT, "pipeline.stages": _DS_BATCH, "pipeline.activation_checkpoint_interval": integer(),
-    "tensor_parallel": Expect(OBJECT.label, OBJECT.types, nullable=True), "tensor_parallel.autotp_size": integer(),
-    "fp16": OBJECT, "fp16.enabled": Expect('true, false or "auto"', (bool,), ("auto",)),
-    "bf16": OBJECT, "bf16.enabled": Expect('true, false or "auto"', (bool,), ("auto",)),
+    "zero_optimization": OBJECT,
+    "zero_optimization.stage": integer(),
+    "zero_optimization.offload_optimizer": _DS_OFFLOAD,
+    "zero_optimization.offload_optimizer.device": TEXT,
+    "zero_optimization.offload_param": _DS_OFFLOAD,
+    "zero_optimization.offload_param.device": TEXT,
+    "pipeline": OBJECT,
+    "pipeline.stages": _DS_BATCH,
+    "pipeline.activation_checkpoint_interval": integer(),
+    "tensor_parallel": Expect(OBJECT.label, OBJECT.types, nullable=True),
+    "tensor_parallel.autotp_size": integer(),
+    "fp16": OBJECT,
+    "fp16.enabled": Expect('true, false or "auto"', (bool,), ("auto",)),
+    "bf16": OBJECT,
+    "bf16.enabled": Expect('true, false or "auto"', (bool,), ("auto",)),
     "activation_checkpointing": OBJECT,
 }
 
@@ -88,8 +183,9 @@ def import_deepspeed(raw: Any, *, devices: int | None, where: str = "deepspeed.j
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a JSON object {{...}}")
     if not raw:
-        raise ConfigError(f"{where}: an empty object states nothing to check (no zero_optimization, pipeline "
-                          "or batch sizes)")
+        raise ConfigError(
+            f"{where}: an empty object states nothing to check (no zero_optimization, pipeline or batch sizes)"
+        )
     _schema(raw, DEEPSPEED_SCHEMA, where)
     _check_keys(raw, _DS_MAPPED + _DS_IGNORED, where)
     if "sequence_parallel_size" in raw:
@@ -111,58 +207,74 @@ def import_deepspeed(raw: Any, *, devices: int | None, where: str = "deepspeed.j
         raise ConfigError(f"{where}: zero_optimization.offload_optimizer needs stage 1, 2 or 3 (stage is 0)")
     if off_par and stage != 3:
         raise ConfigError(f"{where}: zero_optimization.offload_param is valid only with stage 3 (stage is {stage})")
-    tp = _ds_section_int(raw, "tensor_parallel", "autotp_size", where, ("autotp_size", "tp_size", "tp",
-                                                                          "partition_config"))
+    tp = _ds_section_int(
+        raw, "tensor_parallel", "autotp_size", where, ("autotp_size", "tp_size", "tp", "partition_config")
+    )
     if tp > 1 and stage == 3:
-        raise ConfigError(f"{where}: tensor_parallel.autotp_size={tp} with ZeRO stage 3: AutoTP training "
-                          "supports stages 0, 1 and 2")
+        raise ConfigError(
+            f"{where}: tensor_parallel.autotp_size={tp} with ZeRO stage 3: AutoTP training supports stages 0, 1 and 2"
+        )
     pipe = raw.get("pipeline", {})
     if not isinstance(pipe, dict):
         raise ConfigError(f"{where}: pipeline must be an object")
     _check_keys(pipe, _DS_PIPELINE_KEYS, where, "pipeline.")
     stages = pipe.get("stages", 1)
     if stages == "auto":
-        raise ConfigError(f"{where}: pipeline.stages=\"auto\": the stage count is set in code "
-                          "(PipelineModule(num_stages=...)); write the number here")
+        raise ConfigError(
+            f'{where}: pipeline.stages="auto": the stage count is set in code '
+            "(PipelineModule(num_stages=...)); write the number here"
+        )
     pp = _pos_int(stages, where, "pipeline.stages")
     if pp > 1 and stage >= 2:
-        raise ConfigError(f"{where}: zero_optimization.stage={stage} with pipeline.stages={pp}: DeepSpeed's "
-                          f"pipeline engine supports ZeRO stage 0 or 1 only (check zero{stage}xpp{pp} directly "
-                          "to see what it would cost)")
+        raise ConfigError(
+            f"{where}: zero_optimization.stage={stage} with pipeline.stages={pp}: DeepSpeed's "
+            f"pipeline engine supports ZeRO stage 0 or 1 only (check zero{stage}xpp{pp} directly "
+            "to see what it would cost)"
+        )
     recompute = Recompute.NONE
     interval = pipe.get("activation_checkpoint_interval", 0)
     if interval:
         _pos_int(interval, where, "pipeline.activation_checkpoint_interval")
         recompute = Recompute.FULL
         if interval > 1:
-            notes.append(f"pipeline.activation_checkpoint_interval={interval}: one checkpoint every {interval} "
-                         "layers; counted as one per layer (an upper bound on activation memory)")
+            notes.append(
+                f"pipeline.activation_checkpoint_interval={interval}: one checkpoint every {interval} "
+                "layers; counted as one per layer (an upper bound on activation memory)"
+            )
     if "activation_checkpointing" in raw:
-        notes.append("activation_checkpointing: recomputation is switched on in model code "
-                     "(deepspeed.checkpointing.checkpoint), not by this section; add 'recompute' if it is")
+        notes.append(
+            "activation_checkpointing: recomputation is switched on in model code "
+            "(deepspeed.checkpointing.checkpoint), not by this section; add 'recompute' if it is"
+        )
     micro = _ds_batch(raw, "train_micro_batch_size_per_gpu", where, notes)
     gas = _ds_batch(raw, "gradient_accumulation_steps", where, notes)
     total = _ds_batch(raw, "train_batch_size", where, notes)
     dp, micro, gas, devices = _ds_solve_batch(total, micro, gas, devices, tp, pp, where, notes)
     precision = _ds_precision(raw, where, notes)
-    options = Options(offload_optimizer=off_opt, offload_parameters=off_par, recompute=recompute,
-                      micro_batches=gas)
+    options = Options(offload_optimizer=off_opt, offload_parameters=off_par, recompute=recompute, micro_batches=gas)
     hpz = zero.get("zero_hpz_partition_size")  # DeepSpeed's default 1 (and 0) mean no secondary partition
     node = 1 if hpz is None else max(1, _pos_int(hpz, where, "zero_optimization.zero_hpz_partition_size", allow=(0,)))
     if node > 1:  # ZeRO++ hpZ: ZeRO-3 within groups of `node` ranks (dp), held across them (hpz-dpr)
         if stage != 3:
-            raise ConfigError(f"{where}: zero_optimization.zero_hpz_partition_size={node} needs stage 3 "
-                              f"(ZeRO++ partitions ZeRO-3's parameters; stage is {stage})")
+            raise ConfigError(
+                f"{where}: zero_optimization.zero_hpz_partition_size={node} needs stage 3 "
+                f"(ZeRO++ partitions ZeRO-3's parameters; stage is {stage})"
+            )
         if dp is None:
             dp = _divide(DEFAULT_DEVICES, {"tp": tp, "pp": pp}, where, "--devices")
             devices = dp * tp * pp
-            notes.append(f"zero_hpz_partition_size: the data-parallel degree is taken as {dp} of the default "
-                         f"{DEFAULT_DEVICES} devices (give --devices)")
+            notes.append(
+                f"zero_hpz_partition_size: the data-parallel degree is taken as {dp} of the default "
+                f"{DEFAULT_DEVICES} devices (give --devices)"
+            )
         if dp % node:
-            raise ConfigError(f"{where}: zero_optimization.zero_hpz_partition_size={node} does not divide the "
-                              f"data-parallel degree {dp}")
-        layout = Layout("zero3", DataSharding.FULL, node, dpr=dp // node, tp=tp, pp=pp, options=options,
-                        replicate="hpz-dpr")
+            raise ConfigError(
+                f"{where}: zero_optimization.zero_hpz_partition_size={node} does not divide the "
+                f"data-parallel degree {dp}"
+            )
+        layout = Layout(
+            "zero3", DataSharding.FULL, node, dpr=dp // node, tp=tp, pp=pp, options=options, replicate="hpz-dpr"
+        )
         return Imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, tuple(notes))
     layout = Layout(_DS_STAGES[stage], _DS_SHARDING[stage], dp, tp=tp, pp=pp, options=options)
     return Imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, tuple(notes))
@@ -196,30 +308,44 @@ def _ds_batch(raw: dict[str, Any], key: str, where: str, notes: list[str]) -> in
     if value is None:
         return None
     if value == "auto":
-        notes.append(f"{key}=\"auto\": filled in by the Hugging Face Trainer; derived here or taken as 1")
+        notes.append(f'{key}="auto": filled in by the Hugging Face Trainer; derived here or taken as 1')
         return None
     return _pos_int(value, where, key, high=MAX_BATCH if key == "train_batch_size" else MAX_MICRO_BATCH)
 
 
-def _ds_solve_batch(total: int | None, micro: int | None, gas: int | None, devices: int | None, tp: int,
-                    pp: int, where: str, notes: list[str]) -> tuple[int | None, int, int, int | None]:
+def _ds_solve_batch(
+    total: int | None,
+    micro: int | None,
+    gas: int | None,
+    devices: int | None,
+    tp: int,
+    pp: int,
+    where: str,
+    notes: list[str],
+) -> tuple[int | None, int, int, int | None]:
     """DeepSpeed's rule train_batch_size = micro x gas x dp, with dp = devices / (tp x pp)."""
     dp: int | None = None
     if devices is not None:
         dp = _divide(devices, {"tp": tp, "pp": pp}, where, "--devices")
     if total is not None and micro is not None and gas is not None:
         if total % (micro * gas):
-            raise ConfigError(f"{where}: train_batch_size {total} is not divisible by "
-                              f"train_micro_batch_size_per_gpu({micro}) x gradient_accumulation_steps({gas})")
+            raise ConfigError(
+                f"{where}: train_batch_size {total} is not divisible by "
+                f"train_micro_batch_size_per_gpu({micro}) x gradient_accumulation_steps({gas})"
+            )
         implied = total // (micro * gas)
         if dp is not None and implied != dp:
-            raise ConfigError(f"{where}: train_batch_size {total} != micro({micro}) x gas({gas}) x dp({dp}) = "
-                              f"{micro * gas * dp} (dp = --devices {devices} / (tp({tp}) x pp({pp})))")
+            raise ConfigError(
+                f"{where}: train_batch_size {total} != micro({micro}) x gas({gas}) x dp({dp}) = "
+                f"{micro * gas * dp} (dp = --devices {devices} / (tp({tp}) x pp({pp})))"
+            )
         dp = implied
     elif total is not None:
         if dp is None:
-            raise ConfigError(f"{where}: train_batch_size without both train_micro_batch_size_per_gpu and "
-                              "gradient_accumulation_steps: give --devices to solve for the missing one")
+            raise ConfigError(
+                f"{where}: train_batch_size without both train_micro_batch_size_per_gpu and "
+                "gradient_accumulation_steps: give --devices to solve for the missing one"
+            )
         if micro is None and gas is None:
             gas = 1  # DeepSpeed: only train_batch_size given -> no accumulation
         known = {"dp": dp, **({"micro": micro} if micro is not None else {}), **({"gas": gas} if gas else {})}
@@ -228,8 +354,9 @@ def _ds_solve_batch(total: int | None, micro: int | None, gas: int | None, devic
     micro = micro if micro is not None else 1
     gas = gas if gas is not None else 1
     if dp is not None and dp * tp * pp > MAX_DEGREE:
-        raise ConfigError(f"{where}: dp({dp}) x tp({tp}) x pp({pp}) = {dp * tp * pp:,} devices is absurd "
-                          f"(at most {MAX_DEGREE:,})")
+        raise ConfigError(
+            f"{where}: dp({dp}) x tp({tp}) x pp({pp}) = {dp * tp * pp:,} devices is absurd (at most {MAX_DEGREE:,})"
+        )
     if dp is None:
         notes.append(f"data-parallel degree not stated: the devices left over (--devices, default {DEFAULT_DEVICES})")
     return dp, micro, gas, None if dp is None else dp * tp * pp
@@ -245,7 +372,7 @@ def _ds_precision(raw: dict[str, Any], where: str, notes: list[str]) -> str:
         if flag == "auto" or flag is True:
             enabled.append(key)
         elif flag is not False:
-            raise ConfigError(f"{where}: {key}.enabled={flag!r}: expected true, false or \"auto\"")
+            raise ConfigError(f'{where}: {key}.enabled={flag!r}: expected true, false or "auto"')
     if len(enabled) > 1:
         raise ConfigError(f"{where}: fp16.enabled and bf16.enabled are both on")
     if enabled:

@@ -21,53 +21,178 @@ from formal.errors import InputError
 
 # --- Megatron-LM ----------------------------------------------------------------------------
 
-_MEG_VALUE = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-              "--num-layers-per-virtual-pipeline-stage", "--context-parallel-size",
-              "--expert-model-parallel-size", "--recompute-granularity", "--recompute-method",
-              "--recompute-num-layers", "--micro-batch-size", "--global-batch-size", "--seq-length", "--num-layers",
-              "--hidden-size", "--num-attention-heads", "--expert-tensor-parallel-size")
+_MEG_VALUE = (
+    "--tensor-model-parallel-size",
+    "--pipeline-model-parallel-size",
+    "--num-layers-per-virtual-pipeline-stage",
+    "--context-parallel-size",
+    "--expert-model-parallel-size",
+    "--recompute-granularity",
+    "--recompute-method",
+    "--recompute-num-layers",
+    "--micro-batch-size",
+    "--global-batch-size",
+    "--seq-length",
+    "--num-layers",
+    "--hidden-size",
+    "--num-attention-heads",
+    "--expert-tensor-parallel-size",
+)
 # Bounds of the Megatron arguments read as numbers that are not degrees (MAX_DEGREE otherwise).
-_MEG_BOUNDS = {"--micro-batch-size": MAX_MICRO_BATCH, "--global-batch-size": MAX_BATCH, "--seq-length": MAX_SEQ,
-               "--hidden-size": 2**40}
+_MEG_BOUNDS = {
+    "--micro-batch-size": MAX_MICRO_BATCH,
+    "--global-batch-size": MAX_BATCH,
+    "--seq-length": MAX_SEQ,
+    "--hidden-size": 2**40,
+}
 _MEG_FLAGS = ("--sequence-parallel", "--use-distributed-optimizer", "--recompute-activations", "--fp16", "--bf16")
 # Arguments without effect on placements (hyper-parameters, data, I/O, kernels, overlap): accepted.
 _MEG_IGNORED = (
-    "--ffn-hidden-size", "--max-position-embeddings", "--num-query-groups", "--group-query-attention", "--swiglu",
-    "--normalization", "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--position-embedding-type",
-    "--rotary-base", "--rotary-percent", "--use-rotary-position-embeddings", "--no-position-embedding",
-    "--num-experts", "--moe-router-topk", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff",
-    "--moe-grouped-gemm", "--moe-token-dispatcher-type", "--moe-ffn-hidden-size", "--kv-channels",
-    "--make-vocab-size-divisible-by", "--vocab-size", "--lr", "--min-lr", "--lr-decay-style", "--lr-decay-iters",
-    "--lr-warmup-iters", "--lr-warmup-fraction", "--train-iters", "--train-samples", "--weight-decay",
-    "--clip-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--init-method-std", "--attention-dropout",
-    "--hidden-dropout", "--data-path", "--vocab-file", "--merge-file", "--tokenizer-type", "--tokenizer-model",
-    "--split", "--save", "--load", "--save-interval", "--eval-interval", "--eval-iters", "--log-interval",
-    "--tensorboard-dir", "--distributed-backend", "--overlap-grad-reduce", "--overlap-param-gather",
-    "--use-flash-attn", "--use-mcore-models", "--transformer-impl", "--attention-softmax-in-fp32",
-    "--accumulate-allreduce-grads-in-fp32", "--no-masked-softmax-fusion", "--seed", "--log-throughput",
-    "--wandb-project", "--wandb-exp-name", "--exit-duration-in-mins", "--ckpt-format", "--data-cache-path",
-    "--no-gradient-accumulation-fusion", "--tp-comm-overlap", "--num-workers", "--dataloader-type", "--mock-data",
-    "--log-params-norm", "--log-num-zeros-in-grad", "--timing-log-level", "--use-checkpoint-args",
-    "--no-load-optim", "--no-load-rng", "--finetune", "--manual-gc", "--manual-gc-interval",
-    "--no-async-tensor-model-parallel-allreduce", "--optimizer", "--loss-scale", "--initial-loss-scale",
-    "--min-loss-scale", "--loss-scale-window", "--hysteresis", "--apply-layernorm-1p", "--norm-epsilon",
-    "--bf16-reduce", "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
-    "--log-memory-to-tensorboard", "--use-distributed-sampler", "--sequence-parallel-comm-overlap",
-    "--defer-embedding-wgrad-compute", "--cross-entropy-loss-fusion", "--use-dist-ckpt", "--async-save",
+    "--ffn-hidden-size",
+    "--max-position-embeddings",
+    "--num-query-groups",
+    "--group-query-attention",
+    "--swiglu",
+    "--normalization",
+    "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear",
+    "--position-embedding-type",
+    "--rotary-base",
+    "--rotary-percent",
+    "--use-rotary-position-embeddings",
+    "--no-position-embedding",
+    "--num-experts",
+    "--moe-router-topk",
+    "--moe-router-load-balancing-type",
+    "--moe-aux-loss-coeff",
+    "--moe-grouped-gemm",
+    "--moe-token-dispatcher-type",
+    "--moe-ffn-hidden-size",
+    "--kv-channels",
+    "--make-vocab-size-divisible-by",
+    "--vocab-size",
+    "--lr",
+    "--min-lr",
+    "--lr-decay-style",
+    "--lr-decay-iters",
+    "--lr-warmup-iters",
+    "--lr-warmup-fraction",
+    "--train-iters",
+    "--train-samples",
+    "--weight-decay",
+    "--clip-grad",
+    "--adam-beta1",
+    "--adam-beta2",
+    "--adam-eps",
+    "--init-method-std",
+    "--attention-dropout",
+    "--hidden-dropout",
+    "--data-path",
+    "--vocab-file",
+    "--merge-file",
+    "--tokenizer-type",
+    "--tokenizer-model",
+    "--split",
+    "--save",
+    "--load",
+    "--save-interval",
+    "--eval-interval",
+    "--eval-iters",
+    "--log-interval",
+    "--tensorboard-dir",
+    "--distributed-backend",
+    "--overlap-grad-reduce",
+    "--overlap-param-gather",
+    "--use-flash-attn",
+    "--use-mcore-models",
+    "--transformer-impl",
+    "--attention-softmax-in-fp32",
+    "--accumulate-allreduce-grads-in-fp32",
+    "--no-masked-softmax-fusion",
+    "--seed",
+    "--log-throughput",
+    "--wandb-project",
+    "--wandb-exp-name",
+    "--exit-duration-in-mins",
+    "--ckpt-format",
+    "--data-cache-path",
+    "--no-gradient-accumulation-fusion",
+    "--tp-comm-overlap",
+    "--num-workers",
+    "--dataloader-type",
+    "--mock-data",
+    "--log-params-norm",
+    "--log-num-zeros-in-grad",
+    "--timing-log-level",
+    "--use-checkpoint-args",
+    "--no-load-optim",
+    "--no-load-rng",
+    "--finetune",
+    "--manual-gc",
+    "--manual-gc-interval",
+    "--no-async-tensor-model-parallel-allreduce",
+    "--optimizer",
+    "--loss-scale",
+    "--initial-loss-scale",
+    "--min-loss-scale",
+    "--loss-scale-window",
+    "--hysteresis",
+    "--apply-layernorm-1p",
+    "--norm-epsilon",
+    "--bf16-reduce",
+    "--log-timers-to-tensorboard",
+    "--log-validation-ppl-to-tensorboard",
+    "--log-memory-to-tensorboard",
+    "--use-distributed-sampler",
+    "--sequence-parallel-comm-overlap",
+    "--defer-embedding-wgrad-compute",
+    "--cross-entropy-loss-fusion",
+    "--use-dist-ckpt",
+    "--async-save",
 )
 _MEG_VALUED_IGNORED = frozenset(
-    a for a in _MEG_IGNORED if a not in {
-        "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-        "--use-rotary-position-embeddings", "--no-position-embedding", "--moe-grouped-gemm",
-        "--overlap-grad-reduce", "--overlap-param-gather", "--use-flash-attn", "--use-mcore-models",
-        "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--no-masked-softmax-fusion",
-        "--log-throughput", "--no-gradient-accumulation-fusion", "--tp-comm-overlap", "--mock-data",
-        "--log-params-norm", "--log-num-zeros-in-grad", "--use-checkpoint-args", "--no-load-optim",
-        "--no-load-rng", "--finetune", "--manual-gc", "--no-async-tensor-model-parallel-allreduce",
-        "--apply-layernorm-1p", "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
-        "--log-memory-to-tensorboard", "--use-distributed-sampler", "--sequence-parallel-comm-overlap",
-        "--defer-embedding-wgrad-compute", "--cross-entropy-loss-fusion", "--use-dist-ckpt", "--async-save",
-    })
+    a
+    for a in _MEG_IGNORED
+    if a
+    not in {
+        "--group-query-attention",
+        "--swiglu",
+        "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear",
+        "--use-rotary-position-embeddings",
+        "--no-position-embedding",
+        "--moe-grouped-gemm",
+        "--overlap-grad-reduce",
+        "--overlap-param-gather",
+        "--use-flash-attn",
+        "--use-mcore-models",
+        "--attention-softmax-in-fp32",
+        "--accumulate-allreduce-grads-in-fp32",
+        "--no-masked-softmax-fusion",
+        "--log-throughput",
+        "--no-gradient-accumulation-fusion",
+        "--tp-comm-overlap",
+        "--mock-data",
+        "--log-params-norm",
+        "--log-num-zeros-in-grad",
+        "--use-checkpoint-args",
+        "--no-load-optim",
+        "--no-load-rng",
+        "--finetune",
+        "--manual-gc",
+        "--no-async-tensor-model-parallel-allreduce",
+        "--apply-layernorm-1p",
+        "--log-timers-to-tensorboard",
+        "--log-validation-ppl-to-tensorboard",
+        "--log-memory-to-tensorboard",
+        "--use-distributed-sampler",
+        "--sequence-parallel-comm-overlap",
+        "--defer-embedding-wgrad-compute",
+        "--cross-entropy-loss-fusion",
+        "--use-dist-ckpt",
+        "--async-save",
+    }
+)
 _MEG_REFUSED = {
     "--use-torch-fsdp2": "Megatron with torch FSDP2: check fsdp<N> directly",
     "--use-custom-fsdp": "Megatron-FSDP: check zero2/zero3 compositions directly",
@@ -88,7 +213,7 @@ def megatron_tokens(text: str) -> list[str]:
     words = _shell_words(text)
     for i, w in enumerate(words):
         if w.endswith(".py"):
-            return words[i + 1:]
+            return words[i + 1 :]
     for i, w in enumerate(words):
         if w.startswith("--"):
             return words[i:]
@@ -110,14 +235,16 @@ def launcher_world_size(text: str) -> int | None:
     if "__nproc_per_node" in found:
         world = found["__nproc_per_node"] * found.get("__nnodes", 1)
         if world > MAX_DEGREE:
-            raise ConfigError(f"megatron launcher: nproc_per_node x nnodes = {world:,} devices is absurd "
-                              f"(at most {MAX_DEGREE:,})")
+            raise ConfigError(
+                f"megatron launcher: nproc_per_node x nnodes = {world:,} devices is absurd (at most {MAX_DEGREE:,})"
+            )
         return world
     return None
 
 
-def import_megatron(args: list[str], *, devices: int | None, model: Model | None = None,
-                    where: str = "megatron arguments") -> Imported:
+def import_megatron(
+    args: list[str], *, devices: int | None, model: Model | None = None, where: str = "megatron arguments"
+) -> Imported:
     """Megatron-LM arguments. World = tp x pp x cp x dp; experts are carved out of dp (ep | dp)."""
     values: dict[str, str] = {}
     flags: set[str] = set()
@@ -164,8 +291,9 @@ def import_megatron(args: list[str], *, devices: int | None, model: Model | None
     cp, ep = num("--context-parallel-size", 1), num("--expert-model-parallel-size", 1)
     etp = num("--expert-tensor-parallel-size", tp)
     if etp != tp:
-        raise ConfigError(f"{where}: --expert-tensor-parallel-size {etp} != --tensor-model-parallel-size {tp} "
-                          "is not mapped")
+        raise ConfigError(
+            f"{where}: --expert-tensor-parallel-size {etp} != --tensor-model-parallel-size {tp} is not mapped"
+        )
     if "--sequence-parallel" in flags and tp == 1:
         raise ConfigError(f"{where}: --sequence-parallel needs --tensor-model-parallel-size > 1")
     _meg_check_model(values, model, where, num)
@@ -174,32 +302,52 @@ def import_megatron(args: list[str], *, devices: int | None, model: Model | None
         notes.append(f"world size not in the arguments: {DEFAULT_DEVICES} devices (give --devices)")
     dp_meg = _divide(total, {"tp": tp, "pp": pp, "cp": cp}, where, "--devices")
     if dp_meg % ep:
-        raise ConfigError(f"{where}: --expert-model-parallel-size {ep} must divide the data-parallel size "
-                          f"{dp_meg} (= {total} / (tp({tp}) x pp({pp}) x cp({cp})))")
+        raise ConfigError(
+            f"{where}: --expert-model-parallel-size {ep} must divide the data-parallel size "
+            f"{dp_meg} (= {total} / (tp({tp}) x pp({pp}) x cp({cp})))"
+        )
     micro = num("--micro-batch-size", 1)
     m = 1
     if "--global-batch-size" in values:
-        m = _divide(num("--global-batch-size", 1), {"micro-batch-size": micro, "dp": dp_meg}, where,
-                    "--global-batch-size")
+        m = _divide(
+            num("--global-batch-size", 1), {"micro-batch-size": micro, "dp": dp_meg}, where, "--global-batch-size"
+        )
     schedule, chunks = Schedule.ONE_F_ONE_B, 1
     if "--num-layers-per-virtual-pipeline-stage" in values:
         per = num("--num-layers-per-virtual-pipeline-stage", 1)
         layers = _meg_layers(values, model, where)
         if pp == 1 or layers % (pp * per) or layers // (pp * per) < 2:
-            raise ConfigError(f"{where}: --num-layers-per-virtual-pipeline-stage {per} with {layers} layers on "
-                              f"--pipeline-model-parallel-size {pp}: need layers = pp x per-stage x chunks, "
-                              "chunks >= 2")
+            raise ConfigError(
+                f"{where}: --num-layers-per-virtual-pipeline-stage {per} with {layers} layers on "
+                f"--pipeline-model-parallel-size {pp}: need layers = pp x per-stage x chunks, "
+                "chunks >= 2"
+            )
         schedule, chunks = Schedule.INTERLEAVED, layers // (pp * per)
     recompute = _meg_recompute(values, flags, pp, model, where, notes, num)
-    options = Options(sequence_parallel="--sequence-parallel" in flags, recompute=recompute,
-                      schedule=schedule, chunks=chunks, micro_batches=m)
+    options = Options(
+        sequence_parallel="--sequence-parallel" in flags,
+        recompute=recompute,
+        schedule=schedule,
+        chunks=chunks,
+        micro_batches=m,
+    )
     distopt = "--use-distributed-optimizer" in flags
     if distopt and ep > 1:
-        notes.append(f"--use-distributed-optimizer with experts: Megatron shards dense optimizer state over the "
-                     f"whole data-parallel group ({dp_meg}); the composition shards it over dp ({dp_meg // ep}) "
-                     "and replicates it along ep (an upper bound)")
-    layout = Layout("distopt" if distopt else "dp", DataSharding.OPTIMIZER if distopt else DataSharding.NONE,
-                    dp_meg // ep, tp=tp, pp=pp, cp=cp, ep=ep, options=options)
+        notes.append(
+            f"--use-distributed-optimizer with experts: Megatron shards dense optimizer state over the "
+            f"whole data-parallel group ({dp_meg}); the composition shards it over dp ({dp_meg // ep}) "
+            "and replicates it along ep (an upper bound)"
+        )
+    layout = Layout(
+        "distopt" if distopt else "dp",
+        DataSharding.OPTIMIZER if distopt else DataSharding.NONE,
+        dp_meg // ep,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        ep=ep,
+        options=options,
+    )
     seq = num("--seq-length", 0) or None
     preset = None if model is not None else _meg_preset(values, flags, num)
     return Imported(Framework.MEGATRON, layout, total, micro, seq, "megatron", preset, tuple(notes))
@@ -210,12 +358,19 @@ def _meg_preset(values: dict[str, str], flags: set[str], num: Callable[[str, int
     if not {"--num-layers", "--hidden-size", "--num-attention-heads"} <= set(values):
         return None
     hidden, heads = num("--hidden-size", 1), num("--num-attention-heads", 1)
-    wanted = {"layers": num("--num-layers", 1), "hidden": hidden, "heads": heads,
-              "ffn_": num("--ffn-hidden-size", 4 * hidden), "experts": num("--num-experts", 0) if
-              "--num-experts" in values else 0,
-              "kv_heads_": num("--num-query-groups", heads) if "--group-query-attention" in flags else heads}
-    found = [name for name, m in PRESETS.items() if isinstance(m, Transformer)
-             and all(getattr(m, k) == v for k, v in wanted.items())]
+    wanted = {
+        "layers": num("--num-layers", 1),
+        "hidden": hidden,
+        "heads": heads,
+        "ffn_": num("--ffn-hidden-size", 4 * hidden),
+        "experts": num("--num-experts", 0) if "--num-experts" in values else 0,
+        "kv_heads_": num("--num-query-groups", heads) if "--group-query-attention" in flags else heads,
+    }
+    found = [
+        name
+        for name, m in PRESETS.items()
+        if isinstance(m, Transformer) and all(getattr(m, k) == v for k, v in wanted.items())
+    ]
     return found[0] if len(found) == 1 else None
 
 
@@ -230,19 +385,30 @@ def _meg_layers(values: dict[str, str], model: Model | None, where: str) -> int:
 def _meg_check_model(values: dict[str, str], model: Model | None, where: str, num: Callable[[str, int], int]) -> None:
     if not isinstance(model, Transformer):
         return
-    for arg, have in (("--num-layers", model.layers), ("--hidden-size", model.hidden),
-                      ("--num-attention-heads", model.heads)):
+    for arg, have in (
+        ("--num-layers", model.layers),
+        ("--hidden-size", model.hidden),
+        ("--num-attention-heads", model.heads),
+    ):
         if arg in values and num(arg, 0) != have:
             raise ConfigError(f"{where}: {arg} {values[arg]} contradicts --model {model.name} ({have})")
 
 
-def _meg_recompute(values: dict[str, str], flags: set[str], pp: int, model: Model | None, where: str,
-                   notes: list[str], num: Callable[[str, int], int]) -> Recompute:
+def _meg_recompute(
+    values: dict[str, str],
+    flags: set[str],
+    pp: int,
+    model: Model | None,
+    where: str,
+    notes: list[str],
+    num: Callable[[str, int], int],
+) -> Recompute:
     granularity = values.get("--recompute-granularity")
     if "--recompute-activations" in flags:
         if granularity not in (None, "selective"):
-            raise ConfigError(f"{where}: --recompute-activations (selective) contradicts "
-                              f"--recompute-granularity {granularity}")
+            raise ConfigError(
+                f"{where}: --recompute-activations (selective) contradicts --recompute-granularity {granularity}"
+            )
         granularity = "selective"
     match granularity:
         case None:
@@ -257,13 +423,17 @@ def _meg_recompute(values: dict[str, str], flags: set[str], pp: int, model: Mode
             if method not in ("uniform", "block"):
                 raise ConfigError(f"{where}: --recompute-granularity full needs --recompute-method uniform or block")
             if method == "uniform" and count > 1:
-                notes.append(f"--recompute-num-layers {count} (uniform): one checkpoint per {count} layers, counted "
-                             "as one per layer (an upper bound)")
+                notes.append(
+                    f"--recompute-num-layers {count} (uniform): one checkpoint per {count} layers, counted "
+                    "as one per layer (an upper bound)"
+                )
             if method == "block":
                 per_stage = (model.layers // pp) if isinstance(model, Transformer) else None
                 if per_stage is None or count < per_stage:
-                    notes.append(f"--recompute-method block --recompute-num-layers {count}: only some layers "
-                                 "recomputed; counted as every layer (a lower bound on activation memory)")
+                    notes.append(
+                        f"--recompute-method block --recompute-num-layers {count}: only some layers "
+                        "recomputed; counted as every layer (a lower bound on activation memory)"
+                    )
             return Recompute.FULL
         case _:
             raise ConfigError(f"{where}: --recompute-granularity {granularity}: expected full or selective")

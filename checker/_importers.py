@@ -48,16 +48,21 @@ def detect(path: Path) -> Framework:
         case _ if suffix in _MEGATRON_SUFFIXES:
             return Framework.MEGATRON
         case _ if suffix in _YAML_SUFFIXES:
-            raise ConfigError(f"--from {printable(str(path), 200)}: YAML is not read (give a DeepSpeed config as "
-                              ".json, a torchtitan config as .toml, or a Megatron launch script)")
+            raise ConfigError(
+                f"--from {printable(str(path), 200)}: YAML is not read (give a DeepSpeed config as "
+                ".json, a torchtitan config as .toml, or a Megatron launch script)"
+            )
         case _:
-            raise ConfigError(f"--from {printable(str(path), 200)}: unknown kind of file {printable(suffix, 20)!r} "
-                              "(expected a DeepSpeed .json, a torchtitan .toml, or a Megatron launch script such "
-                              "as .sh)")
+            raise ConfigError(
+                f"--from {printable(str(path), 200)}: unknown kind of file {printable(suffix, 20)!r} "
+                "(expected a DeepSpeed .json, a torchtitan .toml, or a Megatron launch script such "
+                "as .sh)"
+            )
 
 
-def load_config(path: Path, *, devices: int | None, model: Model | None = None,
-                framework: Framework | None = None) -> Imported:
+def load_config(
+    path: Path, *, devices: int | None, model: Model | None = None, framework: Framework | None = None
+) -> Imported:
     """Read ``path`` (format from its suffix unless given) and import it."""
     where = printable(str(path), 200)
     kind = framework or detect(path)
@@ -73,13 +78,16 @@ def load_config(path: Path, *, devices: int | None, model: Model | None = None,
             case Framework.MEGATRON:
                 launched = launcher_world_size(text)
                 if devices is not None and launched is not None and devices != launched:
-                    raise ConfigError(f"{where}: --devices {devices} != the launcher's nproc_per_node x nnodes "
-                                      f"= {launched}")
+                    raise ConfigError(
+                        f"{where}: --devices {devices} != the launcher's nproc_per_node x nnodes = {launched}"
+                    )
                 tokens = megatron_tokens(text)
                 if not tokens:
-                    raise ConfigError(f"--from {where}: no Megatron arguments (expected a launch line or script "
-                                      "with --tensor-model-parallel-size and the like; a DeepSpeed config is "
-                                      ".json, a torchtitan one .toml)")
+                    raise ConfigError(
+                        f"--from {where}: no Megatron arguments (expected a launch line or script "
+                        "with --tensor-model-parallel-size and the like; a DeepSpeed config is "
+                        ".json, a torchtitan one .toml)"
+                    )
                 return import_megatron(tokens, devices=devices or launched, model=model, where=where)
             case _:
                 raise AssertionError(kind)
@@ -90,6 +98,16 @@ def load_config(path: Path, *, devices: int | None, model: Model | None = None,
 
 
 __all__ = [
-    "DEEPSPEED_SCHEMA", "TORCHTITAN_SCHEMA", "ConfigError", "Framework", "Imported", "detect", "import_deepspeed",
-    "import_megatron", "import_torchtitan", "launcher_world_size", "load_config", "megatron_tokens",
+    "DEEPSPEED_SCHEMA",
+    "TORCHTITAN_SCHEMA",
+    "ConfigError",
+    "Framework",
+    "Imported",
+    "detect",
+    "import_deepspeed",
+    "import_megatron",
+    "import_torchtitan",
+    "launcher_world_size",
+    "load_config",
+    "megatron_tokens",
 ]

@@ -53,8 +53,11 @@ class Layout:
         dp = "" if self.dp is None else str(self.dp)
         terms = [f"tp{self.tp}"] if self.tp > 1 else []
         terms.append(f"{self.data_name}{dp}")
-        terms += [f"{name}{d}" for name, d in ((self.replicate, self.dpr), ("pp", self.pp), ("cp", self.cp),
-                                                ("ep", self.ep)) if d > 1]
+        terms += [
+            f"{name}{d}"
+            for name, d in ((self.replicate, self.dpr), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep))
+            if d > 1
+        ]
         return terms
 
     def modifier_terms(self) -> list[str]:
@@ -143,8 +146,12 @@ def layout_of(comp: Composition, model: Model) -> Layout:
         data_name=data.name if data is not None else "dp",
         data=data_sharding(comp, model),
         dp=mesh.get(Axis.DP, 1),
-        dpr=mesh.get(Axis.DPR, 1), tp=mesh.get(Axis.TP, 1), pp=mesh.get(Axis.PP, 1),
-        cp=mesh.get(Axis.CP, 1), ep=mesh.get(Axis.EP, 1), options=comp.options,
+        dpr=mesh.get(Axis.DPR, 1),
+        tp=mesh.get(Axis.TP, 1),
+        pp=mesh.get(Axis.PP, 1),
+        cp=mesh.get(Axis.CP, 1),
+        ep=mesh.get(Axis.EP, 1),
+        options=comp.options,
         replicate=dpr.name if dpr is not None else "dpr",
     )
 

@@ -19,8 +19,17 @@ from formal.errors import InputError
 
 MAX_DEGREE = 1_000_000  # a mesh axis (or a whole mesh) wider than a million devices is a typo
 MAX_BATCH = 1_000_000_000  # sequences per step
-__all__ = ["MAX_BATCH", "MAX_DEGREE", "MAX_MICRO_BATCH", "MAX_SEQ", "WholeNumber", "gb", "parse_bytes",
-           "parse_count", "parse_int"]
+__all__ = [
+    "MAX_BATCH",
+    "MAX_DEGREE",
+    "MAX_MICRO_BATCH",
+    "MAX_SEQ",
+    "WholeNumber",
+    "gb",
+    "parse_bytes",
+    "parse_count",
+    "parse_int",
+]
 
 
 def parse_int(text: str, option: str, low: int = 1, high: int = MAX_DEGREE) -> int:
@@ -60,10 +69,19 @@ class WholeNumber(_IntType):
         except InputError as err:
             raise click.UsageError(str(err), ctx) from None
 
+
 _COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 _SIZE_SUFFIX = {
-    "": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 
 

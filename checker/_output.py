@@ -80,8 +80,9 @@ def write_atomic(path: Path, data: str | bytes, option: str) -> None:
         os.replace(tmp, path)
         tmp = None
     except OSError as err:
-        raise InputError(f"{label}: cannot write ({err.strerror or type(err).__name__}); "
-                         "any previous file is unchanged") from None
+        raise InputError(
+            f"{label}: cannot write ({err.strerror or type(err).__name__}); any previous file is unchanged"
+        ) from None
     finally:
         if tmp is not None:
             with contextlib.suppress(OSError):

@@ -46,8 +46,12 @@ def _split_terms(text: str) -> list[str]:
     return [t.strip() for t in _SPLIT.split(text.strip().lower())]
 
 
-def parse(text: str, strategies: Mapping[str, Callable[[], Strategy]] | None = None,
-          devices: int | None = None, node_size: int = DEFAULT_NODE_SIZE) -> Composition:
+def parse(
+    text: str,
+    strategies: Mapping[str, Callable[[], Strategy]] | None = None,
+    devices: int | None = None,
+    node_size: int = DEFAULT_NODE_SIZE,
+) -> Composition:
     """Parse a composition; a term without a degree takes the devices left over.
 
     ``hpz`` splits the zero3/fsdp term's N devices into nodes of ``node_size``: it becomes
@@ -56,8 +60,9 @@ def parse(text: str, strategies: Mapping[str, Callable[[], Strategy]] | None = N
     if not isinstance(text, str) or not text.strip():
         raise CompositionError("empty composition: expected terms like tp2xzero3xpp4")
     if len(text) > MAX_TEXT:
-        raise CompositionError(f"{text[:40]}...: {len(text)} characters is too long for a composition "
-                               f"(at most {MAX_TEXT})")
+        raise CompositionError(
+            f"{text[:40]}...: {len(text)} characters is too long for a composition (at most {MAX_TEXT})"
+        )
     if devices is not None and not 1 <= devices <= MAX_DEGREE:
         raise CompositionError(f"--devices {devices}: must be from 1 to {MAX_DEGREE:,}")
     library = {**LIBRARY, **(strategies or {})}
@@ -77,8 +82,10 @@ def parse(text: str, strategies: Mapping[str, Callable[[], Strategy]] | None = N
             hpz = True
             continue
         if re.fullmatch(r"hpz\d+", term):
-            raise CompositionError(f"{term}: hpz takes no degree (it splits the zero3/fsdp term into nodes of "
-                                   "--node-size devices; write zero3<k>xhpz-dpr<n> for n nodes of k)")
+            raise CompositionError(
+                f"{term}: hpz takes no degree (it splits the zero3/fsdp term into nodes of "
+                "--node-size devices; write zero3<k>xhpz-dpr<n> for n nodes of k)"
+            )
         mod = _modifier(term, options, modifiers)
         if mod is not None:
             options = mod
@@ -95,8 +102,9 @@ def parse(text: str, strategies: Mapping[str, Callable[[], Strategy]] | None = N
     for strategy in found:
         total *= strategy.degree or 1
     if total > MAX_DEGREE:
-        raise CompositionError(f"{text.strip()}: {total:,} devices (the product of the degrees) is absurd "
-                               f"(at most {MAX_DEGREE:,})")
+        raise CompositionError(
+            f"{text.strip()}: {total:,} devices (the product of the degrees) is absurd (at most {MAX_DEGREE:,})"
+        )
     if not any(_modifier_kind(t) == "m" for t in modifiers):
         options = replace(options, micro_batches=_default_micro_batches(found))
     return Composition(tuple(found), options, tuple(modifiers))
@@ -110,18 +118,21 @@ def _hierarchical_partitioning(found: list[Strategy], node_size: int) -> list[St
         raise CompositionError(f"hpz: --node-size {node_size} must be at least 1")
     base = [i for i, s in enumerate(found) if s.name in _HPZ_BASES]
     if not base:
-        raise CompositionError(f"hpz: needs a {' or '.join(_HPZ_BASES)} term (hpZ partitions ZeRO-3's parameters "
-                               "within and across nodes)")
+        raise CompositionError(
+            f"hpz: needs a {' or '.join(_HPZ_BASES)} term (hpZ partitions ZeRO-3's parameters within and across nodes)"
+        )
     taken = [s for s in found if s.axis is Axis.DPR]
     if taken:
         raise CompositionError(f"hpz: {taken[0]} already uses the dpr axis, where hpz places the nodes")
     i = base[0]
     total = found[i].degree or 1
     if total % node_size:
-        raise CompositionError(f"{found[i]}xhpz: the node size {node_size} (--node-size) does not divide "
-                               f"the {found[i].name} degree {total}")
+        raise CompositionError(
+            f"{found[i]}xhpz: the node size {node_size} (--node-size) does not divide "
+            f"the {found[i].name} degree {total}"
+        )
     out = list(found)
-    out[i:i + 1] = [found[i].with_degree(node_size), hpz_dpr().with_degree(total // node_size)]
+    out[i : i + 1] = [found[i].with_degree(node_size), hpz_dpr().with_degree(total // node_size)]
     return out
 
 
@@ -148,8 +159,10 @@ def _name_and_degree(term: str, library: Mapping[str, Callable[[], Strategy]]) -
         if name == "zero" and "zero" not in library:  # hypothesis-style: echo the user's spelling
             raise CompositionError(f"{term}: ZeRO stage must be 1, 2 or 3")
         if name not in library:
-            raise CompositionError(f"{term}: unknown strategy {name!r} (known: {', '.join(sorted(library))}; "
-                                   f"modifiers: {', '.join(MODIFIERS)})")
+            raise CompositionError(
+                f"{term}: unknown strategy {name!r} (known: {', '.join(sorted(library))}; "
+                f"modifiers: {', '.join(MODIFIERS)})"
+            )
         return name, _degree(term, digits) if digits else None
     raise CompositionError(f"{term}: not a strategy term (expected a name and an optional degree, e.g. tp2)")
 
@@ -231,8 +244,9 @@ def _resolve_leftover(found: list[Strategy], devices: int | None, text: str) -> 
     if total is None:
         raise CompositionError(f"{found[missing[0]].name}: no degree and no --devices to take it from")
     if total % given:
-        raise CompositionError(f"{found[missing[0]].name}: --devices {total} is not a multiple of the "
-                               f"other degrees' product {given}")
+        raise CompositionError(
+            f"{found[missing[0]].name}: --devices {total} is not a multiple of the other degrees' product {given}"
+        )
     out = list(found)
     out[missing[0]] = found[missing[0]].with_degree(total // given)
     return out

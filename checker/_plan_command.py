@@ -26,8 +26,9 @@ def _axis_values(option: str, items: Sequence[str], parse_value: Callable[[str],
             try:
                 axis = Axis(name.strip().lower())
             except ValueError:
-                raise InputError(f"{option} {part}: unknown axis {name!r} "
-                                 f"(axes: {', '.join(a.value for a in AXES)})") from None
+                raise InputError(
+                    f"{option} {part}: unknown axis {name!r} (axes: {', '.join(a.value for a in AXES)})"
+                ) from None
             if not sep:
                 raise InputError(f"{option} {part}: expected AXIS=VALUE, e.g. tp=8")
             out.append((axis, parse_value(value)))
@@ -48,22 +49,32 @@ def _print_plan(result: Plan) -> None:
 
     console = terminal(160)  # compositions are long; do not wrap them
     model_name = escape(getattr(result.model, "name", "") or "custom")  # a config's own text: no markup
-    console.print(f"[bold]plan[/bold] {model_name} ({result.model.parameter_count():,} parameters) on "
-                  f"{result.cluster.devices} devices x {gb(result.cluster.device_memory)}; global batch "
-                  f"{result.global_batch}; precision {result.precision.name}; ranked by "
-                  f"{'step time' if result.rank_by is RankBy.TIME else 'communication per step'}")
-    console.print(f"{len(result.families)} families, {result.enumerated:,} combinations, "
-                  f"{len(result.table):,} pass the composition rules, {result.feasible:,} fit; "
-                  f"{result.decided} z3 decisions ({result.solver}); {result.seconds['total']:.2f} s")
+    console.print(
+        f"[bold]plan[/bold] {model_name} ({result.model.parameter_count():,} parameters) on "
+        f"{result.cluster.devices} devices x {gb(result.cluster.device_memory)}; global batch "
+        f"{result.global_batch}; precision {result.precision.name}; ranked by "
+        f"{'step time' if result.rank_by is RankBy.TIME else 'communication per step'}"
+    )
+    console.print(
+        f"{len(result.families)} families, {result.enumerated:,} combinations, "
+        f"{len(result.table):,} pass the composition rules, {result.feasible:,} fit; "
+        f"{result.decided} z3 decisions ({result.solver}); {result.seconds['total']:.2f} s"
+    )
     table = Table(title="Best compositions (GB = 1e9 bytes; ms per step: compute + bubble + comm + host)")
     for col in ("#", "composition", "b", "memory", "comm/step", "step ms", "bubble", "comm ms", "verdict"):
         table.add_column(col, justify="left" if col in ("composition", "verdict") else "right")
     for c in result.top:
-        table.add_row(str(c.rank), c.text, str(c.micro_batch),
-                      gb(c.exact_memory if c.exact_memory is not None else c.memory) + f" ({c.stage})",
-                      gb(c.exact_communication if c.exact_communication is not None else c.communication),
-                      f"{c.step_s * 1e3:,.0f}", f"{c.bubble_s * 1e3:,.0f}", f"{c.communication_s * 1e3:,.0f}",
-                      c.status.label if c.status is not None else c.verdict_note)
+        table.add_row(
+            str(c.rank),
+            c.text,
+            str(c.micro_batch),
+            gb(c.exact_memory if c.exact_memory is not None else c.memory) + f" ({c.stage})",
+            gb(c.exact_communication if c.exact_communication is not None else c.communication),
+            f"{c.step_s * 1e3:,.0f}",
+            f"{c.bubble_s * 1e3:,.0f}",
+            f"{c.communication_s * 1e3:,.0f}",
+            c.status.label if c.status is not None else c.verdict_note,
+        )
     console.print(table)
     if not result.top:
         console.print("no composition fits and is proved valid")
@@ -106,31 +117,64 @@ def plan_command() -> Any:
     @click.option("--devices", type=WholeNumber(1, MAX_DEGREE), default=DEFAULT_DEVICES, show_default=True)
     @click.option("--device-memory", default=None, help="Per-device memory, e.g. 80GB (default 80GB).")
     @click.option("--precision", default="zero", show_default=True, help="Bytes per element: " + ", ".join(PRECISIONS))
-    @click.option("--global-batch", type=WholeNumber(1, MAX_BATCH), default=None,
-                  help="Sequences per step (default: one per device).")
+    @click.option(
+        "--global-batch",
+        type=WholeNumber(1, MAX_BATCH),
+        default=None,
+        help="Sequences per step (default: one per device).",
+    )
     @click.option("--seq", type=WholeNumber(1, MAX_SEQ), default=None, help="Sequence length (default: the model's).")
-    @click.option("--micro-batch", "micro_batches", default="1,2,4", show_default=True,
-                  help="Micro-batch sizes to consider, comma-separated.")
-    @click.option("--node-size", type=WholeNumber(1, MAX_DEGREE), default=8, show_default=True,
-                  help="Devices per node.")
+    @click.option(
+        "--micro-batch",
+        "micro_batches",
+        default="1,2,4",
+        show_default=True,
+        help="Micro-batch sizes to consider, comma-separated.",
+    )
+    @click.option(
+        "--node-size", type=WholeNumber(1, MAX_DEGREE), default=8, show_default=True, help="Devices per node."
+    )
     @click.option("--intra-node-bandwidth", default="300GB/s", show_default=True)
     @click.option("--inter-node-bandwidth", default="25GB/s", show_default=True)
     @click.option("--host-bandwidth", default="32GB/s", show_default=True)
     @click.option("--bandwidth", multiple=True, help="Per-axis bandwidth override, e.g. dp=50GB/s.")
     @click.option("--device-flops", default="312e12", show_default=True, help="Peak FLOP/s per device.")
     @click.option("--fix", multiple=True, help="Pin degrees, e.g. tp=8,pp=8.")
-    @click.option("--data", "data_kinds", default=",".join(d.value for d in DataParallel), show_default=True,
-                  help="Data-axis strategies to consider.")
+    @click.option(
+        "--data",
+        "data_kinds",
+        default=",".join(d.value for d in DataParallel),
+        show_default=True,
+        help="Data-axis strategies to consider.",
+    )
     @click.option("--uneven-stages", is_flag=True, help="Allow layers not divisible by pp (uneven stages).")
     @click.option("--rank-by", type=click.Choice([r.value for r in RankBy]), default="time", show_default=True)
     @click.option("--top", type=WholeNumber(1, 10_000), default=5, show_default=True)
     @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
     @click.option("--csv", "csv_path", default=None, help="Write every fitting candidate, best first, to this file.")
-    def command(model: str | None, params: str | None, devices: int, device_memory: str | None, precision: str,
-                global_batch: int | None, seq: int | None, micro_batches: str, node_size: int,
-                intra_node_bandwidth: str, inter_node_bandwidth: str, host_bandwidth: str,
-                bandwidth: tuple[str, ...], device_flops: str, fix: tuple[str, ...], data_kinds: str,
-                uneven_stages: bool, rank_by: str, top: int, as_json: bool, csv_path: str | None) -> None:
+    def command(
+        model: str | None,
+        params: str | None,
+        devices: int,
+        device_memory: str | None,
+        precision: str,
+        global_batch: int | None,
+        seq: int | None,
+        micro_batches: str,
+        node_size: int,
+        intra_node_bandwidth: str,
+        inter_node_bandwidth: str,
+        host_bandwidth: str,
+        bandwidth: tuple[str, ...],
+        device_flops: str,
+        fix: tuple[str, ...],
+        data_kinds: str,
+        uneven_stages: bool,
+        rank_by: str,
+        top: int,
+        as_json: bool,
+        csv_path: str | None,
+    ) -> None:
         """Find the best valid composition for a model on a cluster, e.g.
         ``check-composition plan --model llama3-70b --devices 512 --device-memory 80GB``."""
         from checker._command import fail, load_model, set_outcome
@@ -149,20 +193,30 @@ def plan_command() -> Any:
                 try:
                     kinds.append(DataParallel(part.strip().lower()))
                 except ValueError:
-                    raise InputError(f"--data {part}: unknown (known: "
-                                     f"{', '.join(d.value for d in DataParallel)})") from None
+                    raise InputError(
+                        f"--data {part}: unknown (known: {', '.join(d.value for d in DataParallel)})"
+                    ) from None
             pins = _axis_values("--fix", fix, lambda v: float(parse_int(v, "--fix", high=MAX_DEGREE)))
             cluster = Cluster(
-                devices, parse_bytes(device_memory) if device_memory is not None else DEFAULT_DEVICE_MEMORY,
-                node_size=node_size, intra_node_bandwidth=_bandwidth(intra_node_bandwidth),
-                inter_node_bandwidth=_bandwidth(inter_node_bandwidth), host_bandwidth=_bandwidth(host_bandwidth),
+                devices,
+                parse_bytes(device_memory) if device_memory is not None else DEFAULT_DEVICE_MEMORY,
+                node_size=node_size,
+                intra_node_bandwidth=_bandwidth(intra_node_bandwidth),
+                inter_node_bandwidth=_bandwidth(inter_node_bandwidth),
+                host_bandwidth=_bandwidth(host_bandwidth),
                 device_flops=float(parse_count(device_flops, "--device-flops", high=10**21)),
-                bandwidths=tuple(_axis_values("--bandwidth", bandwidth, _bandwidth)))
+                bandwidths=tuple(_axis_values("--bandwidth", bandwidth, _bandwidth)),
+            )
             # Looked up on checker._planner when called, so that a test can stand in for it.
-            result = _planner.plan(chosen, cluster, Workload(global_batch, tuple(sizes), uneven_stages),
-                                   PRECISIONS[precision],
-                                   Space(data=tuple(kinds), pins=tuple((a, int(d)) for a, d in pins)),
-                                   top=top, rank_by=RankBy(rank_by))
+            result = _planner.plan(
+                chosen,
+                cluster,
+                Workload(global_batch, tuple(sizes), uneven_stages),
+                PRECISIONS[precision],
+                Space(data=tuple(kinds), pins=tuple((a, int(d)) for a, d in pins)),
+                top=top,
+                rank_by=RankBy(rank_by),
+            )
             if csv_file is not None:
                 write_atomic(csv_file, result.csv(), "--csv")
         except InputError as err:

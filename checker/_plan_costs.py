@@ -187,8 +187,12 @@ class Deriver:
         """[model states + buffers on the first stage, on the last stage, host bytes per step]."""
         key = _StatesKey(family.data, family.offload, family.pipeline is not None)
         if key not in self._states:
-            base = replace(family, sequence_parallel=False, recompute=Recompute.NONE,
-                           pipeline=Pipeline(Schedule.ONE_F_ONE_B) if key.pipelined else None)
+            base = replace(
+                family,
+                sequence_parallel=False,
+                recompute=Recompute.NONE,
+                pipeline=Pipeline(Schedule.ONE_F_ONE_B) if key.pipelined else None,
+            )
             pl, program = self._placement_program(base)
             exprs: list[sp.Expr] = []
             for stage in (Stage.FIRST, Stage.LAST):
@@ -203,12 +207,19 @@ class Deriver:
         device of each pipeline stage (first, middle, last: ``op_stage_factor``)."""
         key = _StateTrafficKey(family.data, family.offload, family.pipeline is not None, family.sequence_parallel)
         if key not in self._state_traffic:
-            base = replace(family, recompute=Recompute.NONE,
-                           pipeline=Pipeline(Schedule.ONE_F_ONE_B) if key.pipelined else None)
+            base = replace(
+                family, recompute=Recompute.NONE, pipeline=Pipeline(Schedule.ONE_F_ONE_B) if key.pipelined else None
+            )
             _, program = self._placement_program(base)
             self._state_traffic[key] = Vectorized.of(
-                [x for stage in STAGES for x in _per_axis(
-                    t for t in communication(program, self.precision, stage) if t.state is not State.ACTIVATIONS)])
+                [
+                    x
+                    for stage in STAGES
+                    for x in _per_axis(
+                        t for t in communication(program, self.precision, stage) if t.state is not State.ACTIVATIONS
+                    )
+                ]
+            )
         return self._state_traffic[key]
 
     def activations(self, family: Family) -> Vectorized:
@@ -224,8 +235,9 @@ class Deriver:
                 exprs.append(act if act is not None else sp.Integer(0))
             exprs.append(bubble_fraction(pl))
             for stage in STAGES:
-                exprs += _per_axis(t for t in communication(program, self.precision, stage)
-                                   if t.state is State.ACTIVATIONS)
+                exprs += _per_axis(
+                    t for t in communication(program, self.precision, stage) if t.state is State.ACTIVATIONS
+                )
             self._activations[key] = Vectorized.of(exprs)
         return self._activations[key]
 

@@ -92,17 +92,26 @@ class Candidate:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "rank": self.rank, "composition": self.text, "family": str(self.family),
+            "rank": self.rank,
+            "composition": self.text,
+            "family": str(self.family),
             "mesh": {a.value: d for a, d in zip(AXES, self.degrees, strict=True) if d > 1},
-            "micro_batch_size": self.micro_batch, "micro_batches": self.micro_batches,
+            "micro_batch_size": self.micro_batch,
+            "micro_batches": self.micro_batches,
             "memory_bytes": self.exact_memory if self.exact_memory is not None else round(self.memory),
             "most_loaded_stage": self.stage,
-            "communication_bytes": (self.exact_communication if self.exact_communication is not None
-                                    else round(self.communication)),
+            "communication_bytes": (
+                self.exact_communication if self.exact_communication is not None else round(self.communication)
+            ),
             "communication_by_axis": {a.value: round(v) for a, v in zip(AXES, self.traffic, strict=True) if v},
             "host_bytes": round(self.host),
-            "step_seconds": {"total": self.step_s, "compute": self.compute_s, "bubble": self.bubble_s,
-                             "communication": self.communication_s, "host": self.host_s},
+            "step_seconds": {
+                "total": self.step_s,
+                "compute": self.compute_s,
+                "bubble": self.bubble_s,
+                "communication": self.communication_s,
+                "host": self.host_s,
+            },
             "verdict": self.status.label if self.status is not None else "undecided",
             "verdict_note": self.verdict_note,
             "framework_notes": list(self.notes),
@@ -192,17 +201,26 @@ class Plan:
             "schema": "placement-semantics/plan/1",
             "model": getattr(self.model, "name", "") or "custom",
             "parameters": self.model.parameter_count(),
-            "devices": self.cluster.devices, "device_memory": self.cluster.device_memory,
-            "global_batch": self.global_batch, "precision": self.precision.name,
+            "devices": self.cluster.devices,
+            "device_memory": self.cluster.device_memory,
+            "global_batch": self.global_batch,
+            "precision": self.precision.name,
             "rank_by": self.rank_by.value,
-            "counts": {"families": len(self.families), "enumerated": self.enumerated,
-                       "pass_rules": len(self.table), "fit": self.feasible, "z3_decisions": self.decided},
+            "counts": {
+                "families": len(self.families),
+                "enumerated": self.enumerated,
+                "pass_rules": len(self.table),
+                "fit": self.feasible,
+                "z3_decisions": self.decided,
+            },
             "solver": self.solver,
             "seconds": self.seconds,
             "candidates": [c.as_json() for c in self.top],
             "why": [explain_pair(a, b, self.rank_by) for a, b in itertools.pairwise(self.top)],
-            "alternatives": [{"label": a.label, "reason": a.reason,
-                              "best": a.best.text if a.best is not None else None} for a in self.alternatives],
+            "alternatives": [
+                {"label": a.label, "reason": a.reason, "best": a.best.text if a.best is not None else None}
+                for a in self.alternatives
+            ],
             "refuted": self.refuted,
             "step_time_model": (StepTimeModel.__doc__ or "").strip(),
         }
@@ -211,15 +229,44 @@ class Plan:
         """Every fitting candidate, best first."""
         buf = io.StringIO()
         w = csv.writer(buf)
-        w.writerow(["position", "composition", "micro_batch_size", "micro_batches", "memory_bytes", "stage",
-                    "communication_bytes", *[f"bytes_{a.value}" for a in AXES], "host_bytes",
-                    "step_s", "compute_s", "bubble_s", "communication_s", "host_s"])
+        w.writerow(
+            [
+                "position",
+                "composition",
+                "micro_batch_size",
+                "micro_batches",
+                "memory_bytes",
+                "stage",
+                "communication_bytes",
+                *[f"bytes_{a.value}" for a in AXES],
+                "host_bytes",
+                "step_s",
+                "compute_s",
+                "bubble_s",
+                "communication_s",
+                "host_s",
+            ]
+        )
         for pos, row in enumerate(self.order, start=1):
             c = self.candidate(int(row))
-            w.writerow([pos, c.text, c.micro_batch, c.micro_batches, round(c.memory), c.stage,
-                        round(c.communication), *[round(v) for v in c.traffic], round(c.host),
-                        f"{c.step_s:.6g}", f"{c.compute_s:.6g}", f"{c.bubble_s:.6g}",
-                        f"{c.communication_s:.6g}", f"{c.host_s:.6g}"])
+            w.writerow(
+                [
+                    pos,
+                    c.text,
+                    c.micro_batch,
+                    c.micro_batches,
+                    round(c.memory),
+                    c.stage,
+                    round(c.communication),
+                    *[round(v) for v in c.traffic],
+                    round(c.host),
+                    f"{c.step_s:.6g}",
+                    f"{c.compute_s:.6g}",
+                    f"{c.bubble_s:.6g}",
+                    f"{c.communication_s:.6g}",
+                    f"{c.host_s:.6g}",
+                ]
+            )
         return buf.getvalue()
 
 
@@ -229,12 +276,19 @@ def _candidate(plan: Plan, row: int) -> Candidate:
     layers = plan.model.layers if isinstance(plan.model, Transformer) else None
     uneven = plan.workload.uneven_stages and layers is not None and layers % pp != 0
     return Candidate(
-        family=plan.families[int(t.family[row])], degrees=tuple(int(x) for x in t.degrees[row]),
-        micro_batch=int(t.b[row]), micro_batches=int(t.m[row]), memory=float(t.memory[row]),
+        family=plan.families[int(t.family[row])],
+        degrees=tuple(int(x) for x in t.degrees[row]),
+        micro_batch=int(t.b[row]),
+        micro_batches=int(t.m[row]),
+        memory=float(t.memory[row]),
         stage=Stage.LAST if bool(t.last_heavier[row]) else Stage.FIRST,
-        traffic=tuple(float(x) for x in t.traffic[row]), host=float(t.host[row]),
-        compute_s=float(t.compute_s[row]), bubble_s=float(t.bubble_s[row]),
-        communication_s=float(t.communication_s[row]), host_s=float(t.host_s[row]), uneven=uneven,
+        traffic=tuple(float(x) for x in t.traffic[row]),
+        host=float(t.host[row]),
+        compute_s=float(t.compute_s[row]),
+        bubble_s=float(t.bubble_s[row]),
+        communication_s=float(t.communication_s[row]),
+        host_s=float(t.host_s[row]),
+        uneven=uneven,
     )
 
 
@@ -262,9 +316,11 @@ def explain_pair(a: Candidate, b: Candidate, rank_by: RankBy) -> str:
     if rank_by is RankBy.COMMUNICATION:
         diffs = [(b.traffic[i] - a.traffic[i], AXES[i].value) for i in range(len(AXES))]
         _, axis = max(diffs)
-        return (f"{a.text} beats {b.text}: {gb(b.communication - a.communication)} less traffic per device "
-                f"per step, most of it on {axis} ({gb(a.traffic[AXES.index(Axis(axis))])} vs "
-                f"{gb(b.traffic[AXES.index(Axis(axis))])})")
+        return (
+            f"{a.text} beats {b.text}: {gb(b.communication - a.communication)} less traffic per device "
+            f"per step, most of it on {axis} ({gb(a.traffic[AXES.index(Axis(axis))])} vs "
+            f"{gb(b.traffic[AXES.index(Axis(axis))])})"
+        )
     parts = {
         "pipeline bubble": (a.bubble_s, b.bubble_s),
         "communication": (a.communication_s, b.communication_s),
@@ -278,9 +334,11 @@ def explain_pair(a: Candidate, b: Candidate, rank_by: RankBy) -> str:
         i = max(range(len(AXES)), key=lambda k: b.traffic[k] - a.traffic[k])
         text += f" ({AXES[i].value}: {gb(a.traffic[i])} vs {gb(b.traffic[i])} per step)"
     if abs(gap) < 1e-12:
-        text = (f"{a.text} ties with {b.text} on step time; tie broken by traffic "
-                f"({gb(a.communication)} vs {gb(b.communication)}), then memory "
-                f"({gb(a.exact_memory or a.memory)} vs {gb(b.exact_memory or b.memory)})")
+        text = (
+            f"{a.text} ties with {b.text} on step time; tie broken by traffic "
+            f"({gb(a.communication)} vs {gb(b.communication)}), then memory "
+            f"({gb(a.exact_memory or a.memory)} vs {gb(b.exact_memory or b.memory)})"
+        )
     return text
 
 
@@ -322,8 +380,13 @@ def _alternatives(result: Plan) -> list[Alternative]:
     position = np.full(len(t), -1, dtype=np.int64)
     position[result.order] = np.arange(1, result.order.size + 1)
     for shape in _popular(result.cluster, result.model):
-        fam_ok = np.array([f.data in shape.data and (f.pipeline is not None) == shape.pipelined
-                           and f.offload is Offload.NONE for f in result.families], dtype=bool)
+        fam_ok = np.array(
+            [
+                f.data in shape.data and (f.pipeline is not None) == shape.pipelined and f.offload is Offload.NONE
+                for f in result.families
+            ],
+            dtype=bool,
+        )
         sel = fam_ok[t.family] if len(t) else np.zeros(0, dtype=bool)
         if shape.tp is not None:
             sel &= t.degrees[:, _TP] == shape.tp
@@ -335,16 +398,27 @@ def _alternatives(result: Plan) -> list[Alternative]:
             sel &= t.degrees[:, _DP] == result.cluster.devices // shape.tp
         rows = np.flatnonzero(sel)
         if rows.size == 0:
-            out.append(Alternative(shape.label, "no mesh of this shape passes the composition rules "
-                                   f"(divisibility by {shape.label}'s degrees, global batch {result.global_batch})"))
+            out.append(
+                Alternative(
+                    shape.label,
+                    "no mesh of this shape passes the composition rules "
+                    f"(divisibility by {shape.label}'s degrees, global batch {result.global_batch})",
+                )
+            )
             continue
         fitting = rows[result.fits[rows]]
         if fitting.size == 0:
             lightest = int(rows[np.argmin(t.memory[rows])])
             c = result.candidate(lightest)
-            out.append(Alternative(shape.label, f"{c.text}: {gb(c.memory)} per device > "
-                                   f"{gb(result.cluster.device_memory)} (the lightest variant: "
-                                   f"b={c.micro_batch}, recompute {c.family.recompute.value})", c))
+            out.append(
+                Alternative(
+                    shape.label,
+                    f"{c.text}: {gb(c.memory)} per device > "
+                    f"{gb(result.cluster.device_memory)} (the lightest variant: "
+                    f"b={c.micro_batch}, recompute {c.family.recompute.value})",
+                    c,
+                )
+            )
             continue
         row = int(fitting[np.argmin(position[fitting])])
         c = result.candidate(row)
@@ -352,8 +426,16 @@ def _alternatives(result: Plan) -> list[Alternative]:
             out.append(Alternative(shape.label, f"{c.text} is the planner's first choice", c))
             continue
         lead = result.candidate(best_row) if best_row is not None else c
-        metric = (f"{c.step_s * 1e3:.1f} vs {lead.step_s * 1e3:.1f} ms per step"
-                  if result.rank_by is RankBy.TIME else f"{gb(c.communication)} vs {gb(lead.communication)} per step")
-        out.append(Alternative(shape.label, f"fits as {c.text} but ranks #{position[row]}: {metric}; "
-                               + explain_pair(lead, c, result.rank_by), c))
+        metric = (
+            f"{c.step_s * 1e3:.1f} vs {lead.step_s * 1e3:.1f} ms per step"
+            if result.rank_by is RankBy.TIME
+            else f"{gb(c.communication)} vs {gb(lead.communication)} per step"
+        )
+        out.append(
+            Alternative(
+                shape.label,
+                f"fits as {c.text} but ranks #{position[row]}: {metric}; " + explain_pair(lead, c, result.rank_by),
+                c,
+            )
+        )
     return out

@@ -123,10 +123,15 @@ class Family:
 
     def options(self, micro_batches: int) -> Options:
         pipe = self.pipeline or Pipeline(Schedule.ONE_F_ONE_B)
-        return Options(sequence_parallel=self.sequence_parallel, recompute=self.recompute,
-                       offload_optimizer=self.offload is not Offload.NONE,
-                       offload_parameters=self.offload is Offload.ALL, schedule=pipe.schedule,
-                       chunks=pipe.chunks, micro_batches=micro_batches)
+        return Options(
+            sequence_parallel=self.sequence_parallel,
+            recompute=self.recompute,
+            offload_optimizer=self.offload is not Offload.NONE,
+            offload_parameters=self.offload is Offload.ALL,
+            schedule=pipe.schedule,
+            chunks=pipe.chunks,
+            micro_batches=micro_batches,
+        )
 
     def text(self, degrees: Sequence[int], micro_batches: int, uneven: bool = False) -> str:
         """The composition in the composition language, canonical (``str(parse(text)) == text``):
@@ -210,8 +215,11 @@ class Space:
 
     data: tuple[DataParallel, ...] = tuple(DataParallel)
     pipelines: tuple[Pipeline | None, ...] = (
-        None, Pipeline(Schedule.ONE_F_ONE_B), Pipeline(Schedule.GPIPE),
-        Pipeline(Schedule.INTERLEAVED, 2), Pipeline(Schedule.INTERLEAVED, 4),
+        None,
+        Pipeline(Schedule.ONE_F_ONE_B),
+        Pipeline(Schedule.GPIPE),
+        Pipeline(Schedule.INTERLEAVED, 2),
+        Pipeline(Schedule.INTERLEAVED, 4),
     )
     sequence_parallel: tuple[bool, ...] = (False, True)
     recompute: tuple[Recompute, ...] = tuple(Recompute)

@@ -106,9 +106,17 @@ def deriver_for(model: Model, precision: Precision, uneven_stages: bool = False)
     return _DERIVERS[key]
 
 
-def plan(model: Model, cluster: Cluster, workload: Workload = Workload(),  # noqa: B008 (frozen, as is Space)
-         precision: Precision = DEFAULT_PRECISION, space: Space = Space(), top: int = 5,  # noqa: B008
-         rank_by: RankBy = RankBy.TIME, decide: Decide | str | None = "auto", max_decisions: int = 60) -> Plan:
+def plan(
+    model: Model,
+    cluster: Cluster,
+    workload: Workload = Workload(),  # noqa: B008 (frozen, as is Space)
+    precision: Precision = DEFAULT_PRECISION,
+    space: Space = Space(),  # noqa: B008 (frozen)
+    top: int = 5,
+    rank_by: RankBy = RankBy.TIME,
+    decide: Decide | str | None = "auto",
+    max_decisions: int = 60,
+) -> Plan:
     """Enumerate, evaluate, rank and prove (see the module docstring)."""
     clock = {"start": time.perf_counter()}
     if top < 1:
@@ -150,8 +158,19 @@ def plan(model: Model, cluster: Cluster, workload: Workload = Workload(),  # noq
         rows = np.flatnonzero(ok)
         if rows.size == 0:
             continue
-        blocks.append(_evaluate(deriver, timing, family, fi, deg[rows], b[rows], m[rows], bandwidth[rows],
-                                timing.compute_seconds(model, family.recompute, tokens)))
+        blocks.append(
+            _evaluate(
+                deriver,
+                timing,
+                family,
+                fi,
+                deg[rows],
+                b[rows],
+                m[rows],
+                bandwidth[rows],
+                timing.compute_seconds(model, family.recompute, tokens),
+            )
+        )
     table = _concat(blocks)
     clock["evaluate"] = time.perf_counter()
 
@@ -170,8 +189,26 @@ def plan(model: Model, cluster: Cluster, workload: Workload = Workload(),  # noq
     decide_fn, solver = load_decide() if decide == "auto" else (cast(Decide | None, decide), "given decide()")
     if decide_fn is None and decide != "auto":
         solver = "no z3 verdicts: decide disabled"
-    result = Plan(model, cluster, workload, global_batch, precision, rank_by, families, table, fits,
-                  order.astype(np.int64), enumerated, [], [], {}, 0, solver, {}, deriver.derivations)
+    result = Plan(
+        model,
+        cluster,
+        workload,
+        global_batch,
+        precision,
+        rank_by,
+        families,
+        table,
+        fits,
+        order.astype(np.int64),
+        enumerated,
+        [],
+        [],
+        {},
+        0,
+        solver,
+        {},
+        deriver.derivations,
+    )
     _prove_top(result, deriver, decide_fn, top, max_decisions)
     clock["prove"] = time.perf_counter()
     result.alternatives = _alternatives(result)
@@ -183,8 +220,17 @@ def plan(model: Model, cluster: Cluster, workload: Workload = Workload(),  # noq
     return result
 
 
-def _evaluate(deriver: Deriver, timing: StepTimeModel, family: Family, fi: int, deg: Ints, b: Ints, m: Ints,
-              bandwidth: Floats, compute_s: float) -> _Table:
+def _evaluate(
+    deriver: Deriver,
+    timing: StepTimeModel,
+    family: Family,
+    fi: int,
+    deg: Ints,
+    b: Ints,
+    m: Ints,
+    bandwidth: Floats,
+    compute_s: float,
+) -> _Table:
     cols = np.column_stack([deg.astype(np.float64), m.astype(np.float64)])
     first_s, last_s, host = deriver.states(family)(cols)
     straffic = np.column_stack(deriver.state_traffic(family)(cols))
@@ -200,10 +246,18 @@ def _evaluate(deriver: Deriver, timing: StepTimeModel, family: Family, fi: int, 
     totals[:, 1] = np.where(deg[:, _PP] > 2, totals[:, 1], -np.inf)
     traffic = per_stage[np.arange(n), np.argmax(totals, axis=1), :]
     return _Table(
-        family=np.full(n, fi, dtype=np.int64), degrees=deg, b=b, m=m,
-        memory=np.maximum(first, last), last_heavier=last > first, traffic=traffic, host=np.asarray(host),
-        compute_s=np.full(n, compute_s), bubble_s=act[2] * compute_s,
-        communication_s=(traffic / bandwidth).sum(axis=1), host_s=host / timing.cluster.host_bandwidth,
+        family=np.full(n, fi, dtype=np.int64),
+        degrees=deg,
+        b=b,
+        m=m,
+        memory=np.maximum(first, last),
+        last_heavier=last > first,
+        traffic=traffic,
+        host=np.asarray(host),
+        compute_s=np.full(n, compute_s),
+        bubble_s=act[2] * compute_s,
+        communication_s=(traffic / bandwidth).sum(axis=1),
+        host_s=host / timing.cluster.host_bandwidth,
     )
 
 
@@ -211,11 +265,39 @@ def _concat(blocks: list[_Table]) -> _Table:
     if not blocks:
         z = np.zeros(0)
         zi = np.zeros(0, dtype=np.int64)
-        return _Table(zi, np.zeros((0, len(AXES)), dtype=np.int64), zi, zi, z, np.zeros(0, dtype=bool),
-                      np.zeros((0, len(AXES))), z, z, z, z, z)
-    return _Table(*(np.concatenate([getattr(bl, f) for bl in blocks]) for f in (
-        "family", "degrees", "b", "m", "memory", "last_heavier", "traffic", "host", "compute_s", "bubble_s",
-        "communication_s", "host_s")))
+        return _Table(
+            zi,
+            np.zeros((0, len(AXES)), dtype=np.int64),
+            zi,
+            zi,
+            z,
+            np.zeros(0, dtype=bool),
+            np.zeros((0, len(AXES))),
+            z,
+            z,
+            z,
+            z,
+            z,
+        )
+    return _Table(
+        *(
+            np.concatenate([getattr(bl, f) for bl in blocks])
+            for f in (
+                "family",
+                "degrees",
+                "b",
+                "m",
+                "memory",
+                "last_heavier",
+                "traffic",
+                "host",
+                "compute_s",
+                "bubble_s",
+                "communication_s",
+                "host_s",
+            )
+        )
+    )
 
 
 def exact_costs(candidate: Candidate, model: Model, precision: Precision) -> tuple[int, int, str, StepProgram]:
@@ -247,17 +329,26 @@ def _prove_top(result: Plan, deriver: Deriver, decide: Decide | None, top: int, 
             continue  # within float rounding of the capacity, and over it exactly
         cand = replace(cand, exact_memory=mem, exact_communication=comm, stage=stage)
         if decide is None:
-            result.top.append(replace(cand, rank=len(result.top) + 1, status=None,
-                                      verdict_note="unproved: " + result.solver))
+            result.top.append(
+                replace(cand, rank=len(result.top) + 1, status=None, verdict_note="unproved: " + result.solver)
+            )
             continue
         verdict = decide(cand.composition(), program, result.model.with_micro_batch(cand.micro_batch))
         result.decided += 1
         if verdict.status is Status.PROVED:
-            result.top.append(replace(cand, rank=len(result.top) + 1, status=Status.PROVED, verdict_note="proved",
-                                      notes=cand.framework_notes(result.model)))
+            result.top.append(
+                replace(
+                    cand,
+                    rank=len(result.top) + 1,
+                    status=Status.PROVED,
+                    verdict_note="proved",
+                    notes=cand.framework_notes(result.model),
+                )
+            )
             continue
         rules = ", ".join(v.rule for v in verdict.violations) or ", ".join(
-            f"{o.name}: {o.reason_unknown}" for o in verdict.obligations if o.status is Status.UNKNOWN)
+            f"{o.name}: {o.reason_unknown}" for o in verdict.obligations if o.status is Status.UNKNOWN
+        )
         if verdict.status is Status.REFUTED and any(v.condition in _STRUCTURAL for v in verdict.violations):
             refuted_families.add(fi)
             result.refuted[str(cand.family)] = f"refuted on {cand.text}: {rules}"
@@ -265,9 +356,26 @@ def _prove_top(result: Plan, deriver: Deriver, decide: Decide | None, top: int, 
             result.refuted[cand.text] = f"{verdict.status.label}: {rules}"
 
 
-
 __all__ = [
-    "AXES", "Alternative", "Candidate", "Cluster", "DataParallel", "Deriver", "Family", "Offload", "Pipeline",
-    "Plan", "RankBy", "Space", "StepTimeModel", "Vectorized", "Workload", "exact_costs", "explain_pair",
-    "family_of", "load_decide", "meshes", "plan",
+    "AXES",
+    "Alternative",
+    "Candidate",
+    "Cluster",
+    "DataParallel",
+    "Deriver",
+    "Family",
+    "Offload",
+    "Pipeline",
+    "Plan",
+    "RankBy",
+    "Space",
+    "StepTimeModel",
+    "Vectorized",
+    "Workload",
+    "exact_costs",
+    "explain_pair",
+    "family_of",
+    "load_decide",
+    "meshes",
+    "plan",
 ]

@@ -33,9 +33,19 @@ def model_json(analysis: Analysis) -> dict[str, Any]:
     m = analysis.model
     out: dict[str, Any] = {"name": getattr(m, "name", "") or "custom", "parameters": m.parameter_count()}
     if isinstance(m, Transformer):
-        out.update(layers=m.layers, hidden=m.hidden, heads=m.heads, kv_heads=m.kv_heads_, ffn=m.ffn_,
-                   vocab=m.vocab, seq=m.seq, micro_batch=m.micro_batch, tied_embeddings=m.tied_embeddings,
-                   experts=m.experts, source=m.source)
+        out.update(
+            layers=m.layers,
+            hidden=m.hidden,
+            heads=m.heads,
+            kv_heads=m.kv_heads_,
+            ffn=m.ffn_,
+            vocab=m.vocab,
+            seq=m.seq,
+            micro_batch=m.micro_batch,
+            tied_embeddings=m.tied_embeddings,
+            experts=m.experts,
+            source=m.source,
+        )
     elif isinstance(m, ParameterCount):
         out.update(kind="parameter-count", note="activations unknown for a bare parameter count")
     return out
@@ -47,15 +57,23 @@ def to_json(analysis: Analysis) -> dict[str, Any]:
     per_device = mem.as_ints()
     sym = analysis.symbolic_memory
     expressions = {
-        "parameters": str(sym.parameters.total), "gradients": str(sym.gradients.total),
-        "optimizer": str(sym.optimizer.total), "model_states": str(sym.model_states),
+        "parameters": str(sym.parameters.total),
+        "gradients": str(sym.gradients.total),
+        "optimizer": str(sym.optimizer.total),
+        "model_states": str(sym.model_states),
         "activations": None if sym.activations is None else str(sym.activations),
     }
     collectives = [
         {
-            "op": t.kind.value, "axis": t.axis.value, "state": t.state.long_name, "group": t.group.name,
-            "phase": t.phase, "elements": _num(t.elements), "count": _num(t.count),
-            "participants": _num(t.participants), "bytes": _num(t.bytes),
+            "op": t.kind.value,
+            "axis": t.axis.value,
+            "state": t.state.long_name,
+            "group": t.group.name,
+            "phase": t.phase,
+            "elements": _num(t.elements),
+            "count": _num(t.count),
+            "participants": _num(t.participants),
+            "bytes": _num(t.bytes),
             "paper_elements": _num(t.paper_elements),
             "psi_units": _exact(t.paper_elements / analysis.model.parameter_count()),
         }
@@ -68,15 +86,21 @@ def to_json(analysis: Analysis) -> dict[str, Any]:
         "devices": analysis.composition.devices,
         "model": model_json(analysis),
         "precision": {
-            "name": analysis.precision.name, "parameters": analysis.precision.parameters,
-            "gradients": analysis.precision.gradients, "optimizer": analysis.precision.optimizer,
-            "activations": analysis.precision.activations, "gradient_wire": analysis.precision.gradient_wire,
+            "name": analysis.precision.name,
+            "parameters": analysis.precision.parameters,
+            "gradients": analysis.precision.gradients,
+            "optimizer": analysis.precision.optimizer,
+            "activations": analysis.precision.activations,
+            "gradient_wire": analysis.precision.gradient_wire,
         },
         "options": {
-            "sequence_parallel": pl.options.sequence_parallel, "recompute": pl.options.recompute.value,
+            "sequence_parallel": pl.options.sequence_parallel,
+            "recompute": pl.options.recompute.value,
             "offload_optimizer": pl.options.offload_optimizer,
-            "offload_parameters": pl.options.offload_parameters, "schedule": pl.options.schedule.value,
-            "chunks": pl.options.chunks, "micro_batches": pl.options.micro_batches,
+            "offload_parameters": pl.options.offload_parameters,
+            "schedule": pl.options.schedule.value,
+            "chunks": pl.options.chunks,
+            "micro_batches": pl.options.micro_batches,
             "uneven_stages": pl.options.uneven_stages,
         },
         "placement": pl.table(),
@@ -84,8 +108,7 @@ def to_json(analysis: Analysis) -> dict[str, Any]:
             "unit": "bytes",
             "per_device": per_device,
             "host": _num(mem.host),
-            "most_loaded_rank": {"pipeline_stage": mem.stage,
-                                 "in_flight_micro_batches": _exact(analysis.in_flight)},
+            "most_loaded_rank": {"pipeline_stage": mem.stage, "in_flight_micro_batches": _exact(analysis.in_flight)},
             "expressions": expressions,
             "device_memory": analysis.device_memory,
             "fits": analysis.fits,
@@ -118,11 +141,13 @@ def print_human(analysis: Analysis, console: Console) -> None:
     doc = to_json(analysis)
     m = doc["model"]
     # The model's name may come from a user's config.json: escaped, so that rich reads no markup in it.
-    console.print(f"[bold]{escape(doc['composition'])}[/bold] on {doc['devices']} devices "
-                  f"(mesh {' x '.join(f'{a}={d}' for a, d in doc['mesh'].items())}); "
-                  f"model {escape(m['name'])} ({m['parameters']:,} params); precision {doc['precision']['name']} "
-                  f"({doc['precision']['parameters']}/{doc['precision']['gradients']}/"
-                  f"{doc['precision']['optimizer']} B/param)")
+    console.print(
+        f"[bold]{escape(doc['composition'])}[/bold] on {doc['devices']} devices "
+        f"(mesh {' x '.join(f'{a}={d}' for a, d in doc['mesh'].items())}); "
+        f"model {escape(m['name'])} ({m['parameters']:,} params); precision {doc['precision']['name']} "
+        f"({doc['precision']['parameters']}/{doc['precision']['gradients']}/"
+        f"{doc['precision']['optimizer']} B/param)"
+    )
     per = doc["memory"]["per_device"]
     stage = doc["memory"]["most_loaded_rank"]["pipeline_stage"]
     table = Table(title=f"Memory per device (most loaded: {stage} pipeline stage; GB = 1e9 bytes)")
@@ -144,15 +169,25 @@ def print_human(analysis: Analysis, console: Console) -> None:
     for (op, axis, state, phase), rows in aggregate_collectives(doc["communication"]["collectives"]).items():
         moved = sum(r["bytes"] for r in rows)
         psi = Fraction(sum(r["paper_elements"] for r in rows), m["parameters"])
-        comm.add_row(op, axis, state, phase, f"{sum(r['count'] for r in rows):,}", f"{moved:,}",
-                     f"{moved / 1e9:,.2f}", "-" if state == "activations" else f"{float(psi):.3g}")
+        comm.add_row(
+            op,
+            axis,
+            state,
+            phase,
+            f"{sum(r['count'] for r in rows):,}",
+            f"{moved:,}",
+            f"{moved / 1e9:,.2f}",
+            "-" if state == "activations" else f"{float(psi):.3g}",
+        )
     console.print(comm)
     busiest = doc["communication"].get("pipeline_stage", Stage.FIRST)
     where = f" (pipeline stage sending the most: {busiest})" if doc["mesh"].get("pp", 1) > 1 else ""
-    console.print(f"total {doc['communication']['per_device_per_step']:,} bytes "
-                  f"({gb(doc['communication']['per_device_per_step'])}) per device per step{where}; "
-                  f"model states {float(Fraction(doc['communication']['model_state_psi_units'])):.4g} Psi "
-                  "(ZeRO paper units)")
+    console.print(
+        f"total {doc['communication']['per_device_per_step']:,} bytes "
+        f"({gb(doc['communication']['per_device_per_step'])}) per device per step{where}; "
+        f"model states {float(Fraction(doc['communication']['model_state_psi_units'])):.4g} Psi "
+        "(ZeRO paper units)"
+    )
     if doc["communication"]["host_transfers"]:
         moved = sum(t["bytes"] for t in doc["communication"]["host_transfers"])
         console.print(f"host-device transfers: {moved:,} bytes per step (PCIe, not network)")
@@ -165,8 +200,14 @@ def verdict_json(verdict: Verdict, explain: bool = False) -> dict[str, Any]:
     doc = verdict.as_json()
     if explain:
         doc["explain"] = [
-            {"obligation": o.name, "condition": o.condition.label, "status": o.status.label,
-             "core": list(o.core), "reason_unknown": o.reason_unknown, "seconds": round(o.seconds, 6)}
+            {
+                "obligation": o.name,
+                "condition": o.condition.label,
+                "status": o.status.label,
+                "core": list(o.core),
+                "reason_unknown": o.reason_unknown,
+                "seconds": round(o.seconds, 6),
+            }
             for o in verdict.obligations
         ]
     return doc
@@ -185,13 +226,15 @@ def print_verdict(verdict: Verdict, console: Console, explain: bool = False) -> 
     for condition in Condition:
         fired = sorted({v.rule for v in verdict.violations if v.condition is condition})
         shown = ", ".join(fired[:4]) + (f" (+{len(fired) - 4} more)" if len(fired) > 4 else "")
-        table.add_row(condition.label.replace("_", " "), verdict.condition_status(condition).label,
-                      escape(shown) or "-")
+        table.add_row(
+            condition.label.replace("_", " "), verdict.condition_status(condition).label, escape(shown) or "-"
+        )
     console.print(table)
     limit = None if explain else 8
     for v in verdict.violations[:limit]:
-        console.print(f"[bold red]{escape(v.rule)}[/bold red] ({v.condition.label}): {escape(v.explanation)}",
-                      highlight=False)
+        console.print(
+            f"[bold red]{escape(v.rule)}[/bold red] ({v.condition.label}): {escape(v.explanation)}", highlight=False
+        )
         if explain:
             for key, value in v.witness.items():
                 console.print(escape(f"    {key}: {value}"), highlight=False)
@@ -199,8 +242,10 @@ def print_verdict(verdict: Verdict, console: Console, explain: bool = False) -> 
         console.print(f"... {len(verdict.violations) - limit} more violations (--explain or --json lists all)")
     for o in verdict.obligations:
         if o.status is Status.UNKNOWN:
-            console.print(f"[yellow]unknown[/yellow] {escape(o.name)}: z3 said {escape(repr(o.reason_unknown))} "
-                          "(not proved)", highlight=False)
+            console.print(
+                f"[yellow]unknown[/yellow] {escape(o.name)}: z3 said {escape(repr(o.reason_unknown))} (not proved)",
+                highlight=False,
+            )
     if explain:
         console.print("Unsat cores of the proved obligations (tracked constraint names):")
         for o in verdict.obligations:

@@ -68,20 +68,34 @@ def run_simulation(composition: Composition, user: StrategyFile | None = None) -
     seconds = time.perf_counter() - start
     model = reference_model(composition)
     doc: dict[str, Any] = result.as_json()
-    doc["reference_model"] = {"layers": model.layers, "hidden": model.hidden, "heads": model.heads,
-                              "ffn": model.ffn, "vocab": model.vocab, "seq": model.seq,
-                              "micro_batch": model.micro_batch, "tied_embeddings": model.tied}
+    doc["reference_model"] = {
+        "layers": model.layers,
+        "hidden": model.hidden,
+        "heads": model.heads,
+        "ffn": model.ffn,
+        "vocab": model.vocab,
+        "seq": model.seq,
+        "micro_batch": model.micro_batch,
+        "tied_embeddings": model.tied,
+    }
     doc["seconds"] = round(seconds, 3)
     if result.matches:
-        costs = "memory and traffic equal the cost model's" if not result.cost_mismatches else \
-            "cost figures differ: " + "; ".join(result.cost_mismatches[:3])
-        text = (f"simulation: matches single-device training bit for bit ({result.devices} devices, "
-                f"{result.steps} steps, reference model); {costs}")
+        costs = (
+            "memory and traffic equal the cost model's"
+            if not result.cost_mismatches
+            else "cost figures differ: " + "; ".join(result.cost_mismatches[:3])
+        )
+        text = (
+            f"simulation: matches single-device training bit for bit ({result.devices} devices, "
+            f"{result.steps} steps, reference model); {costs}"
+        )
     else:
         d = result.divergence
         assert d is not None
-        text = (f"simulation: diverges at step {d.step}, {d.phase}, {d.state.value}.{d.group.name} {d.element} "
-                f"on device {d.device} ({d.coordinates}): single device {d.expected}, simulated {d.got}")
+        text = (
+            f"simulation: diverges at step {d.step}, {d.phase}, {d.state.value}.{d.group.name} {d.element} "
+            f"on device {d.device} ({d.coordinates}): single device {d.expected}, simulated {d.got}"
+        )
     return doc, text
 
 

@@ -63,21 +63,36 @@ MAX_OPS = 10_000
 MAX_OFFSET = 1_000_000
 
 PHASE_ORDER: tuple[Phase, ...] = (Phase.FORWARD, Phase.BACKWARD, Phase.GRAD_SYNC, Phase.OPTIMIZER, Phase.REFRESH)
-STATES: dict[str, State] = {"P": State.PARAMETERS, "O": State.OPTIMIZER, "G": State.GRADIENTS,
-                            "A": State.ACTIVATIONS}
+STATES: dict[str, State] = {"P": State.PARAMETERS, "O": State.OPTIMIZER, "G": State.GRADIENTS, "A": State.ACTIVATIONS}
 _NAME = re.compile(r"^[a-wyz](?:[a-wyz0-9-]*[a-wyz-])?$")  # no 'x' (it separates terms), no trailing digit
 _ENTRY = re.compile(r"^\s*(?P<mode>[A-Za-z*][A-Za-z* _-]*?)\s*(?:@\s*(?P<offset>\d{1,7}))?\s*(?P<hold>\+\s*hold)?\s*$")
 _GROUP = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
 _STRATEGY_KEYS = {"axis", "description", "source", "P", "O", "G", "A", "compute_sharded", "groups"}
 _OP_KEYS = {"op", "state", "group", "axis", "phase", "reduce", "offset", "scale", "note"}
 _DEFAULT_PHASE: dict[OpKind, Phase] = {
-    OpKind.ALL_REDUCE: Phase.GRAD_SYNC, OpKind.REDUCE_SCATTER: Phase.GRAD_SYNC, OpKind.SCALE: Phase.GRAD_SYNC,
-    OpKind.DEVICE_TO_HOST: Phase.GRAD_SYNC, OpKind.ALL_GATHER: Phase.FORWARD, OpKind.BROADCAST: Phase.REFRESH,
-    OpKind.HOST_TO_DEVICE: Phase.FORWARD, OpKind.COMPUTE: Phase.FORWARD, OpKind.OPTIMIZER_STEP: Phase.OPTIMIZER,
+    OpKind.ALL_REDUCE: Phase.GRAD_SYNC,
+    OpKind.REDUCE_SCATTER: Phase.GRAD_SYNC,
+    OpKind.SCALE: Phase.GRAD_SYNC,
+    OpKind.DEVICE_TO_HOST: Phase.GRAD_SYNC,
+    OpKind.ALL_GATHER: Phase.FORWARD,
+    OpKind.BROADCAST: Phase.REFRESH,
+    OpKind.HOST_TO_DEVICE: Phase.FORWARD,
+    OpKind.COMPUTE: Phase.FORWARD,
+    OpKind.OPTIMIZER_STEP: Phase.OPTIMIZER,
 }
 _OP_KINDS = tuple(_DEFAULT_PHASE)
-_MODIFIER_NAMES = {"sp", "gpipe", "1f1b", "offload", "offload-optimizer", "offload-params", "recompute",
-                   "full-recompute", "selective", "selective-recompute"}
+_MODIFIER_NAMES = {
+    "sp",
+    "gpipe",
+    "1f1b",
+    "offload",
+    "offload-optimizer",
+    "offload-params",
+    "recompute",
+    "full-recompute",
+    "selective",
+    "selective-recompute",
+}
 
 
 def _show(value: object) -> str:
@@ -151,8 +166,10 @@ def loads(text: str, where: str = "<strategies>") -> StrategyFile:
         raise StrategyFileError(str(err)) from None
     unknown = set(doc) - {"strategies", "program", "description"}
     if unknown:
-        raise StrategyFileError(f"{where}: unknown top-level key {_show(sorted(unknown)[0])} "
-                                "(expected [strategies.NAME] tables and [[program]] entries)")
+        raise StrategyFileError(
+            f"{where}: unknown top-level key {_show(sorted(unknown)[0])} "
+            "(expected [strategies.NAME] tables and [[program]] entries)"
+        )
     tables = doc.get("strategies", {})
     if not isinstance(tables, dict):
         raise StrategyFileError(f"{where}: 'strategies' must be a table of [strategies.NAME] tables")
@@ -176,9 +193,11 @@ def _strategy(where: str, name: object, body: object) -> Strategy:
     if name in LIBRARY:
         raise StrategyFileError(f"{where}: strategy name {name!r} is already a library strategy")
     if not isinstance(name, str) or not _NAME.match(name):
-        raise StrategyFileError(f"{where}: strategy name {_show(name)}: use lower-case letters, digits and '-', "
-                                "starting with a letter, not ending in a digit (the degree), without 'x' "
-                                "(it separates terms)")
+        raise StrategyFileError(
+            f"{where}: strategy name {_show(name)}: use lower-case letters, digits and '-', "
+            "starting with a letter, not ending in a digit (the degree), without 'x' "
+            "(it separates terms)"
+        )
     if name in _MODIFIER_NAMES or name in MODIFIERS:
         raise StrategyFileError(f"{where}: strategy name {name!r} is a composition modifier")
     at = f"{where}: strategies.{name}"
@@ -186,8 +205,9 @@ def _strategy(where: str, name: object, body: object) -> Strategy:
         raise StrategyFileError(f"{at}: must be a table")
     unknown = set(body) - _STRATEGY_KEYS
     if unknown:
-        raise StrategyFileError(f"{at}: unknown key {_show(sorted(unknown)[0])} "
-                                f"(known: {', '.join(sorted(_STRATEGY_KEYS))})")
+        raise StrategyFileError(
+            f"{at}: unknown key {_show(sorted(unknown)[0])} (known: {', '.join(sorted(_STRATEGY_KEYS))})"
+        )
     if "axis" not in body:
         raise StrategyFileError(f"{at}: needs axis = one of {', '.join(a.value for a in Axis)}")
     axis = _axis(at, body["axis"])
@@ -216,8 +236,15 @@ def _strategy(where: str, name: object, body: object) -> Strategy:
     for text_key in ("description", "source"):
         if text_key in body and not isinstance(body[text_key], str):
             raise StrategyFileError(f"{at}.{text_key}: must be a string")
-    return Strategy(name, axis, None, tuple(entries), compute, str(body.get("description", "user strategy")),
-                    str(body.get("source", where)))
+    return Strategy(
+        name,
+        axis,
+        None,
+        tuple(entries),
+        compute,
+        str(body.get("description", "user strategy")),
+        str(body.get("source", where)),
+    )
 
 
 def _axis(at: str, value: object) -> Axis:
@@ -231,13 +258,15 @@ def _axis(at: str, value: object) -> Axis:
 def _entry(at: str, value: object) -> Entry:
     match = _ENTRY.match(value) if isinstance(value, str) else None
     if match is None:
-        raise StrategyFileError(f"{at}: {_show(value)} is not a mode (R, S, S*, M or O, optionally @offset "
-                                "and +hold, e.g. \"S*@1\")")
+        raise StrategyFileError(
+            f'{at}: {_show(value)} is not a mode (R, S, S*, M or O, optionally @offset and +hold, e.g. "S*@1")'
+        )
     try:
         mode = Mode.parse(match["mode"])
     except ValueError:
-        raise StrategyFileError(f"{at}: {_show(match['mode'])} is not a mode "
-                                f"({', '.join(f'{m.value} ({m.long_name})' for m in Mode)})") from None
+        raise StrategyFileError(
+            f"{at}: {_show(match['mode'])} is not a mode ({', '.join(f'{m.value} ({m.long_name})' for m in Mode)})"
+        ) from None
     offset = int(match["offset"] or 0)
     if offset > MAX_OFFSET:
         raise StrategyFileError(f"{at}: offset {offset} is absurd (at most {MAX_OFFSET})")
@@ -253,7 +282,7 @@ def _compute_sharded(at: str, value: object) -> frozenset[Group] | None:
     if value == "all":
         return None
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise StrategyFileError(f"{at}.compute_sharded: must be \"all\" or a list of group names")
+        raise StrategyFileError(f'{at}.compute_sharded: must be "all" or a list of group names')
     return frozenset(Group(v) for v in value)
 
 
@@ -263,10 +292,14 @@ def _op(where: str, index: int, body: dict[str, Any]) -> OpSpec:
     if unknown:
         raise StrategyFileError(f"{at}: unknown key {_show(sorted(unknown)[0])} (known: {', '.join(sorted(_OP_KEYS))})")
     kind = _choice(at, "op", body.get("op"), {k.value: k for k in _OP_KINDS})
-    default_state = "G" if kind.is_reduction or kind in (OpKind.SCALE, OpKind.DEVICE_TO_HOST) else (
-        "O" if kind is OpKind.OPTIMIZER_STEP else "P")
-    state = _choice(at, "state", body.get("state", default_state),
-                    {k: v for k, v in STATES.items() if v is not State.ACTIVATIONS})
+    default_state = (
+        "G"
+        if kind.is_reduction or kind in (OpKind.SCALE, OpKind.DEVICE_TO_HOST)
+        else ("O" if kind is OpKind.OPTIMIZER_STEP else "P")
+    )
+    state = _choice(
+        at, "state", body.get("state", default_state), {k: v for k, v in STATES.items() if v is not State.ACTIVATIONS}
+    )
     if kind is OpKind.COMPUTE and state is not State.PARAMETERS:
         raise StrategyFileError(f"{at}: compute reads parameters (state P), not {state.value}")
     if kind is OpKind.OPTIMIZER_STEP and state is not State.OPTIMIZER:
@@ -295,7 +328,7 @@ def _op(where: str, index: int, body: dict[str, Any]) -> OpSpec:
     scale = None
     if kind is OpKind.SCALE:
         if "scale" not in body:
-            raise StrategyFileError(f"{at}: a scale needs scale = a number, \"1/2\" or \"1/d\"")
+            raise StrategyFileError(f'{at}: a scale needs scale = a number, "1/2" or "1/d"')
         scale = _scale_text(at, body["scale"])
     elif "scale" in body:
         raise StrategyFileError(f"{at}: scale applies to scale ops only, not {kind.value}")
@@ -315,14 +348,14 @@ def _choice(at: str, key: str, value: object, options: Mapping[str, _T]) -> _T:
 
 def _scale_text(at: str, value: object) -> str:
     if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise StrategyFileError(f"{at}.scale: {_show(value)} must be a number, \"1/2\" or \"1/d\"")
+        raise StrategyFileError(f'{at}.scale: {_show(value)} must be a number, "1/2" or "1/d"')
     text = str(value).strip().lower().replace(" ", "")
     if text in ("1/d", "d"):
         return text
     try:
         frac = Fraction(text)
     except (ValueError, ZeroDivisionError, OverflowError):
-        raise StrategyFileError(f"{at}.scale: {_show(value)} must be a number, \"1/2\" or \"1/d\"") from None
+        raise StrategyFileError(f'{at}.scale: {_show(value)} must be a number, "1/2" or "1/d"') from None
     if frac == 0 or abs(frac.numerator) > 10**12 or frac.denominator > 10**12:
         raise StrategyFileError(f"{at}.scale: {_show(value)} must be a non-zero, reasonable rational")
     return str(frac)
@@ -341,8 +374,9 @@ def _scale_value(spec: OpSpec, degree: sp.Expr) -> sp.Expr:
             return sp.Rational(frac.numerator, frac.denominator)
 
 
-def build_program(file: StrategyFile, specs: tuple[OpSpec, ...], placement: Placement, model: Model,
-                  derived: StepProgram) -> StepProgram:
+def build_program(
+    file: StrategyFile, specs: tuple[OpSpec, ...], placement: Placement, model: Model, derived: StepProgram
+) -> StepProgram:
     """The file's program over a placement (see the module docstring for the order)."""
     pl = replace(placement, user_program=True)
     sizes = group_sizes(model)
@@ -351,11 +385,15 @@ def build_program(file: StrategyFile, specs: tuple[OpSpec, ...], placement: Plac
     user: list[Op] = []
     for spec in specs:
         if spec.axis is not None and spec.axis not in pl.axes:
-            raise StrategyFileError(f"{file.path}: {spec.where}: axis {spec.axis.value} is not in this composition "
-                                    f"(axes: {', '.join(a.value for a in pl.axes)})")
+            raise StrategyFileError(
+                f"{file.path}: {spec.where}: axis {spec.axis.value} is not in this composition "
+                f"(axes: {', '.join(a.value for a in pl.axes)})"
+            )
         if spec.group is not None and Group(spec.group) not in groups:
-            raise StrategyFileError(f"{file.path}: {spec.where}: group {spec.group!r} is not a parameter group of "
-                                    f"this model ({', '.join(g.name for g in groups)})")
+            raise StrategyFileError(
+                f"{file.path}: {spec.where}: group {spec.group!r} is not a parameter group of "
+                f"this model ({', '.join(g.name for g in groups)})"
+            )
         targets = groups if spec.group is None else (Group(spec.group),)
         for g in targets:
             user.append(_spec_op(spec, g, pl, sizes[g], m))
@@ -364,8 +402,9 @@ def build_program(file: StrategyFile, specs: tuple[OpSpec, ...], placement: Plac
     for phase in PHASE_ORDER:
         ops += [op for op in user if op.phase is phase]
         if not owns_local:
-            ops += [op for op in derived.ops
-                    if op.phase is phase and op.kind in (OpKind.COMPUTE, OpKind.OPTIMIZER_STEP)]
+            ops += [
+                op for op in derived.ops if op.phase is phase and op.kind in (OpKind.COMPUTE, OpKind.OPTIMIZER_STEP)
+            ]
         ops += [op for op in derived.ops if op.phase is phase and op.state is State.ACTIVATIONS]
     return StepProgram(pl, tuple(ops), derived.origins, derived=False)
 
@@ -378,20 +417,46 @@ def _spec_op(spec: OpSpec, g: Group, pl: Placement, size: sp.Expr, m: sp.Expr) -
             full = frozenset(axis for axis in pl.axes if not pl.computes_sharded(axis, g))
             return Op(OpKind.COMPUTE, spec.state, g, None, spec.phase, count=count, full=full, note=note)
         case OpKind.OPTIMIZER_STEP:
-            return Op(OpKind.OPTIMIZER_STEP, spec.state, g, None, spec.phase,
-                      shard_elements(pl, spec.state, g, size, None), offset=spec.offset, note=note)
+            return Op(
+                OpKind.OPTIMIZER_STEP,
+                spec.state,
+                g,
+                None,
+                spec.phase,
+                shard_elements(pl, spec.state, g, size, None),
+                offset=spec.offset,
+                note=note,
+            )
         case OpKind.SCALE:
             degree = pl.degree(spec.axis) if spec.axis is not None else sp.Integer(1)
             return Op(OpKind.SCALE, spec.state, g, spec.axis, spec.phase, scale=_scale_value(spec, degree), note=note)
         case OpKind.HOST_TO_DEVICE | OpKind.DEVICE_TO_HOST:
-            return Op(spec.kind, spec.state, g, None, spec.phase, shard_elements(pl, spec.state, g, size, None),
-                      count, note=note)
+            return Op(
+                spec.kind,
+                spec.state,
+                g,
+                None,
+                spec.phase,
+                shard_elements(pl, spec.state, g, size, None),
+                count,
+                note=note,
+            )
         case OpKind.ALL_REDUCE | OpKind.REDUCE_SCATTER | OpKind.ALL_GATHER | OpKind.BROADCAST:
             assert spec.axis is not None  # validated when the file was read
             participants = sp.Integer(2) if spec.axis is Axis.PP and g in pl.tied else None
-            return Op(spec.kind, spec.state, g, spec.axis, spec.phase,
-                      shard_elements(pl, spec.state, g, size, spec.axis), count, spec.reduce,
-                      participants=participants, offset=spec.offset, note=note)
+            return Op(
+                spec.kind,
+                spec.state,
+                g,
+                spec.axis,
+                spec.phase,
+                shard_elements(pl, spec.state, g, size, spec.axis),
+                count,
+                spec.reduce,
+                participants=participants,
+                offset=spec.offset,
+                note=note,
+            )
         case _:
             raise AssertionError(spec.kind)
 

@@ -25,7 +25,15 @@ from formal._vocab import Axis
 # and without sequence parallelism), FSDP+TP, HSDP, pipelining (GPipe and 1F1B, 16 micro-batches
 # so that 1F1B's in-flight min(p, m) = 8 differs from GPipe's 16).
 TABLE_COMPOSITIONS: tuple[str, ...] = (
-    "ddp8", "fsdp8", "fsdp-sgo8", "tp8", "tp8xsp", "tp2xfsdp4", "hsdp4xdpr2", "pp8xm16xgpipe", "pp8xm16",
+    "ddp8",
+    "fsdp8",
+    "fsdp-sgo8",
+    "tp8",
+    "tp8xsp",
+    "tp2xfsdp4",
+    "hsdp4xdpr2",
+    "pp8xm16xgpipe",
+    "pp8xm16",
 )
 
 
@@ -62,6 +70,7 @@ def measure_isolated(text: str, devices: int | None = None, rank: int = 0) -> An
     The child comes from a forkserver, never a fork of this (possibly threaded) process, and is
     waited on with a limit (``checker._torch._isolate``)."""
     from checker._torch._isolate import run_isolated
+
     return run_isolated(_measure_on_fake_group, (text, devices, rank), f"{text} rank {rank}")
 
 
@@ -76,14 +85,25 @@ def validate(text: str, devices: int | None = None, rank: int = 0) -> Comparison
     measured = measure_isolated(text, devices, rank)
     predicted = predict(comp, cfg.formal(), rank=rank)
     rows = (*state_rows(predicted, measured), Row("activations", predicted.activations, measured.activations))
-    return Comparison(comp, measured.engine.value, measured.stage, rows, predicted.calls,
-                      tuple(sorted(measured.calls)), time.perf_counter() - start, rank)
+    return Comparison(
+        comp,
+        measured.engine.value,
+        measured.stage,
+        rows,
+        predicted.calls,
+        tuple(sorted(measured.calls)),
+        time.perf_counter() - start,
+        rank,
+    )
 
 
 def format_comparison(c: Comparison) -> str:
     """Predicted against measured, side by side, for one composition."""
-    lines = [f"{c.composition} on {c.engine}, rank {c.rank} ({c.stage} stage), world {c.composition.devices}, "
-             f"{c.seconds:.1f} s", f"  {'bytes per rank':<16}{'predicted':>12}{'measured':>12}{'error':>10}"]
+    lines = [
+        f"{c.composition} on {c.engine}, rank {c.rank} ({c.stage} stage), world {c.composition.devices}, "
+        f"{c.seconds:.1f} s",
+        f"  {'bytes per rank':<16}{'predicted':>12}{'measured':>12}{'error':>10}",
+    ]
     for r in c.rows:
         lines.append(f"  {r.quantity:<16}{r.predicted:>12}{r.measured:>12}{_pct(r.error):>10}")
     pred, meas = Counter(c.predicted_calls), Counter(c.measured_calls)
@@ -91,28 +111,36 @@ def format_comparison(c: Comparison) -> str:
     for call in sorted(set(pred) | set(meas), key=str):
         mark = "" if pred[call] == meas[call] else "   <- differs"
         lines.append(f"  {call!s:<40}{pred[call]:>10}{meas[call]:>10}{mark}")
-    lines.append(f"  model states exact: {c.model_states_exact}; collective list equal: {c.calls_equal}; "
-                 f"activations within {ACTIVATION_TOLERANCE:.0%}: {c.activations_within}")
+    lines.append(
+        f"  model states exact: {c.model_states_exact}; collective list equal: {c.calls_equal}; "
+        f"activations within {ACTIVATION_TOLERANCE:.0%}: {c.activations_within}"
+    )
     return "\n".join(lines)
 
 
 def format_table(comparisons: Sequence[Comparison]) -> str:
     """One line per strategy: model states, activations and collectives, predicted against measured."""
-    head = (f"{'composition':<14}{'rank':>5} {'stage':<7}{'engine':<20}"
-            f"{'model states pred':>18}{'measured':>10}{'err':>7}"
-            f"{'activ. pred':>12}{'measured':>10}{'err':>8}{'calls pred':>11}{'recorded':>9}{'equal':>7}")
+    head = (
+        f"{'composition':<14}{'rank':>5} {'stage':<7}{'engine':<20}"
+        f"{'model states pred':>18}{'measured':>10}{'err':>7}"
+        f"{'activ. pred':>12}{'measured':>10}{'err':>8}{'calls pred':>11}{'recorded':>9}{'equal':>7}"
+    )
     lines = [head, "-" * len(head)]
     for c in comparisons:
         ms, act = c.row("model states"), c.row("activations")
-        lines.append(f"{c.composition!s:<14}{c.rank:>5} {c.stage:<7}{c.engine:<20}"
-                     f"{ms.predicted:>18}{ms.measured:>10}{_pct(ms.error):>7}"
-                     f"{act.predicted:>12}{act.measured:>10}{_pct(act.error):>8}"
-                     f"{len(c.predicted_calls):>11}{len(c.measured_calls):>9}{c.calls_equal!s:>7}")
+        lines.append(
+            f"{c.composition!s:<14}{c.rank:>5} {c.stage:<7}{c.engine:<20}"
+            f"{ms.predicted:>18}{ms.measured:>10}{_pct(ms.error):>7}"
+            f"{act.predicted:>12}{act.measured:>10}{_pct(act.error):>8}"
+            f"{len(c.predicted_calls):>11}{len(c.measured_calls):>9}{c.calls_equal!s:>7}"
+        )
     worst = max(comparisons, key=lambda c: abs(c.row("activations").error))
-    lines.append(f"worst activation error: {_pct(worst.row('activations').error)} ({worst.composition}, "
-                 f"rank {worst.rank}); "
-                 f"model states exact in {sum(c.model_states_exact for c in comparisons)}/{len(comparisons)}, "
-                 f"collective lists equal in {sum(c.calls_equal for c in comparisons)}/{len(comparisons)}")
+    lines.append(
+        f"worst activation error: {_pct(worst.row('activations').error)} ({worst.composition}, "
+        f"rank {worst.rank}); "
+        f"model states exact in {sum(c.model_states_exact for c in comparisons)}/{len(comparisons)}, "
+        f"collective lists equal in {sum(c.calls_equal for c in comparisons)}/{len(comparisons)}"
+    )
     return "\n".join(lines)
 
 
@@ -121,24 +149,35 @@ def format_equivalence(world: int) -> tuple[str, bool]:
 
     start = time.perf_counter()
     outcomes = equivalence(world)
-    lines = [f"world {world} (gloo, {world} processes): exact-arithmetic premise "
-             f"(float32 reference == float64, every run): {all(o.premise for o in outcomes)}; "
-             f"{time.perf_counter() - start:.1f} s"]
+    lines = [
+        f"world {world} (gloo, {world} processes): exact-arithmetic premise "
+        f"(float32 reference == float64, every run): {all(o.premise for o in outcomes)}; "
+        f"{time.perf_counter() - start:.1f} s"
+    ]
     for o in outcomes:
         z3 = "z3 absent" if o.z3 is None else f"z3 {o.z3.name}"
         agree = str(o.ranks_agree) if o.shared else "n/a"  # n/a: no parameter on two ranks (pipeline)
-        lines.append(f"  {o.case.label():<32} bit-for-bit {o.matches!s:<6} ranks agree {agree:<6} "
-                     f"max |diff| {o.max_difference:<10g} {z3:<12} as predicted: {o.expected}")
+        lines.append(
+            f"  {o.case.label():<32} bit-for-bit {o.matches!s:<6} ranks agree {agree:<6} "
+            f"max |diff| {o.max_difference:<10g} {z3:<12} as predicted: {o.expected}"
+        )
     return "\n".join(lines), all(o.expected for o in outcomes)
 
 
 def as_json(c: Comparison) -> dict[str, Any]:
     return {
-        "composition": str(c.composition), "engine": c.engine, "rank": c.rank, "stage": c.stage,
+        "composition": str(c.composition),
+        "engine": c.engine,
+        "rank": c.rank,
+        "stage": c.stage,
         "bytes": {r.quantity: {"predicted": r.predicted, "measured": r.measured, "error": r.error} for r in c.rows},
-        "collectives": {"predicted": [str(x) for x in c.predicted_calls],
-                        "recorded": [str(x) for x in c.measured_calls], "equal": c.calls_equal},
-        "model_states_exact": c.model_states_exact, "activations_within": c.activations_within,
+        "collectives": {
+            "predicted": [str(x) for x in c.predicted_calls],
+            "recorded": [str(x) for x in c.measured_calls],
+            "equal": c.calls_equal,
+        },
+        "model_states_exact": c.model_states_exact,
+        "activations_within": c.activations_within,
     }
 
 
@@ -147,6 +186,7 @@ def cli_validation(text: str, devices: int | None) -> tuple[dict[str, Any], str]
 
     Raises ``InputError`` (one clear line, exit 2) without torch or without an engine."""
     from formal.errors import CompositionError, InputError
+
     try:
         import torch  # noqa: F401
     except ImportError as err:
@@ -155,8 +195,7 @@ def cli_validation(text: str, devices: int | None) -> tuple[dict[str, Any], str]
         c = validate(text, devices)
     except CompositionError as err:
         raise InputError(f"--validate torch: {err}") from err
-    note = ("validated on the small model of checker._torch._net (not --model), fp32 Adam, "
-            "fake process group")
+    note = "validated on the small model of checker._torch._net (not --model), fp32 Adam, fake process group"
     return as_json(c), note + "\n" + format_comparison(c)
 
 
@@ -165,10 +204,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("compositions", nargs="*", help="compositions to validate (default: the table's)")
     parser.add_argument("--table", action="store_true", help="the table at world size 8")
     parser.add_argument("--equivalence", action="store_true", help="bit-for-bit runs on 2 and 4 gloo processes")
-    parser.add_argument("--gloo", action="store_true",
-                        help="measure every rank on 2 and 4 gloo processes, against the prediction and the fake group")
-    parser.add_argument("--large", action="store_true",
-                        help="a 0.5 B-parameter model under FakeTensorMode with MemTracker (checker._torch._large)")
+    parser.add_argument(
+        "--gloo",
+        action="store_true",
+        help="measure every rank on 2 and 4 gloo processes, against the prediction and the fake group",
+    )
+    parser.add_argument(
+        "--large",
+        action="store_true",
+        help="a 0.5 B-parameter model under FakeTensorMode with MemTracker (checker._torch._large)",
+    )
     args = parser.parse_args(argv)
     ok = True
     if args.table or not (args.compositions or args.equivalence or args.gloo or args.large):
@@ -188,6 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ok &= _print_gloo()
     if args.large:
         from checker._torch._large import LARGE_RUNS, compare_large, format_large, large_ok
+
         large = [compare_large(t, rank=r) for t, r in LARGE_RUNS]
         print(format_large(large))
         ok &= all(large_ok(c, r) for c, r in large)
@@ -197,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _print_gloo() -> bool:
     """Every rank on 2 and 4 gloo processes (``checker._torch._gloo``): the per-rank table."""
     from checker._torch._gloo import compare_world, format_gloo_table
+
     good = True
     for world in (2, 4):
         start = time.perf_counter()

@@ -42,7 +42,8 @@ from formal._smt import DEFAULT_QUERY_RLIMIT, DEFAULT_RUN_RLIMIT, DEFAULT_TIMEOU
 from formal._strategies import LIBRARY
 from formal.errors import InputError, PlacementError, SolverError
 
-EXAMPLES = """
+EXAMPLES = (
+    """
 \b
 Examples:
   check-composition tp2xzero3xpp4                  # default model and cluster
@@ -53,12 +54,16 @@ Examples:
   check-composition tp3                            # exit 1: divides[heads, tp] (32 heads)
   check-composition zero2-skew4 --strategies examples/broken_optimizer_shards.toml --explain
 
-""" + EXIT_CODES + """
+"""
+    + EXIT_CODES
+    + """
 
 \b
 Composition language: strategy terms with an optional degree joined by 'x'
 (a term without a degree takes the devices left over). Modifiers:
-""" + "\n".join(f"  {k:<15} {v}" for k, v in MODIFIERS.items())
+"""
+    + "\n".join(f"  {k:<15} {v}" for k, v in MODIFIERS.items())
+)
 
 
 class DefaultGroup(click.Group):
@@ -152,11 +157,14 @@ def _internal_error(err: BaseException) -> None:
     sys.exit(EXIT_INTERNAL)
 
 
-@click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]},
-             epilog=EXAMPLES)
+@click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXAMPLES)
 @click.version_option(package_name="placement-semantics")
-@click.option("--debug", is_flag=True, expose_value=False,
-              help="On an internal error (exit 4), show the traceback instead of one line (anywhere on the line).")
+@click.option(
+    "--debug",
+    is_flag=True,
+    expose_value=False,
+    help="On an internal error (exit 4), show the traceback instead of one line (anywhere on the line).",
+)
 def main() -> None:
     """Will this parallelism composition train exactly like one device, how much memory does
     each device hold, and how many bytes cross the network per step?"""
@@ -164,45 +172,104 @@ def main() -> None:
 
 @main.command(epilog=EXAMPLES)
 @click.argument("composition", required=False)
-@click.option("--devices", type=WholeNumber(1, MAX_DEGREE), default=None,
-              help=f"Device count (default {DEFAULT_DEVICES}, or the product of the degrees).")
+@click.option(
+    "--devices",
+    type=WholeNumber(1, MAX_DEGREE),
+    default=None,
+    help=f"Device count (default {DEFAULT_DEVICES}, or the product of the degrees).",
+)
 @click.option("--model", default=None, help=f"Preset name or Hugging Face config.json (default {DEFAULT_MODEL}).")
 @click.option("--params", default=None, help="A bare parameter count instead of a model (7.5e9, 70B).")
-@click.option("--precision", default="zero", show_default=True,
-              help="Bytes per element: " + ", ".join(PRECISIONS) + ".")
+@click.option(
+    "--precision", default="zero", show_default=True, help="Bytes per element: " + ", ".join(PRECISIONS) + "."
+)
 @click.option("--device-memory", default=None, help="Per-device memory, e.g. 80GB (1e9) or 80GiB (2^30).")
-@click.option("--micro-batch", type=WholeNumber(1, MAX_MICRO_BATCH), default=None,
-              help="Micro-batch size per replica (Megatron's b).")
+@click.option(
+    "--micro-batch",
+    type=WholeNumber(1, MAX_MICRO_BATCH),
+    default=None,
+    help="Micro-batch size per replica (Megatron's b).",
+)
 @click.option("--seq", type=WholeNumber(1, MAX_SEQ), default=None, help="Sequence length.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report (docs/schema.md).")
-@click.option("--csv", "as_csv", is_flag=True,
-              help="Print one CSV row per memory quantity, collective and verdict condition (exact bytes).")
-@click.option("--from", "from_path", default=None,
-              help="Read the composition from a DeepSpeed .json, torchtitan .toml or Megatron arguments file.")
+@click.option(
+    "--csv",
+    "as_csv",
+    is_flag=True,
+    help="Print one CSV row per memory quantity, collective and verdict condition (exact bytes).",
+)
+@click.option(
+    "--from",
+    "from_path",
+    default=None,
+    help="Read the composition from a DeepSpeed .json, torchtitan .toml or Megatron arguments file.",
+)
 @click.option("--report", default=None, help="Also write a self-contained HTML report (chart, collectives, verdict).")
-@click.option("--strategies", "strategies_path", default=None, metavar="FILE",
-              help="A TOML file of user strategies (and optionally a step program); see examples/.")
+@click.option(
+    "--strategies",
+    "strategies_path",
+    default=None,
+    metavar="FILE",
+    help="A TOML file of user strategies (and optionally a step program); see examples/.",
+)
 @click.option("--explain", is_flag=True, help="Show every obligation: unsat cores of proofs, full counterexamples.")
-@click.option("--rlimit", type=WholeNumber(1, 10**12), default=DEFAULT_RUN_RLIMIT, show_default=True,
-              help="z3 resource units (counted solver steps) for the whole verdict: the deterministic limit, "
-                   "the same answer on every run; what it cuts short is 'unknown' (exit 3), never valid.")
-@click.option("--timeout-ms", type=WholeNumber(1, 3_600_000), default=DEFAULT_TIMEOUT_MS, show_default=True,
-              help="Wall-clock limit per z3 query, a safety net for a stalled machine (its outcome can vary "
-                   "between runs); a timeout is 'unknown' (exit 3), never valid.")
-@click.option("--validate", type=click.Choice(["torch"]), default=None,
-              help="Also run the composition with PyTorch (fake process group, small model) and print "
-                   "predicted against measured; needs the torch extra.")
-@click.option("--node-size", type=WholeNumber(1, MAX_DEGREE), default=DEFAULT_NODE_SIZE, show_default=True,
-              help="Devices per node: the hpz modifier's intra-node group (zero3xhpz).")
-@click.option("--simulate", is_flag=True,
-              help="Also run the composition on the small reference model over simulated devices beside "
-                   "single-device training: match, or the first diverging element.")
-def check(composition: str | None, devices: int | None, model: str | None, params: str | None, precision: str,
-          device_memory: str | None, micro_batch: int | None, seq: int | None, as_json: bool,
-          from_path: str | None = None, report: str | None = None, strategies_path: str | None = None,
-          explain: bool = False, timeout_ms: int = DEFAULT_TIMEOUT_MS, validate: str | None = None,
-          simulate: bool = False, as_csv: bool = False, rlimit: int = DEFAULT_RUN_RLIMIT,
-          node_size: int = DEFAULT_NODE_SIZE) -> None:
+@click.option(
+    "--rlimit",
+    type=WholeNumber(1, 10**12),
+    default=DEFAULT_RUN_RLIMIT,
+    show_default=True,
+    help="z3 resource units (counted solver steps) for the whole verdict: the deterministic limit, "
+    "the same answer on every run; what it cuts short is 'unknown' (exit 3), never valid.",
+)
+@click.option(
+    "--timeout-ms",
+    type=WholeNumber(1, 3_600_000),
+    default=DEFAULT_TIMEOUT_MS,
+    show_default=True,
+    help="Wall-clock limit per z3 query, a safety net for a stalled machine (its outcome can vary "
+    "between runs); a timeout is 'unknown' (exit 3), never valid.",
+)
+@click.option(
+    "--validate",
+    type=click.Choice(["torch"]),
+    default=None,
+    help="Also run the composition with PyTorch (fake process group, small model) and print "
+    "predicted against measured; needs the torch extra.",
+)
+@click.option(
+    "--node-size",
+    type=WholeNumber(1, MAX_DEGREE),
+    default=DEFAULT_NODE_SIZE,
+    show_default=True,
+    help="Devices per node: the hpz modifier's intra-node group (zero3xhpz).",
+)
+@click.option(
+    "--simulate",
+    is_flag=True,
+    help="Also run the composition on the small reference model over simulated devices beside "
+    "single-device training: match, or the first diverging element.",
+)
+def check(
+    composition: str | None,
+    devices: int | None,
+    model: str | None,
+    params: str | None,
+    precision: str,
+    device_memory: str | None,
+    micro_batch: int | None,
+    seq: int | None,
+    as_json: bool,
+    from_path: str | None = None,
+    report: str | None = None,
+    strategies_path: str | None = None,
+    explain: bool = False,
+    timeout_ms: int = DEFAULT_TIMEOUT_MS,
+    validate: str | None = None,
+    simulate: bool = False,
+    as_csv: bool = False,
+    rlimit: int = DEFAULT_RUN_RLIMIT,
+    node_size: int = DEFAULT_NODE_SIZE,
+) -> None:
     """Check COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG: memory, communication and verdict.
 
     Exit codes: 0 valid, 1 invalid (a rule is broken), 2 usage or input error, 3 unknown, 4 internal error."""
@@ -213,8 +280,18 @@ def check(composition: str | None, devices: int | None, model: str | None, param
         report_path = output_path(report, "--report") if report is not None else None
         user = load_strategies(strategies_path) if strategies_path is not None else None
         r = resolve_from(from_path, composition, devices, model, params, precision, micro_batch, seq)
-        analysis = build(r.composition, r.devices, r.model, params, r.precision, device_memory, r.micro_batch, r.seq,
-                         strategies=user, node_size=node_size)
+        analysis = build(
+            r.composition,
+            r.devices,
+            r.model,
+            params,
+            r.precision,
+            device_memory,
+            r.micro_batch,
+            r.seq,
+            strategies=user,
+            node_size=node_size,
+        )
     except InputError as err:
         fail(str(err))
         return
@@ -222,8 +299,15 @@ def check(composition: str | None, devices: int | None, model: str | None, param
         fail(str(err))
         return
     try:
-        verdict = decide(analysis.composition, analysis.program, analysis.model, timeout_ms=timeout_ms,
-                         devices=r.devices, rlimit=rlimit, query_rlimit=min(rlimit, DEFAULT_QUERY_RLIMIT))
+        verdict = decide(
+            analysis.composition,
+            analysis.program,
+            analysis.model,
+            timeout_ms=timeout_ms,
+            devices=r.devices,
+            rlimit=rlimit,
+            query_rlimit=min(rlimit, DEFAULT_QUERY_RLIMIT),
+        )
     except SolverError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(EXIT_UNKNOWN)
@@ -238,6 +322,7 @@ def check(composition: str | None, devices: int | None, model: str | None, param
             fail(str(err))
     if validate is not None:  # PyTorch's own measurements beside the prediction
         from checker._torch_validate import cli_validation
+
         try:
             doc["validation"], validation_text = cli_validation(str(analysis.composition), r.devices)
         except InputError as err:
@@ -245,12 +330,14 @@ def check(composition: str | None, devices: int | None, model: str | None, param
             return
     if simulate:  # the executable reference beside the verdict
         from checker._simulate import run_simulation
+
         doc["simulation"], simulation_text = run_simulation(analysis.composition, user)
     set_outcome(verdict_exit(verdict))
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     elif as_csv:
         from checker._commands_reports import CHECK_CSV_COLUMNS, check_csv_rows, emit
+
         emit(check_csv_rows(doc), CHECK_CSV_COLUMNS, "", True, False)
     else:
         console = terminal()
@@ -271,8 +358,6 @@ def list_strategies() -> None:
         click.echo(f"{name:<10} axis {s.axis.value:<4} {s.description}")
     for mod, text in MODIFIERS.items():
         click.echo(f"{mod:<10} modifier  {text}")
-
-
 
 
 from checker._plan_command import plan_command  # noqa: E402 (the planner)

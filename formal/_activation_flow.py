@@ -92,35 +92,86 @@ def required_sites(program: StepProgram, model: Model) -> list[Site]:
 
     if split(Axis.TP) and any(pl.computes_sharded(Axis.TP, g) for g in pl.groups(State.PARAMETERS)):
         sequence = (State.ACTIVATIONS, LAYER_IO) in set(pl.keys()) and pl.mode(
-            State.ACTIVATIONS, LAYER_IO, Axis.TP).is_sharded
+            State.ACTIVATIONS, LAYER_IO, Axis.TP
+        ).is_sharded
         for ph in phases:
             partial = "row-parallel outputs" if ph is Phase.FORWARD else "column-parallel input gradients"
             if sequence:
-                out.append(Site(Axis.TP, ph, LAYER_IO, OpKind.REDUCE_SCATTER, "shard-sum",
-                                f"{partial} (partial sums, to sequence shards)"))
-                out.append(Site(Axis.TP, ph, LAYER_IO, OpKind.ALL_GATHER, "gather",
-                                "sequence shards read whole by the next column-parallel matrix"))
+                out.append(
+                    Site(
+                        Axis.TP,
+                        ph,
+                        LAYER_IO,
+                        OpKind.REDUCE_SCATTER,
+                        "shard-sum",
+                        f"{partial} (partial sums, to sequence shards)",
+                    )
+                )
+                out.append(
+                    Site(
+                        Axis.TP,
+                        ph,
+                        LAYER_IO,
+                        OpKind.ALL_GATHER,
+                        "gather",
+                        "sequence shards read whole by the next column-parallel matrix",
+                    )
+                )
             else:
                 out.append(Site(Axis.TP, ph, LAYER_IO, OpKind.ALL_REDUCE, "sum", f"{partial} (partial sums)"))
     if split(Axis.TP):
         out += _vocab_sites(pl)
     if split(Axis.CP):
-        out.append(Site(Axis.CP, Phase.FORWARD, LINEAR_INNER, OpKind.ALL_GATHER, "gather",
-                        "keys and values of every sequence chunk"))
-        out.append(Site(Axis.CP, Phase.BACKWARD, LINEAR_INNER, OpKind.REDUCE_SCATTER, "shard-sum",
-                        "key and value gradients (partial sums over query chunks)"))
+        out.append(
+            Site(
+                Axis.CP,
+                Phase.FORWARD,
+                LINEAR_INNER,
+                OpKind.ALL_GATHER,
+                "gather",
+                "keys and values of every sequence chunk",
+            )
+        )
+        out.append(
+            Site(
+                Axis.CP,
+                Phase.BACKWARD,
+                LINEAR_INNER,
+                OpKind.REDUCE_SCATTER,
+                "shard-sum",
+                "key and value gradients (partial sums over query chunks)",
+            )
+        )
         if pl.options.recompute is Recompute.FULL:
-            out.append(Site(Axis.CP, Phase.BACKWARD, LINEAR_INNER, OpKind.ALL_GATHER, "gather",
-                            "keys and values of every chunk, for the recomputed forward"))
+            out.append(
+                Site(
+                    Axis.CP,
+                    Phase.BACKWARD,
+                    LINEAR_INNER,
+                    OpKind.ALL_GATHER,
+                    "gather",
+                    "keys and values of every chunk, for the recomputed forward",
+                )
+            )
     if split(Axis.EP) and any(pl.computes_sharded(Axis.EP, g) for g in pl.groups(State.PARAMETERS)):
         for ph in phases:
-            out.append(Site(Axis.EP, ph, LAYER_IO, OpKind.ALL_TO_ALL, "all-to-all",
-                            "tokens routed to their experts' devices"))
+            out.append(
+                Site(Axis.EP, ph, LAYER_IO, OpKind.ALL_TO_ALL, "all-to-all", "tokens routed to their experts' devices")
+            )
     if split(Axis.PP):
-        out.append(Site(Axis.PP, Phase.FORWARD, LAYER_IO, OpKind.SEND_RECV, "send",
-                        "each stage's output to the next stage"))
-        out.append(Site(Axis.PP, Phase.BACKWARD, LAYER_IO, OpKind.SEND_RECV, "send",
-                        "each stage's input gradient to the previous stage"))
+        out.append(
+            Site(Axis.PP, Phase.FORWARD, LAYER_IO, OpKind.SEND_RECV, "send", "each stage's output to the next stage")
+        )
+        out.append(
+            Site(
+                Axis.PP,
+                Phase.BACKWARD,
+                LAYER_IO,
+                OpKind.SEND_RECV,
+                "send",
+                "each stage's input gradient to the previous stage",
+            )
+        )
     return out
 
 
@@ -139,22 +190,56 @@ def _vocab_sites(pl: Placement) -> list[Site]:
         seq = sequence(EMBEDDING_IO)
         if pl.computes_sharded(Axis.TP, EMBEDDING):
             what = "vocabulary-parallel embedding output (partial sums of each rank's rows)"
-            out.append(Site(Axis.TP, Phase.FORWARD, EMBEDDING_IO, OpKind.REDUCE_SCATTER, "shard-sum",
-                            f"{what}, to sequence shards") if seq else
-                       Site(Axis.TP, Phase.FORWARD, EMBEDDING_IO, OpKind.ALL_REDUCE, "sum", what))
+            out.append(
+                Site(
+                    Axis.TP,
+                    Phase.FORWARD,
+                    EMBEDDING_IO,
+                    OpKind.REDUCE_SCATTER,
+                    "shard-sum",
+                    f"{what}, to sequence shards",
+                )
+                if seq
+                else Site(Axis.TP, Phase.FORWARD, EMBEDDING_IO, OpKind.ALL_REDUCE, "sum", what)
+            )
         if seq:
-            out.append(Site(Axis.TP, Phase.BACKWARD, EMBEDDING_IO, OpKind.ALL_GATHER, "gather",
-                            "sequence shards of the embedding output's gradient, read whole by its backward"))
+            out.append(
+                Site(
+                    Axis.TP,
+                    Phase.BACKWARD,
+                    EMBEDDING_IO,
+                    OpKind.ALL_GATHER,
+                    "gather",
+                    "sequence shards of the embedding output's gradient, read whole by its backward",
+                )
+            )
     if head in groups:
         seq = sequence(OUTPUT_IO)
         if seq:
-            out.append(Site(Axis.TP, Phase.FORWARD, OUTPUT_IO, OpKind.ALL_GATHER, "gather",
-                            "sequence shards of the head's input, read whole by the head"))
+            out.append(
+                Site(
+                    Axis.TP,
+                    Phase.FORWARD,
+                    OUTPUT_IO,
+                    OpKind.ALL_GATHER,
+                    "gather",
+                    "sequence shards of the head's input, read whole by the head",
+                )
+            )
         if pl.computes_sharded(Axis.TP, head):
             what = "vocabulary-parallel head's input gradient (partial sums over vocabulary shards)"
-            out.append(Site(Axis.TP, Phase.BACKWARD, OUTPUT_IO, OpKind.REDUCE_SCATTER, "shard-sum",
-                            f"{what}, to sequence shards") if seq else
-                       Site(Axis.TP, Phase.BACKWARD, OUTPUT_IO, OpKind.ALL_REDUCE, "sum", what))
+            out.append(
+                Site(
+                    Axis.TP,
+                    Phase.BACKWARD,
+                    OUTPUT_IO,
+                    OpKind.REDUCE_SCATTER,
+                    "shard-sum",
+                    f"{what}, to sequence shards",
+                )
+                if seq
+                else Site(Axis.TP, Phase.BACKWARD, OUTPUT_IO, OpKind.ALL_REDUCE, "sum", what)
+            )
     return out
 
 
@@ -165,8 +250,15 @@ def _degree(d: object) -> int:
 
 
 def _site_ops(program: StepProgram, site: Site) -> list[Op]:
-    return [op for op in program.ops if op.state is State.ACTIVATIONS and op.kind is site.kind
-            and op.group == site.group and op.axis is site.axis and op.phase is site.phase]
+    return [
+        op
+        for op in program.ops
+        if op.state is State.ACTIVATIONS
+        and op.kind is site.kind
+        and op.group == site.group
+        and op.axis is site.axis
+        and op.phase is site.phase
+    ]
 
 
 def decide_site(program: StepProgram, site: Site, timeout_ms: int) -> tuple[Obligation, list[Violation]]:
@@ -209,8 +301,12 @@ def decide_site(program: StepProgram, site: Site, timeout_ms: int) -> tuple[Obli
     if answer.result == "unsat" or answer.model is None:
         return Obligation(name, Condition.GRADIENT_INTEGRITY, Status.PROVED, "", answer.seconds, answer.core), []
     model = answer.model
-    bad = next((i, c) for i in range(d) for c in range(d) if (e := expected[i][c]) is not None
-               and z3.is_true(model.eval(value[i][c] != e, model_completion=True)))
+    bad = next(
+        (i, c)
+        for i in range(d)
+        for c in range(d)
+        if (e := expected[i][c]) is not None and z3.is_true(model.eval(value[i][c] != e, model_completion=True))
+    )
     i, c = bad
     got = _show(model.eval(value[i][c], model_completion=True))
     target = expected[i][c]
@@ -219,18 +315,38 @@ def decide_site(program: StepProgram, site: Site, timeout_ms: int) -> tuple[Obli
     listed = [str(op) for op in ops]
     defect = _defect(site, ops)
     witness: dict[str, Any] = {
-        "defect": defect, "phase": site.phase.value, "activation": site.what, "degree": d,
-        "device": i, "chunk": c, "device_value": got, "single_device": want,
-        "start": {f"{j}.{k}": _show(model.eval(start[j][k], model_completion=True))
-                  for j in range(d) for k in range(d)},
+        "defect": defect,
+        "phase": site.phase.value,
+        "activation": site.what,
+        "degree": d,
+        "device": i,
+        "chunk": c,
+        "device_value": got,
+        "single_device": want,
+        "start": {
+            f"{j}.{k}": _show(model.eval(start[j][k], model_completion=True)) for j in range(d) for k in range(d)
+        },
         "ops": listed,
     }
     where = f"device {i} reads {got}" if site.need == "send" else f"device {i} holds {got} of chunk {c}"
-    explanation = (f"A.{site.group.name} along {site.axis.value} in {site.phase.value}: {site.what}: {defect}; "
-                   f"{where} where single-device training has {want}")
-    return (Obligation(name, Condition.GRADIENT_INTEGRITY, Status.REFUTED, "", answer.seconds),
-            [Violation(name, Condition.GRADIENT_INTEGRITY, State.ACTIVATIONS.value, site.group.name,
-                       site.axis.value, explanation, witness)])
+    explanation = (
+        f"A.{site.group.name} along {site.axis.value} in {site.phase.value}: {site.what}: {defect}; "
+        f"{where} where single-device training has {want}"
+    )
+    return (
+        Obligation(name, Condition.GRADIENT_INTEGRITY, Status.REFUTED, "", answer.seconds),
+        [
+            Violation(
+                name,
+                Condition.GRADIENT_INTEGRITY,
+                State.ACTIVATIONS.value,
+                site.group.name,
+                site.axis.value,
+                explanation,
+                witness,
+            )
+        ],
+    )
 
 
 def _apply(op: Op, value: list[list[z3.ArithRef]], d: int, junk: Any) -> list[list[z3.ArithRef]]:
@@ -240,8 +356,10 @@ def _apply(op: Op, value: list[list[z3.ArithRef]], d: int, junk: Any) -> list[li
             sums = [z3.Sum(*(value[j][c] for j in range(d))) * scale for c in range(d)]
             return [list(sums) for _ in range(d)]
         case OpKind.REDUCE_SCATTER:
-            return [[z3.Sum(*(value[j][c] for j in range(d))) * scale if c == i else junk() for c in range(d)]
-                    for i in range(d)]
+            return [
+                [z3.Sum(*(value[j][c] for j in range(d))) * scale if c == i else junk() for c in range(d)]
+                for i in range(d)
+            ]
         case OpKind.ALL_GATHER:
             return [[value[c][c] for c in range(d)] for _ in range(d)]
         case OpKind.ALL_TO_ALL:
@@ -269,8 +387,9 @@ def _show(v: z3.ExprRef) -> int | str:
         return text
 
 
-def decide_activation_exchange(program: StepProgram, model: Model,
-                               timeout_ms: int) -> tuple[list[Obligation], list[Violation]]:
+def decide_activation_exchange(
+    program: StepProgram, model: Model, timeout_ms: int
+) -> tuple[list[Obligation], list[Violation]]:
     """Every site the placement needs; one obligation each."""
     obligations: list[Obligation] = []
     violations: list[Violation] = []

@@ -97,21 +97,23 @@ def _axes_factor(pl: Placement, state: State, group: Group, stage: Stage) -> sp.
     out: sp.Expr = sp.Integer(1)
     for axis, d in pl.mesh:
         entry = pl.entry(state, group, axis)
-        out = out * (pipeline_factor(group, entry, d, stage, pl.layer_share) if axis is Axis.PP
-                     else axis_factor(entry, d))
+        out = out * (
+            pipeline_factor(group, entry, d, stage, pl.layer_share) if axis is Axis.PP else axis_factor(entry, d)
+        )
     return out
 
 
-def state_memory(pl: Placement, state: State, sizes: Mapping[Group, sp.Expr], precision: Precision,
-                 stage: Stage = Stage.FIRST) -> StateMemory:
+def state_memory(
+    pl: Placement, state: State, sizes: Mapping[Group, sp.Expr], precision: Precision, stage: Stage = Stage.FIRST
+) -> StateMemory:
     nbytes = precision.bytes_of(state)
-    rows = tuple((g, exact(sizes[g] * nbytes * _device_factor(pl, state, g, stage)))
-                 for g in pl.groups(state))
+    rows = tuple((g, exact(sizes[g] * nbytes * _device_factor(pl, state, g, stage))) for g in pl.groups(state))
     return StateMemory(state, rows)
 
 
-def host_memory(pl: Placement, sizes: Mapping[Group, sp.Expr], precision: Precision,
-                stage: Stage = Stage.FIRST) -> sp.Expr:
+def host_memory(
+    pl: Placement, sizes: Mapping[Group, sp.Expr], precision: Precision, stage: Stage = Stage.FIRST
+) -> sp.Expr:
     total: sp.Expr = sp.Integer(0)
     for state in MODEL_STATES:
         for g in pl.groups(state):
@@ -146,8 +148,9 @@ def stage_in_flight(pl: Placement, index: int) -> sp.Expr:
     return pl.options.pipeline_schedule.stage_in_flight(p, m, v, index)
 
 
-def peak_activations(pl: Placement, whole: sp.Expr, deferred: sp.Expr, stage: Stage = Stage.FIRST,
-                     index: int | None = None) -> sp.Expr:
+def peak_activations(
+    pl: Placement, whole: sp.Expr, deferred: sp.Expr, stage: Stage = Stage.FIRST, index: int | None = None
+) -> sp.Expr:
     """Activation bytes a device holds at its peak, on ``stage`` or on pipeline stage ``index``:
     the schedule's (``PipelineSchedule.peak_activations``) from ``whole``, the bytes one
     micro-batch holds until its backward, and ``deferred``, what it keeps after it for work the
@@ -173,8 +176,9 @@ def deferred_layer_activations(pl: Placement, sbh: sp.Expr, precision: Precision
     return total
 
 
-def activation_memory(pl: Placement, model: Model, precision: Precision, stage: Stage = Stage.FIRST,
-                      index: int | None = None) -> sp.Expr | None:
+def activation_memory(
+    pl: Placement, model: Model, precision: Precision, stage: Stage = Stage.FIRST, index: int | None = None
+) -> sp.Expr | None:
     """Activation bytes on a device: Korthikanti's per-layer bytes (section 4.1) for the stage's
     layers, plus the input and output layers' bytes (section 4.3) where the stage holds them,
     both through the placement, at the stage's peak (``peak_activations``): for a schedule that
@@ -219,8 +223,7 @@ def io_activations(pl: Placement, io_bytes: Mapping[Group, sp.Expr], stage: Stag
     return total
 
 
-def layer_activations(pl: Placement, per_layer: Mapping[Group, sp.Expr], sbh: sp.Expr,
-                      precision: Precision) -> sp.Expr:
+def layer_activations(pl: Placement, per_layer: Mapping[Group, sp.Expr], sbh: sp.Expr, precision: Precision) -> sp.Expr:
     """Activation bytes one device keeps for one layer and one micro-batch, through the placement.
 
     Works on symbolic sizes too (``per_layer`` from ``formal._model.layer_activation_bytes``).
@@ -249,8 +252,9 @@ def _cp_factor(pl: Placement) -> sp.Expr:
     return 1 / pl.degree(Axis.CP) if Axis.CP in pl.axes else sp.Integer(1)
 
 
-def buffer_memory(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr], precision: Precision,
-                  stage: Stage = Stage.FIRST) -> sp.Expr | None:
+def buffer_memory(
+    pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr], precision: Precision, stage: Stage = Stage.FIRST
+) -> sp.Expr | None:
     """Transient buffers implied by the modes, at their peak.
 
     ``S*`` gathered per use: the largest gather unit (one transformer layer's parameters, or
@@ -288,8 +292,10 @@ def buffer_memory(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr], p
             units[unit] = units.get(unit, sp.Integer(0)) + piece
     # sp.Max, not max(): with symbolic degrees the units may not be comparable (the planner derives
     # costs with symbolic degrees).
-    largest = {st: sp.Max(sp.Integer(0), *(v for k, v in units.items() if k.startswith(st.value)))
-               for st in (State.PARAMETERS, State.GRADIENTS)}
+    largest = {
+        st: sp.Max(sp.Integer(0), *(v for k, v in units.items() if k.startswith(st.value)))
+        for st in (State.PARAMETERS, State.GRADIENTS)
+    }
     return exact(held + sum(largest.values(), sp.Integer(0)))
 
 
@@ -300,14 +306,14 @@ def _needs_buffer(pl: Placement, state: State, group: Group, axis: Axis, entry: 
         case State.PARAMETERS:
             return entry.mode is Mode.SHARDED_GATHER
         case State.GRADIENTS:
-            return (entry.mode is Mode.SHARDED and axis.splits_data
-                    and not pl.computes_sharded(axis, group))
+            return entry.mode is Mode.SHARDED and axis.splits_data and not pl.computes_sharded(axis, group)
         case _:
             return False
 
 
-def memory(pl: Placement, model: Model, precision: Precision, sizes: Mapping[Group, sp.Expr],
-           stage: Stage = Stage.FIRST) -> Memory:
+def memory(
+    pl: Placement, model: Model, precision: Precision, sizes: Mapping[Group, sp.Expr], stage: Stage = Stage.FIRST
+) -> Memory:
     return Memory(
         stage=stage,
         parameters=state_memory(pl, State.PARAMETERS, sizes, precision, stage),
@@ -331,6 +337,7 @@ def most_loaded(pl: Placement, model: Model, precision: Precision, sizes: Mappin
 
 
 # --- communication -------------------------------------------------------------------------
+
 
 def ring_factor(kind: OpKind, n: sp.Expr) -> sp.Expr:
     """Bytes one device sends per byte of the full tensor, ring algorithms (docs/semantics.md, "Costs")."""
@@ -419,8 +426,7 @@ def communication(program: StepProgram, precision: Precision, stage: Stage | Non
         nbytes = precision.wire_bytes_of(op.state)
         volume = exact(op.elements * nbytes * ring_factor(op.kind, n) * count)
         paper = exact(op.elements * paper_factor(op.kind) * count)
-        out.append(Traffic(op.kind, op.axis, op.state, op.group, op.phase.value, op.elements, count,
-                           n, volume, paper))
+        out.append(Traffic(op.kind, op.axis, op.state, op.group, op.phase.value, op.elements, count, n, volume, paper))
     return tuple(out)
 
 
@@ -439,8 +445,15 @@ def transfers(program: StepProgram, precision: Precision) -> tuple[tuple[str, St
     out = []
     for op in program.ops:
         if op.kind.is_transfer:
-            out.append((op.kind.value, op.state, op.group, op.phase.value,
-                        exact(op.elements * precision.bytes_of(op.state) * op.count)))
+            out.append(
+                (
+                    op.kind.value,
+                    op.state,
+                    op.group,
+                    op.phase.value,
+                    exact(op.elements * precision.bytes_of(op.state) * op.count),
+                )
+            )
     return tuple(out)
 
 
@@ -450,8 +463,7 @@ def total_bytes(traffic: tuple[Traffic, ...]) -> sp.Expr:
 
 def model_state_paper_units(traffic: tuple[Traffic, ...]) -> sp.Expr:
     """Elements of model-state collectives in the ZeRO paper's units (divide by Psi for Psi)."""
-    return exact(sum((t.paper_elements for t in traffic if t.state is not State.ACTIVATIONS),
-                            sp.Integer(0)))
+    return exact(sum((t.paper_elements for t in traffic if t.state is not State.ACTIVATIONS), sp.Integer(0)))
 
 
 def bubble_fraction(pl: Placement) -> sp.Expr:

@@ -33,8 +33,12 @@ _SIZE = integer(1, 2**40, nullable=True)  # a dimension; the parameter count bou
 # The keys this reader gives a meaning to, and what each must hold (others are ignored).
 SCHEMA: Schema = {
     "model_type": Expect("a string", (str,), nullable=True),
-    **{key: _SIZE for keys in _ALIASES.values() for key in keys if key not in ("max_position_embeddings",
-                                                                                "n_positions")},
+    **{
+        key: _SIZE
+        for keys in _ALIASES.values()
+        for key in keys
+        if key not in ("max_position_embeddings", "n_positions")
+    },
     "max_position_embeddings": integer(1, MAX_SEQ, nullable=True),
     "n_positions": integer(1, MAX_SEQ, nullable=True),
     "vocab_size": _SIZE,
@@ -73,8 +77,10 @@ def transformer_from_hf(raw: dict[str, Any], where: str = "config.json") -> Tran
     if model_type is None:
         raise ModelError(f"{where}: missing key 'model_type' (supported: {', '.join(SUPPORTED)})")
     if model_type not in SUPPORTED:
-        raise ModelError(f"{where}: model_type {model_type!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED)}); describe it with --params instead")
+        raise ModelError(
+            f"{where}: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED)}); describe it with --params instead"
+        )
     hidden = _int(raw, where, "hidden")
     layers = _int(raw, where, "layers")
     heads = _int(raw, where, "heads")
@@ -85,10 +91,22 @@ def transformer_from_hf(raw: dict[str, Any], where: str = "config.json") -> Tran
     if model_type in GPT2_LIKE:
         ffn = _optional_int(raw, where, "ffn")
         _check_head_dim(raw, where, hidden, heads)
-        return _build(where, name=name, layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq,
-                      ffn=ffn, ffn_kind=Ffn.GELU, norm=Norm.LAYERNORM, bias=True, learned_positions=True,
-                      tied_embeddings=bool(raw.get("tie_word_embeddings", True)),
-                      source=f"Hugging Face config {where} (GPT-2 layout)")
+        return _build(
+            where,
+            name=name,
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            vocab=vocab,
+            seq=seq,
+            ffn=ffn,
+            ffn_kind=Ffn.GELU,
+            norm=Norm.LAYERNORM,
+            bias=True,
+            learned_positions=True,
+            tied_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            source=f"Hugging Face config {where} (GPT-2 layout)",
+        )
     ffn = _int(raw, where, "ffn")
     kv_heads = raw.get("num_key_value_heads", heads)
     if not isinstance(kv_heads, int) or isinstance(kv_heads, bool) or kv_heads <= 0:
@@ -108,11 +126,25 @@ def transformer_from_hf(raw: dict[str, Any], where: str = "config.json") -> Tran
             raise ModelError(f"{where}: num_experts_per_tok={top_k} > num_local_experts={experts}")
     elif "num_experts_per_tok" in raw:
         raise ModelError(f"{where}: num_experts_per_tok without num_local_experts")
-    return _build(where, name=name, layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq,
-                  kv_heads=kv_heads if kv_heads != heads else None, ffn=ffn, ffn_kind=Ffn.SWIGLU,
-                  norm=Norm.RMSNORM, bias=False, learned_positions=False,
-                  tied_embeddings=bool(raw.get("tie_word_embeddings", False)), experts=experts, top_k=top_k,
-                  source=f"Hugging Face config {where} ({model_type} layout)")
+    return _build(
+        where,
+        name=name,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        vocab=vocab,
+        seq=seq,
+        kv_heads=kv_heads if kv_heads != heads else None,
+        ffn=ffn,
+        ffn_kind=Ffn.SWIGLU,
+        norm=Norm.RMSNORM,
+        bias=False,
+        learned_positions=False,
+        tied_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        experts=experts,
+        top_k=top_k,
+        source=f"Hugging Face config {where} ({model_type} layout)",
+    )
 
 
 def _build(where: str, **fields: Any) -> Transformer:
@@ -125,8 +157,10 @@ def _build(where: str, **fields: Any) -> Transformer:
 def _check_head_dim(raw: dict[str, Any], where: str, hidden: int, heads: int) -> None:
     head_dim = raw.get("head_dim")
     if head_dim is not None and heads and head_dim * heads != hidden:
-        raise ModelError(f"{where}: head_dim={head_dim} x num_attention_heads={heads} = {head_dim * heads} "
-                         f"!= hidden_size={hidden} (decoupled head_dim is not representable)")
+        raise ModelError(
+            f"{where}: head_dim={head_dim} x num_attention_heads={heads} = {head_dim * heads} "
+            f"!= hidden_size={hidden} (decoupled head_dim is not representable)"
+        )
 
 
 def _int(raw: dict[str, Any], where: str, quantity: str) -> int:

@@ -41,7 +41,7 @@ def printable(text: str, limit: int | None = None) -> str:
     """
     out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
     if limit is not None and len(out) > limit:
-        out = out[:max(limit - 3, 0)] + "..."
+        out = out[: max(limit - 3, 0)] + "..."
     return out
 
 
@@ -56,10 +56,15 @@ def show(value: object) -> str:
 
 # --- reading --------------------------------------------------------------------------------
 
+
 def _not_regular(mode: int) -> str | None:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return name
     return None if stat.S_ISREG(mode) else "not a regular file"
@@ -116,6 +121,7 @@ def read_text(path: str | Path, label: str, limit: int = MAX_FILE_BYTES) -> str:
 
 
 # --- parsing with bounds --------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class _Refused:
@@ -194,6 +200,7 @@ def check_bounds(doc: Any, label: str) -> None:
 
 # --- schemas ----------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Expect:
     """What one key of a format must hold: one of ``types`` (``bool`` is never an ``int``), or
@@ -224,8 +231,9 @@ class Expect:
         return True
 
 
-def integer(low: int | None = None, high: int | None = None, words: tuple[str, ...] = (),
-            nullable: bool = False) -> Expect:
+def integer(
+    low: int | None = None, high: int | None = None, words: tuple[str, ...] = (), nullable: bool = False
+) -> Expect:
     """An integer from ``low`` to ``high`` (or one of ``words``)."""
     if low is not None and high is not None:
         text = f"an integer from {low:,} to {high:,}"
@@ -292,6 +300,25 @@ def read_document(path: str | Path, label: str, kind: str, schema: Schema | None
     return doc
 
 
-__all__ = ["BOOL", "MAX_DEPTH", "MAX_FILE_BYTES", "MAX_INT", "NUMBER", "OBJECT", "TABLE", "TEXT", "TEXT_LIST",
-           "Expect", "Schema", "check_bounds", "check_schema", "integer", "load_json", "load_toml", "printable",
-           "read_document", "read_text", "show"]
+__all__ = [
+    "BOOL",
+    "MAX_DEPTH",
+    "MAX_FILE_BYTES",
+    "MAX_INT",
+    "NUMBER",
+    "OBJECT",
+    "TABLE",
+    "TEXT",
+    "TEXT_LIST",
+    "Expect",
+    "Schema",
+    "check_bounds",
+    "check_schema",
+    "integer",
+    "load_json",
+    "load_toml",
+    "printable",
+    "read_document",
+    "read_text",
+    "show",
+]

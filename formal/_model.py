@@ -156,22 +156,37 @@ class Transformer:
         ``mask_bytes`` default to Korthikanti's 2 and 1 (10sbh, 24sbh, 5as^2b); a mask stays 1
         byte when activations widen to fp32, unless the engine keeps it as a float tensor.
         """
-        return layer_activation_bytes(sp.Integer(self.seq), sp.Integer(self.micro_batch), sp.Integer(self.hidden),
-                                      sp.Integer(self.heads), element_bytes, mask_bytes)
+        return layer_activation_bytes(
+            sp.Integer(self.seq),
+            sp.Integer(self.micro_batch),
+            sp.Integer(self.hidden),
+            sp.Integer(self.heads),
+            element_bytes,
+            mask_bytes,
+        )
 
-    def io_activation_bytes(self, element_bytes: int = 2, mask_bytes: int = 1,
-                            logits_bytes: int = 4) -> dict[Group, sp.Expr]:
+    def io_activation_bytes(
+        self, element_bytes: int = 2, mask_bytes: int = 1, logits_bytes: int = 4
+    ) -> dict[Group, sp.Expr]:
         """Activation bytes of the input and output layers for one micro-batch, before any
         parallelism: ``io_activation_bytes`` for this model's sizes."""
-        return io_activation_bytes(sp.Integer(self.seq), sp.Integer(self.micro_batch), sp.Integer(self.hidden),
-                                   sp.Integer(self.vocab), element_bytes, mask_bytes, logits_bytes)
+        return io_activation_bytes(
+            sp.Integer(self.seq),
+            sp.Integer(self.micro_batch),
+            sp.Integer(self.hidden),
+            sp.Integer(self.vocab),
+            element_bytes,
+            mask_bytes,
+            logits_bytes,
+        )
 
     def with_micro_batch(self, micro_batch: int) -> Transformer:
         return replace(self, micro_batch=micro_batch)
 
 
-def layer_activation_bytes(seq: sp.Expr, micro_batch: sp.Expr, hidden: sp.Expr, heads: sp.Expr,
-                           element_bytes: int = 2, mask_bytes: int = 1) -> dict[Group, sp.Expr]:
+def layer_activation_bytes(
+    seq: sp.Expr, micro_batch: sp.Expr, hidden: sp.Expr, heads: sp.Expr, element_bytes: int = 2, mask_bytes: int = 1
+) -> dict[Group, sp.Expr]:
     """``Transformer.activation_bytes_per_layer`` for any sizes, symbols included (the proofs
     derive Korthikanti's expressions with ``s, b, h, a`` symbolic)."""
     sbh = seq * micro_batch * hidden
@@ -183,8 +198,15 @@ def layer_activation_bytes(seq: sp.Expr, micro_batch: sp.Expr, hidden: sp.Expr, 
     }
 
 
-def io_activation_bytes(seq: sp.Expr, micro_batch: sp.Expr, hidden: sp.Expr, vocab: sp.Expr,
-                        element_bytes: int = 2, mask_bytes: int = 1, logits_bytes: int = 4) -> dict[Group, sp.Expr]:
+def io_activation_bytes(
+    seq: sp.Expr,
+    micro_batch: sp.Expr,
+    hidden: sp.Expr,
+    vocab: sp.Expr,
+    element_bytes: int = 2,
+    mask_bytes: int = 1,
+    logits_bytes: int = 4,
+) -> dict[Group, sp.Expr]:
     """The input and output layers' activations (Korthikanti et al. 2022, section 4.3).
 
     Input: the dropout on the input embeddings keeps a mask, ``sbh`` 1-byte elements
@@ -291,30 +313,61 @@ class Precision:
 PRECISIONS: dict[str, Precision] = {
     p.name: p
     for p in (
-        Precision("zero", 2, 2, 12, source="Rajbhandari et al., ZeRO (SC'20), section 3.1: K=12",
-                  description="mixed fp16/fp32 Adam: fp16 params and grads, fp32 master+m+v"),
+        Precision(
+            "zero",
+            2,
+            2,
+            12,
+            source="Rajbhandari et al., ZeRO (SC'20), section 3.1: K=12",
+            description="mixed fp16/fp32 Adam: fp16 params and grads, fp32 master+m+v",
+        ),
         # DeepSpeed ZeRO-3 keeps fp16 parameters, one fp32 gradient partition
         # (grad_partitions_flat_buffer, gradient_accumulation_dtype) and fp32 master+Adam:
         # 18 bytes, sharded; the fp16 gradients exist only in reduction buckets and travel in
         # fp16. Source: deepspeed/runtime/zero/stage3.py, estimate_zero3_model_states_mem_needs
         # (gpu_mem = 4 * largest_layer_params + 18 * total_params / total_gpus).
-        Precision("deepspeed", 2, 4, 12, gradient_wire=2,
-                  source="DeepSpeed stage3.py estimate_zero3_model_states_mem_needs: 18 bytes = 2 + 4 + 12",
-                  description="fp16 params, fp32 gradient partition (fp16 on the wire), fp32 master+Adam"),
-        Precision("megatron", 2, 4, 12, gradient_wire=4,
-                  source="Megatron Core docs, Distributed Optimizer: bf16 params, fp32 grads: 18, 6 + 12/d",
-                  description="bf16 params, fp32 main grads, fp32 master+Adam"),
+        Precision(
+            "deepspeed",
+            2,
+            4,
+            12,
+            gradient_wire=2,
+            source="DeepSpeed stage3.py estimate_zero3_model_states_mem_needs: 18 bytes = 2 + 4 + 12",
+            description="fp16 params, fp32 gradient partition (fp16 on the wire), fp32 master+Adam",
+        ),
+        Precision(
+            "megatron",
+            2,
+            4,
+            12,
+            gradient_wire=4,
+            source="Megatron Core docs, Distributed Optimizer: bf16 params, fp32 grads: 18, 6 + 12/d",
+            description="bf16 params, fp32 main grads, fp32 master+Adam",
+        ),
         # The fp32 main gradient lives with the optimizer's partition (4 + 12 = 16 sharded bytes).
-        Precision("megatron-fp16", 2, 2, 16,
-                  source="Megatron Core docs, Distributed Optimizer: fp16 params, fp16 grads: 20, 4 + 16/d",
-                  description="fp16 params and grads; fp32 main grads, master and Adam with the optimizer"),
+        Precision(
+            "megatron-fp16",
+            2,
+            2,
+            16,
+            source="Megatron Core docs, Distributed Optimizer: fp16 params, fp16 grads: 20, 4 + 16/d",
+            description="fp16 params and grads; fp32 main grads, master and Adam with the optimizer",
+        ),
         Precision("fp32", 4, 4, 8, gradient_wire=4, description="pure fp32 Adam: params, grads, m, v"),
-        Precision("fp32-adam", 4, 4, 8, activations=4, gradient_wire=4,
-                  source="torch.optim.Adam on fp32 parameters: exp_avg and exp_avg_sq, 4 bytes each",
-                  description="pure fp32 Adam with fp32 activations (the PyTorch validation runs)"),
+        Precision(
+            "fp32-adam",
+            4,
+            4,
+            8,
+            activations=4,
+            gradient_wire=4,
+            source="torch.optim.Adam on fp32 parameters: exp_avg and exp_avg_sq, 4 bytes each",
+            description="pure fp32 Adam with fp32 activations (the PyTorch validation runs)",
+        ),
         Precision("sgd-momentum", 4, 4, 4, gradient_wire=4, description="fp32 SGD with momentum"),
-        Precision("fp32-sgd", 4, 4, 0, activations=4, gradient_wire=4,
-                  description="fp32 plain SGD (no optimizer state)"),
+        Precision(
+            "fp32-sgd", 4, 4, 0, activations=4, gradient_wire=4, description="fp32 plain SGD (no optimizer state)"
+        ),
     )
 }
 DEFAULT_PRECISION = PRECISIONS["zero"]

@@ -90,14 +90,14 @@ class Strategy:
         return self.compute_sharded is None or group in self.compute_sharded
 
     def with_degree(self, degree: int | None) -> Strategy:
-        return Strategy(self.name, self.axis, degree, self.entries, self.compute_sharded,
-                        self.description, self.source)
+        return Strategy(self.name, self.axis, degree, self.entries, self.compute_sharded, self.description, self.source)
 
     def with_entry(self, state: State, group: Group | None, entry: Entry) -> Strategy:
         table = dict(self.entries)
         table[(state, group)] = entry
-        return Strategy(self.name, self.axis, self.degree, tuple(table.items()),
-                        self.compute_sharded, self.description, self.source)
+        return Strategy(
+            self.name, self.axis, self.degree, tuple(table.items()), self.compute_sharded, self.description, self.source
+        )
 
     def __str__(self) -> str:
         return self.name if self.degree is None else f"{self.name}{self.degree}"
@@ -196,6 +196,14 @@ class Placement:
 
 
 __all__ = [
-    "Entry", "Key", "Options", "Placement", "R", "Recompute", "S", "SG", "Schedule",
+    "Entry",
+    "Key",
+    "Options",
+    "Placement",
+    "R",
+    "Recompute",
+    "S",
+    "SG",
+    "Schedule",
     "Strategy",
 ]

@@ -116,8 +116,9 @@ def group_sizes(model: Model) -> dict[Group, sp.Expr]:
     return {g: sp.Integer(n) for g, n in model.group_elements().items()}
 
 
-def pipeline_factor(group: Group, entry: Entry, p: sp.Expr, stage: Stage,
-                    layer_share: sp.Expr | None = None) -> sp.Expr:
+def pipeline_factor(
+    group: Group, entry: Entry, p: sp.Expr, stage: Stage, layer_share: sp.Expr | None = None
+) -> sp.Expr:
     """Memory factor along pp on a stage (``first``, ``last`` or ``middle``).
 
     Layers are split evenly (1/p), or, with declared uneven stages, ``layer_share`` of them
@@ -158,8 +159,14 @@ def owner_stage(group: Group) -> Stage:
     return Stage.FIRST
 
 
-def shard_elements(pl: Placement, state: State, group: Group, size: sp.Expr,
-                   skip: Axis | Iterable[Axis] | None, stage: Stage | None = None) -> sp.Expr:
+def shard_elements(
+    pl: Placement,
+    state: State,
+    group: Group,
+    size: sp.Expr,
+    skip: Axis | Iterable[Axis] | None,
+    stage: Stage | None = None,
+) -> sp.Expr:
     """Elements one device holds of (state, group), ignoring the axis (or axes) ``skip`` and
     axis-free modes: the tensor a collective along ``skip`` acts on, whole along it.
 
@@ -244,8 +251,17 @@ def derive_program(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr] |
     for g in groups:
         entry_axes = [(axis, pl.entry(O, g, axis)) for axis in pl.axes]
         offset = max((e.offset for _, e in entry_axes if e.mode.is_sharded), default=0)
-        ops.append(Op(OpKind.OPTIMIZER_STEP, O, g, None, Phase.OPTIMIZER,
-                      shard_elements(pl, O, g, sizes[g], None), offset=offset))
+        ops.append(
+            Op(
+                OpKind.OPTIMIZER_STEP,
+                O,
+                g,
+                None,
+                Phase.OPTIMIZER,
+                shard_elements(pl, O, g, sizes[g], None),
+                offset=offset,
+            )
+        )
     # 5. refresh
     for g in groups:
         ops += _refresh_parameters(pl, g, sizes[g])
@@ -257,8 +273,18 @@ def _fetch_parameters(pl: Placement, g: Group, size: sp.Expr, m: sp.Expr, phase:
     # An offloaded shard comes to the device before it can be gathered (ZeRO-Infinity); the
     # other order gathers shards that are not there yet (found by the simulator).
     if pl.local_mode(P, g) is Mode.OFFLOADED:
-        ops.append(Op(OpKind.HOST_TO_DEVICE, P, g, None, phase, shard_elements(pl, P, g, size, None), m,
-                      note="fetch offloaded parameters"))
+        ops.append(
+            Op(
+                OpKind.HOST_TO_DEVICE,
+                P,
+                g,
+                None,
+                phase,
+                shard_elements(pl, P, g, size, None),
+                m,
+                note="fetch offloaded parameters",
+            )
+        )
     # Gathers along several axes run in mesh order, each on what the earlier ones (and, in the
     # backward, the forward's held ones) made whole: ZeRO++ hpZ's forward gathers within the node,
     # then across nodes, and its backward within the node only, from the held secondary copy.
@@ -266,29 +292,51 @@ def _fetch_parameters(pl: Placement, g: Group, size: sp.Expr, m: sp.Expr, phase:
     for axis in pl.axes:
         entry = pl.entry(P, g, axis)
         if entry.mode is Mode.SHARDED_GATHER and not (phase is Phase.BACKWARD and entry.keep_gathered):
-            ops.append(Op(OpKind.ALL_GATHER, P, g, axis, phase, shard_elements(pl, P, g, size, whole | {axis}),
-                          m, offset=entry.offset, note="gather before use"))
+            ops.append(
+                Op(
+                    OpKind.ALL_GATHER,
+                    P,
+                    g,
+                    axis,
+                    phase,
+                    shard_elements(pl, P, g, size, whole | {axis}),
+                    m,
+                    offset=entry.offset,
+                    note="gather before use",
+                )
+            )
             whole.add(axis)
     full = frozenset(axis for axis in pl.axes if not pl.computes_sharded(axis, g))
     ops.append(Op(OpKind.COMPUTE, P, g, None, phase, count=m, full=full))
     return ops
 
 
-def _sync_gradients(pl: Placement, g: Group, size: sp.Expr, m: sp.Expr,
-                    origins: Mapping[tuple[Group, Axis], Origin]) -> list[Op]:
+def _sync_gradients(
+    pl: Placement, g: Group, size: sp.Expr, m: sp.Expr, origins: Mapping[tuple[Group, Axis], Origin]
+) -> list[Op]:
     scatter: list[Op] = []
     reduce: list[Op] = []
     # Without a full-size accumulator (G sharded along a data axis) each micro-batch's
     # gradient is reduce-scattered as it is produced (ZeRO-2/3 under gradient accumulation).
-    per_micro_batch = any(pl.mode(G, g, axis) is Mode.SHARDED and origins[(g, axis)] is Origin.PARTIAL
-                          for axis in pl.axes)
+    per_micro_batch = any(
+        pl.mode(G, g, axis) is Mode.SHARDED and origins[(g, axis)] is Origin.PARTIAL for axis in pl.axes
+    )
     count = m if per_micro_batch else sp.Integer(1)
     for axis in pl.axes:
         origin = origins[(g, axis)]
         d = pl.degree(axis)
         if origin is Origin.SUMMED:
-            reduce.append(Op(OpKind.SCALE, G, g, axis, Phase.GRAD_SYNC, scale=1 / d,
-                             note="normalise a gradient summed over the axis"))
+            reduce.append(
+                Op(
+                    OpKind.SCALE,
+                    G,
+                    g,
+                    axis,
+                    Phase.GRAD_SYNC,
+                    scale=1 / d,
+                    note="normalise a gradient summed over the axis",
+                )
+            )
             continue
         if origin is not Origin.PARTIAL:
             continue
@@ -299,17 +347,31 @@ def _sync_gradients(pl: Placement, g: Group, size: sp.Expr, m: sp.Expr,
         participants = sp.Integer(2) if axis is Axis.PP and d != 1 else None
         o_entry = pl.entry(O, g, axis)
         if entry.mode.is_sharded:
-            scatter.append(Op(OpKind.REDUCE_SCATTER, G, g, axis, Phase.GRAD_SYNC, elements, count, how,
-                              offset=entry.offset))
+            scatter.append(
+                Op(OpKind.REDUCE_SCATTER, G, g, axis, Phase.GRAD_SYNC, elements, count, how, offset=entry.offset)
+            )
         elif o_entry.mode.is_sharded:
             # ZeRO-1 / Megatron's distributed optimizer: the gradient buffer is full size (R), but
             # only the optimizer's shard of it is ever read, so a reduce-scatter onto that shard
             # suffices (ZeRO paper section 7.2.1: P_os moves 2 Psi, like DP).
-            scatter.append(Op(OpKind.REDUCE_SCATTER, G, g, axis, Phase.GRAD_SYNC, elements, count, how,
-                              offset=o_entry.offset, note="only the optimizer's shard is read"))
+            scatter.append(
+                Op(
+                    OpKind.REDUCE_SCATTER,
+                    G,
+                    g,
+                    axis,
+                    Phase.GRAD_SYNC,
+                    elements,
+                    count,
+                    how,
+                    offset=o_entry.offset,
+                    note="only the optimizer's shard is read",
+                )
+            )
         else:
-            reduce.append(Op(OpKind.ALL_REDUCE, G, g, axis, Phase.GRAD_SYNC, elements, count, how,
-                             participants=participants))
+            reduce.append(
+                Op(OpKind.ALL_REDUCE, G, g, axis, Phase.GRAD_SYNC, elements, count, how, participants=participants)
+            )
     # Reduce-scatters along several axes run in reverse mesh order (the transpose of the gathers),
     # each on the gradient still whole along the axes scattered after it.
     scatter.reverse()
@@ -319,8 +381,17 @@ def _sync_gradients(pl: Placement, g: Group, size: sp.Expr, m: sp.Expr,
             scatter[i] = replace(op, elements=shard_elements(pl, G, g, size, later))
     ops = scatter + reduce
     if pl.local_mode(G, g) is Mode.OFFLOADED:
-        ops.append(Op(OpKind.DEVICE_TO_HOST, G, g, None, Phase.GRAD_SYNC, shard_elements(pl, G, g, size, None),
-                      note="gradients to the host optimizer"))
+        ops.append(
+            Op(
+                OpKind.DEVICE_TO_HOST,
+                G,
+                g,
+                None,
+                Phase.GRAD_SYNC,
+                shard_elements(pl, G, g, size, None),
+                note="gradients to the host optimizer",
+            )
+        )
     return ops
 
 
@@ -329,13 +400,32 @@ def _refresh_parameters(pl: Placement, g: Group, size: sp.Expr) -> list[Op]:
     # The host-updated shard comes back first, then replicas are refreshed from it (ZeRO-Offload);
     # gathering first would spread the shards' old values (found by the simulator).
     if pl.local_mode(O, g) is Mode.OFFLOADED and pl.local_mode(P, g) is not Mode.OFFLOADED:
-        ops.append(Op(OpKind.HOST_TO_DEVICE, P, g, None, Phase.REFRESH, shard_elements(pl, O, g, size, None),
-                      note="updated parameters back from the host"))
+        ops.append(
+            Op(
+                OpKind.HOST_TO_DEVICE,
+                P,
+                g,
+                None,
+                Phase.REFRESH,
+                shard_elements(pl, O, g, size, None),
+                note="updated parameters back from the host",
+            )
+        )
     for axis in pl.axes:
         p_entry, o_entry = pl.entry(P, g, axis), pl.entry(O, g, axis)
         if p_entry.mode is Mode.REPLICATED and o_entry.mode.is_sharded:
-            ops.append(Op(OpKind.ALL_GATHER, P, g, axis, Phase.REFRESH, shard_elements(pl, P, g, size, axis),
-                          offset=o_entry.offset, note="refresh replicas after a sharded update"))
+            ops.append(
+                Op(
+                    OpKind.ALL_GATHER,
+                    P,
+                    g,
+                    axis,
+                    Phase.REFRESH,
+                    shard_elements(pl, P, g, size, axis),
+                    offset=o_entry.offset,
+                    note="refresh replicas after a sharded update",
+                )
+            )
     return ops
 
 
@@ -382,8 +472,10 @@ class _ActivationOps:
             # Sequence parallelism: all-gather before, reduce-scatter after, each block
             # (Korthikanti et al. 2022 section 4.2.2): same volume as the all-reduces. ``bsh``
             # skipped tp, so it is already the full (gathered) tensor, not a sequence shard.
-            return [Op(OpKind.ALL_GATHER, A, LAYER_IO, Axis.TP, phase, bsh, 2 * per_layer),
-                    Op(OpKind.REDUCE_SCATTER, A, LAYER_IO, Axis.TP, phase, bsh, 2 * per_layer, Reduce.SUM)]
+            return [
+                Op(OpKind.ALL_GATHER, A, LAYER_IO, Axis.TP, phase, bsh, 2 * per_layer),
+                Op(OpKind.REDUCE_SCATTER, A, LAYER_IO, Axis.TP, phase, bsh, 2 * per_layer, Reduce.SUM),
+            ]
         # Megatron: f/g operators, one all-reduce per attention and per MLP block each way.
         return [Op(OpKind.ALL_REDUCE, A, LAYER_IO, Axis.TP, phase, bsh, 2 * per_layer, Reduce.SUM)]
 
@@ -415,10 +507,35 @@ class _ActivationOps:
             if not self.pl.computes_sharded(Axis.TP, EMBEDDING):
                 return []
             kind = OpKind.REDUCE_SCATTER if seq else OpKind.ALL_REDUCE
-            return [Op(kind, A, EMBEDDING_IO, Axis.TP, phase, bsh, self.m, Reduce.SUM,
-                       note="vocabulary-parallel embedding output (partial sums), first stage")]
-        return [Op(OpKind.ALL_GATHER, A, EMBEDDING_IO, Axis.TP, phase, bsh, self.m,
-                   note="sequence shards of the embedding's output gradient, first stage")] if seq else []
+            return [
+                Op(
+                    kind,
+                    A,
+                    EMBEDDING_IO,
+                    Axis.TP,
+                    phase,
+                    bsh,
+                    self.m,
+                    Reduce.SUM,
+                    note="vocabulary-parallel embedding output (partial sums), first stage",
+                )
+            ]
+        return (
+            [
+                Op(
+                    OpKind.ALL_GATHER,
+                    A,
+                    EMBEDDING_IO,
+                    Axis.TP,
+                    phase,
+                    bsh,
+                    self.m,
+                    note="sequence shards of the embedding's output gradient, first stage",
+                )
+            ]
+            if seq
+            else []
+        )
 
     def _head_ops(self, phase: Phase) -> list[Op]:
         """The vocabulary-parallel head's collectives (last stage; with tied embeddings the
@@ -436,13 +553,38 @@ class _ActivationOps:
             return []
         seq, bsh = self._vocab_setup(OUTPUT_IO)
         if phase is Phase.FORWARD:
-            return [Op(OpKind.ALL_GATHER, A, OUTPUT_IO, Axis.TP, phase, bsh, self.m,
-                       note="sequence shards of the head's input, last stage")] if seq else []
+            return (
+                [
+                    Op(
+                        OpKind.ALL_GATHER,
+                        A,
+                        OUTPUT_IO,
+                        Axis.TP,
+                        phase,
+                        bsh,
+                        self.m,
+                        note="sequence shards of the head's input, last stage",
+                    )
+                ]
+                if seq
+                else []
+            )
         if not self.pl.computes_sharded(Axis.TP, head):
             return []
         kind = OpKind.REDUCE_SCATTER if seq else OpKind.ALL_REDUCE
-        return [Op(kind, A, OUTPUT_IO, Axis.TP, phase, bsh, self.m, Reduce.SUM,
-                   note="vocabulary-parallel head's input gradient (partial sums), last stage")]
+        return [
+            Op(
+                kind,
+                A,
+                OUTPUT_IO,
+                Axis.TP,
+                phase,
+                bsh,
+                self.m,
+                Reduce.SUM,
+                note="vocabulary-parallel head's input gradient (partial sums), last stage",
+            )
+        ]
 
     def _cp_ops(self, phase: Phase) -> list[Op]:
         if Axis.CP not in self.pl.axes or self.pl.degree(Axis.CP) == 1:
@@ -451,12 +593,29 @@ class _ActivationOps:
         kv = sp.Integer(2 * self.model.kv_heads_ * self.model.head_dim)
         full = self._tensor(LINEAR_INNER, Axis.CP, kv)
         count = self._layers_per_stage() * self.m
-        gather = Op(OpKind.ALL_GATHER, A, LINEAR_INNER, Axis.CP, phase, full, count,
-                    note="keys and values across the context-parallel group")
+        gather = Op(
+            OpKind.ALL_GATHER,
+            A,
+            LINEAR_INNER,
+            Axis.CP,
+            phase,
+            full,
+            count,
+            note="keys and values across the context-parallel group",
+        )
         if phase is Phase.FORWARD:
             return [gather]
-        scatter = Op(OpKind.REDUCE_SCATTER, A, LINEAR_INNER, Axis.CP, phase, full, count, Reduce.SUM,
-                     note="key and value gradients back to their context-parallel owners")
+        scatter = Op(
+            OpKind.REDUCE_SCATTER,
+            A,
+            LINEAR_INNER,
+            Axis.CP,
+            phase,
+            full,
+            count,
+            Reduce.SUM,
+            note="key and value gradients back to their context-parallel owners",
+        )
         # Full recomputation replays the forward in backward, keys and values exchange included.
         return [gather, scatter] if self.pl.options.recompute is Recompute.FULL else [scatter]
 
@@ -465,8 +624,18 @@ class _ActivationOps:
             return []
         assert isinstance(self.model, Transformer)
         tokens = self._tensor(LAYER_IO, Axis.EP, sp.Integer(self.model.hidden * max(self.model.top_k, 1)))
-        return [Op(OpKind.ALL_TO_ALL, A, LAYER_IO, Axis.EP, phase, tokens, 2 * self._layers_per_stage() * self.m,
-                   note="token dispatch and combine")]
+        return [
+            Op(
+                OpKind.ALL_TO_ALL,
+                A,
+                LAYER_IO,
+                Axis.EP,
+                phase,
+                tokens,
+                2 * self._layers_per_stage() * self.m,
+                note="token dispatch and combine",
+            )
+        ]
 
     def _pp_ops(self, phase: Phase) -> list[Op]:
         p = self.pl.degree(Axis.PP)
@@ -476,26 +645,56 @@ class _ActivationOps:
         # Once per micro-batch per boundary crossing the schedule makes (once per model chunk).
         sends = sp.Integer(self.pl.options.pipeline_schedule.boundary_sends(self.pl.options.chunks))
         bsh = self._tensor(LAYER_IO, Axis.PP, sp.Integer(self.model.hidden))
-        return [Op(OpKind.SEND_RECV, A, LAYER_IO, Axis.PP, phase, bsh, self.m * sends,
-                   note="activation (forward) or its gradient (backward) to the next stage")]
+        return [
+            Op(
+                OpKind.SEND_RECV,
+                A,
+                LAYER_IO,
+                Axis.PP,
+                phase,
+                bsh,
+                self.m * sends,
+                note="activation (forward) or its gradient (backward) to the next stage",
+            )
+        ]
 
     def forward(self) -> list[Op]:
         if not self.enabled:
             return []
         ph = Phase.FORWARD
-        return (self._embedding_ops(ph) + self._tp_ops(ph, False) + self._cp_ops(ph) + self._ep_ops(ph)
-                + self._pp_ops(ph) + self._head_ops(ph))
+        return (
+            self._embedding_ops(ph)
+            + self._tp_ops(ph, False)
+            + self._cp_ops(ph)
+            + self._ep_ops(ph)
+            + self._pp_ops(ph)
+            + self._head_ops(ph)
+        )
 
     def backward(self) -> list[Op]:
         if not self.enabled:
             return []
         ph = Phase.BACKWARD
         again = self.pl.options.recompute is Recompute.FULL  # the embedding and head are not replayed
-        return (self._head_ops(ph) + self._tp_ops(ph, again) + self._cp_ops(ph) + self._ep_ops(ph)
-                + self._pp_ops(ph) + self._embedding_ops(ph))
+        return (
+            self._head_ops(ph)
+            + self._tp_ops(ph, again)
+            + self._cp_ops(ph)
+            + self._ep_ops(ph)
+            + self._pp_ops(ph)
+            + self._embedding_ops(ph)
+        )
 
 
 __all__ = [
-    "EMBEDDING", "EXPERTS", "Op", "Origin", "SEQUENCE_REGION_GROUPS", "StepProgram", "derive_program",
-    "gradient_origins", "group_sizes", "shard_elements",
+    "EMBEDDING",
+    "EXPERTS",
+    "Op",
+    "Origin",
+    "SEQUENCE_REGION_GROUPS",
+    "StepProgram",
+    "derive_program",
+    "gradient_origins",
+    "group_sizes",
+    "shard_elements",
 ]

@@ -140,6 +140,7 @@ class Numbers:
 
 # --- the model -----------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Tensor:
     """One matrix or vector of a group: its flat positions per layer (shape ``(layers, *shape)``)."""
@@ -174,10 +175,21 @@ class ReferenceModel:
     def transformer(self) -> Transformer:
         """The same model as the cost model and ``derive_program`` read it."""
         return Transformer(
-            "reference", layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab,
-            seq=self.seq, micro_batch=self.micro_batch, ffn=self.ffn, norm=Norm.RMSNORM, bias=False,
-            learned_positions=False, tied_embeddings=self.tied, final_norm=True,
-            source="formal._reference: the executable reference model")
+            "reference",
+            layers=self.layers,
+            hidden=self.hidden,
+            heads=self.heads,
+            vocab=self.vocab,
+            seq=self.seq,
+            micro_batch=self.micro_batch,
+            ffn=self.ffn,
+            norm=Norm.RMSNORM,
+            bias=False,
+            learned_positions=False,
+            tied_embeddings=self.tied,
+            final_norm=True,
+            source="formal._reference: the executable reference model",
+        )
 
     def groups(self) -> tuple[Group, ...]:
         return tuple(_sizes(self))
@@ -193,12 +205,16 @@ class ReferenceModel:
         L_, h, f, V = self.layers, self.hidden, self.ffn, self.vocab
         if group is ATTENTION:
             idx = np.arange(L_ * 4 * h * h).reshape(L_, 4 * h * h)
-            return (Tensor("qkv", idx[:, : 3 * h * h].reshape(L_, h, 3, h), 2),  # columns by head
-                    Tensor("out", idx[:, 3 * h * h:].reshape(L_, h, h), 0))  # rows
+            return (
+                Tensor("qkv", idx[:, : 3 * h * h].reshape(L_, h, 3, h), 2),  # columns by head
+                Tensor("out", idx[:, 3 * h * h :].reshape(L_, h, h), 0),
+            )  # rows
         if group is MLP:
             idx = np.arange(L_ * 2 * h * f).reshape(L_, 2 * h * f)
-            return (Tensor("fc1", idx[:, : h * f].reshape(L_, h, f), 1),
-                    Tensor("fc2", idx[:, h * f:].reshape(L_, f, h), 0))
+            return (
+                Tensor("fc1", idx[:, : h * f].reshape(L_, h, f), 1),
+                Tensor("fc2", idx[:, h * f :].reshape(L_, f, h), 0),
+            )
         if group is NORM:
             norms = np.arange(L_ * 2 * h).reshape(L_, 2, h)
             return (Tensor("norm1", norms[:, 0], None), Tensor("norm2", norms[:, 1], None))
@@ -363,6 +379,7 @@ def loss_and_gradients(model: ReferenceModel, p: Params, batch: Batch, numbers: 
 
 # --- optimizers ----------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Optimizer:
     """An element-wise optimizer. ``slots``: optimizer-state values per parameter element.
@@ -423,9 +440,14 @@ class StepRecord:
     loss: Array
 
 
-def train_single_device(model: ReferenceModel, data: tuple[Batch, ...], optimizer: Optimizer,
-                        numbers: Numbers | None = None, seed: int = 0,
-                        parameters: Mapping[Group, Array] | None = None) -> tuple[StepRecord, ...]:
+def train_single_device(
+    model: ReferenceModel,
+    data: tuple[Batch, ...],
+    optimizer: Optimizer,
+    numbers: Numbers | None = None,
+    seed: int = 0,
+    parameters: Mapping[Group, Array] | None = None,
+) -> tuple[StepRecord, ...]:
     """Train ``model`` on one device, one step per batch; the record of every step's reads.
 
     >>> m = ReferenceModel(); nums = Numbers(Arithmetic.FIELD)
@@ -449,7 +471,19 @@ def train_single_device(model: ReferenceModel, data: tuple[Batch, ...], optimize
 
 
 __all__ = [
-    "FLOAT_TOLERANCE", "FLOAT_WEIGHT_SCALE", "PRIME", "Arithmetic", "Batch", "Numbers", "Optimizer", "OptimizerKind",
-    "ReferenceModel", "StepRecord", "Tensor", "initial_parameters", "loss_and_gradients", "make_data",
+    "FLOAT_TOLERANCE",
+    "FLOAT_WEIGHT_SCALE",
+    "PRIME",
+    "Arithmetic",
+    "Batch",
+    "Numbers",
+    "Optimizer",
+    "OptimizerKind",
+    "ReferenceModel",
+    "StepRecord",
+    "Tensor",
+    "initial_parameters",
+    "loss_and_gradients",
+    "make_data",
     "train_single_device",
 ]

@@ -96,8 +96,14 @@ def _product(terms: Terms, axes: tuple[Axis, ...]) -> Any:
     return out
 
 
-def _divides(size_name: str, value: Callable[[Model], int], axes: tuple[Axis, ...], why: str,
-             when: Callable[[Setting], bool] = lambda s: True, name_axis: Axis | None = None) -> Rule:
+def _divides(
+    size_name: str,
+    value: Callable[[Model], int],
+    axes: tuple[Axis, ...],
+    why: str,
+    when: Callable[[Setting], bool] = lambda s: True,
+    name_axis: Axis | None = None,
+) -> Rule:
     """``size`` divisible by the product of the degrees of ``axes`` (those present)."""
     named = name_axis or axes[-1]
 
@@ -118,15 +124,13 @@ def _divides(size_name: str, value: Callable[[Model], int], axes: tuple[Axis, ..
 
     def explain(mesh: Mapping[Axis, int], s: Setting) -> str:
         size, d, label = parts(mesh, s)
-        return (f"{size_name} {size} is not divisible by {label} {d} "
-                f"({size} = {size // d} x {d} + {size % d}); {why}")
+        return f"{size_name} {size} is not divisible by {label} {d} ({size} = {size // d} x {d} + {size % d}); {why}"
 
     def witness(mesh: Mapping[Axis, int], s: Setting) -> dict[str, Any]:
         size, d, label = parts(mesh, s)
         return {size_name: size, label: d, "remainder": size % d}
 
-    return Rule(f"divides[{size_name}, {named.value}]", Provenance.CORRECTNESS, named, applies, holds, explain,
-                witness)
+    return Rule(f"divides[{size_name}, {named.value}]", Provenance.CORRECTNESS, named, applies, holds, explain, witness)
 
 
 def _transformer(m: Model) -> Transformer:
@@ -136,12 +140,17 @@ def _transformer(m: Model) -> Transformer:
 
 def _orthogonality(axis: Axis) -> Rule:
     return Rule(
-        f"orthogonality[{axis.value}]", Provenance.CORRECTNESS, axis,
+        f"orthogonality[{axis.value}]",
+        Provenance.CORRECTNESS,
+        axis,
         lambda s: axis in s.axes,
         lambda t, s: t.size(f"strategies_on_{axis.value}", len(s.strategies_on.get(axis, ("",)))) <= 1,
-        lambda mesh, s: (f"axis {axis.value} carries {len(s.strategies_on[axis])} strategies "
-                         f"({', '.join(s.strategies_on[axis])}); each axis carries one strategy"),
-        lambda mesh, s: {"axis": axis.value, "strategies": list(s.strategies_on[axis])})
+        lambda mesh, s: (
+            f"axis {axis.value} carries {len(s.strategies_on[axis])} strategies "
+            f"({', '.join(s.strategies_on[axis])}); each axis carries one strategy"
+        ),
+        lambda mesh, s: {"axis": axis.value, "strategies": list(s.strategies_on[axis])},
+    )
 
 
 def _device_count_holds(t: Terms, s: Setting) -> Any:
@@ -176,24 +185,41 @@ def _layers_rule(uneven: bool) -> Rule:
 
     if uneven:  # declared uneven stages: every (virtual) stage holds a whole layer
         return Rule(
-            f"stages_hold_layers[{Axis.PP.value}]", Provenance.CORRECTNESS, Axis.PP, applies,
+            f"stages_hold_layers[{Axis.PP.value}]",
+            Provenance.CORRECTNESS,
+            Axis.PP,
+            applies,
             lambda t, s: stages(t, s) <= layers(t, s),
-            lambda mesh, s: (f"pp {mesh[Axis.PP]} x chunks {s.chunks} = {mesh[Axis.PP] * s.chunks} stages exceed "
-                             f"the {_transformer(s.model).layers} layers; uneven stages still hold at least one "
-                             "whole layer each"),
-            lambda mesh, s: {"layers": _transformer(s.model).layers, "pp": mesh[Axis.PP], "chunks": s.chunks})
+            lambda mesh, s: (
+                f"pp {mesh[Axis.PP]} x chunks {s.chunks} = {mesh[Axis.PP] * s.chunks} stages exceed "
+                f"the {_transformer(s.model).layers} layers; uneven stages still hold at least one "
+                "whole layer each"
+            ),
+            lambda mesh, s: {"layers": _transformer(s.model).layers, "pp": mesh[Axis.PP], "chunks": s.chunks},
+        )
 
     def explain(mesh: Mapping[Axis, int], s: Setting) -> str:
         n, st = _transformer(s.model).layers, mesh[Axis.PP] * s.chunks
-        return (f"layers {n} are not divisible by pp {mesh[Axis.PP]} x chunks {s.chunks} "
-                f"({n} = {n // st} x {st} + {n % st}); stages hold whole layers "
-                "(declare uneven stages with the 'uneven' modifier)")
+        return (
+            f"layers {n} are not divisible by pp {mesh[Axis.PP]} x chunks {s.chunks} "
+            f"({n} = {n // st} x {st} + {n % st}); stages hold whole layers "
+            "(declare uneven stages with the 'uneven' modifier)"
+        )
 
     return Rule(
-        "divides[layers, pp]", Provenance.CORRECTNESS, Axis.PP, applies,
-        lambda t, s: layers(t, s) % stages(t, s) == 0, explain,
-        lambda mesh, s: {"layers": _transformer(s.model).layers, "pp": mesh[Axis.PP], "chunks": s.chunks,
-                         "remainder": _transformer(s.model).layers % (mesh[Axis.PP] * s.chunks)})
+        "divides[layers, pp]",
+        Provenance.CORRECTNESS,
+        Axis.PP,
+        applies,
+        lambda t, s: layers(t, s) % stages(t, s) == 0,
+        explain,
+        lambda mesh, s: {
+            "layers": _transformer(s.model).layers,
+            "pp": mesh[Axis.PP],
+            "chunks": s.chunks,
+            "remainder": _transformer(s.model).layers % (mesh[Axis.PP] * s.chunks),
+        },
+    )
 
 
 def _is_moe(m: Model) -> bool:
@@ -202,59 +228,116 @@ def _is_moe(m: Model) -> bool:
 
 RULES: tuple[Rule, ...] = (
     *(_orthogonality(a) for a in Axis),
-    Rule("device_count", Provenance.CORRECTNESS, None, lambda s: s.devices is not None, _device_count_holds,
-         _device_count_explain, _device_count_witness),
-    _divides("hidden", lambda m: _transformer(m).hidden, (Axis.TP,),
-             "tensor parallelism splits the hidden dimension"),
+    Rule(
+        "device_count",
+        Provenance.CORRECTNESS,
+        None,
+        lambda s: s.devices is not None,
+        _device_count_holds,
+        _device_count_explain,
+        _device_count_witness,
+    ),
+    _divides("hidden", lambda m: _transformer(m).hidden, (Axis.TP,), "tensor parallelism splits the hidden dimension"),
     _divides("heads", lambda m: _transformer(m).heads, (Axis.TP,), "tensor parallelism splits attention heads"),
-    _divides("kv_heads", lambda m: _transformer(m).kv_heads_, (Axis.TP,), "each tp rank needs whole key/value heads",
-             when=lambda s: _transformer(s.model).kv_heads_ != _transformer(s.model).heads),
+    _divides(
+        "kv_heads",
+        lambda m: _transformer(m).kv_heads_,
+        (Axis.TP,),
+        "each tp rank needs whole key/value heads",
+        when=lambda s: _transformer(s.model).kv_heads_ != _transformer(s.model).heads,
+    ),
     _divides("ffn", lambda m: _transformer(m).ffn_, (Axis.TP,), "tensor parallelism splits the FFN dimension"),
-    _divides("vocab", lambda m: _transformer(m).vocab, (Axis.TP,),
-             "the vocabulary-parallel embedding splits the vocabulary (Megatron-LM #1754)"),
+    _divides(
+        "vocab",
+        lambda m: _transformer(m).vocab,
+        (Axis.TP,),
+        "the vocabulary-parallel embedding splits the vocabulary (Megatron-LM #1754)",
+    ),
     _layers_rule(uneven=False),
     _layers_rule(uneven=True),
     _divides("seq", lambda m: _transformer(m).seq, (Axis.CP,), "context parallelism splits the sequence"),
-    _divides("seq", lambda m: _transformer(m).seq, (Axis.CP, Axis.TP),
-             "sequence parallelism splits the sequence across tp",
-             when=lambda s: s.options.sequence_parallel and Axis.TP in s.axes),
-    _divides("experts", lambda m: _transformer(m).experts, (Axis.EP,), "expert parallelism places whole experts",
-             when=lambda s: _is_moe(s.model)),
-    Rule("sp_needs_tp", Provenance.CORRECTNESS, Axis.TP, lambda s: s.options.sequence_parallel,
-         lambda t, s: t.implies(t.flag("sequence_parallel", True), t.present(Axis.TP)),
-         lambda mesh, s: "sequence parallelism splits activations across the tp group, and there is no tp axis",
-         lambda mesh, s: {"sequence_parallel": True, "tp": False}),
-    Rule("ep_needs_moe", Provenance.CORRECTNESS, Axis.EP, lambda s: Axis.EP in s.axes,
-         lambda t, s: t.implies(t.present(Axis.EP), t.flag("moe", _is_moe(s.model))),
-         lambda mesh, s: "expert parallelism needs a mixture-of-experts model, and this model is dense",
-         lambda mesh, s: {"ep": mesh.get(Axis.EP, 1), "experts": getattr(s.model, "experts", 0)}),
-    Rule("cp_needs_attention", Provenance.CORRECTNESS, Axis.CP, lambda s: Axis.CP in s.axes,
-         lambda t, s: t.implies(t.present(Axis.CP), t.flag("attention", isinstance(s.model, Transformer))),
-         lambda mesh, s: ("context parallelism exchanges keys and values in attention, and a bare "
-                          "parameter count has no attention to split"),
-         lambda mesh, s: {"cp": mesh.get(Axis.CP, 1), "model": type(s.model).__name__}),
-    Rule("interleaved_needs_pp", Provenance.CORRECTNESS, Axis.PP, lambda s: s.chunks > 1,
-         lambda t, s: t.implies(t.size("interleaved_chunks", s.chunks) > 1, t.present(Axis.PP)),
-         lambda mesh, s: f"an interleaved schedule (v{s.chunks}) splits pipeline stages, and there is no pp axis",
-         lambda mesh, s: {"chunks": s.chunks, "pp": False}),
+    _divides(
+        "seq",
+        lambda m: _transformer(m).seq,
+        (Axis.CP, Axis.TP),
+        "sequence parallelism splits the sequence across tp",
+        when=lambda s: s.options.sequence_parallel and Axis.TP in s.axes,
+    ),
+    _divides(
+        "experts",
+        lambda m: _transformer(m).experts,
+        (Axis.EP,),
+        "expert parallelism places whole experts",
+        when=lambda s: _is_moe(s.model),
+    ),
+    Rule(
+        "sp_needs_tp",
+        Provenance.CORRECTNESS,
+        Axis.TP,
+        lambda s: s.options.sequence_parallel,
+        lambda t, s: t.implies(t.flag("sequence_parallel", True), t.present(Axis.TP)),
+        lambda mesh, s: "sequence parallelism splits activations across the tp group, and there is no tp axis",
+        lambda mesh, s: {"sequence_parallel": True, "tp": False},
+    ),
+    Rule(
+        "ep_needs_moe",
+        Provenance.CORRECTNESS,
+        Axis.EP,
+        lambda s: Axis.EP in s.axes,
+        lambda t, s: t.implies(t.present(Axis.EP), t.flag("moe", _is_moe(s.model))),
+        lambda mesh, s: "expert parallelism needs a mixture-of-experts model, and this model is dense",
+        lambda mesh, s: {"ep": mesh.get(Axis.EP, 1), "experts": getattr(s.model, "experts", 0)},
+    ),
+    Rule(
+        "cp_needs_attention",
+        Provenance.CORRECTNESS,
+        Axis.CP,
+        lambda s: Axis.CP in s.axes,
+        lambda t, s: t.implies(t.present(Axis.CP), t.flag("attention", isinstance(s.model, Transformer))),
+        lambda mesh, s: (
+            "context parallelism exchanges keys and values in attention, and a bare "
+            "parameter count has no attention to split"
+        ),
+        lambda mesh, s: {"cp": mesh.get(Axis.CP, 1), "model": type(s.model).__name__},
+    ),
+    Rule(
+        "interleaved_needs_pp",
+        Provenance.CORRECTNESS,
+        Axis.PP,
+        lambda s: s.chunks > 1,
+        lambda t, s: t.implies(t.size("interleaved_chunks", s.chunks) > 1, t.present(Axis.PP)),
+        lambda mesh, s: f"an interleaved schedule (v{s.chunks}) splits pipeline stages, and there is no pp axis",
+        lambda mesh, s: {"chunks": s.chunks, "pp": False},
+    ),
     # Megatron-LM's interleaved schedule (megatron/core/pipeline_parallel/schedules.py,
     # forward_backward_pipelining_with_interleaving) raises "number of microbatches is not
     # divisible by pipeline-model-parallel-size when using interleaved schedule". The
     # mathematics does not need it: any m >= 1 trains the same model.
-    Rule("megatron_interleaved_m_multiple_of_pp", Provenance.FRAMEWORK, Axis.PP,
-         lambda s: s.chunks > 1 and Axis.PP in s.axes,
-         lambda t, s: t.micro_batches % t.degree(Axis.PP) == 0,
-         lambda mesh, s: (f"Megatron-LM's interleaved schedule needs the micro-batch count to be a multiple of pp "
-                          f"(m {s.options.micro_batches}, pp {mesh.get(Axis.PP, 1)}); other engines run it as is"),
-         lambda mesh, s: {"micro_batches": s.options.micro_batches, "pp": mesh.get(Axis.PP, 1)}),
+    Rule(
+        "megatron_interleaved_m_multiple_of_pp",
+        Provenance.FRAMEWORK,
+        Axis.PP,
+        lambda s: s.chunks > 1 and Axis.PP in s.axes,
+        lambda t, s: t.micro_batches % t.degree(Axis.PP) == 0,
+        lambda mesh, s: (
+            f"Megatron-LM's interleaved schedule needs the micro-batch count to be a multiple of pp "
+            f"(m {s.options.micro_batches}, pp {mesh.get(Axis.PP, 1)}); other engines run it as is"
+        ),
+        lambda mesh, s: {"micro_batches": s.options.micro_batches, "pp": mesh.get(Axis.PP, 1)},
+    ),
 )
 
 
 def setting_for(composition: Composition, model: Model, devices: int | None = None) -> Setting:
     """The setting of a concrete composition: the axes it has terms on, and its terms per axis."""
     mesh = composition.mesh()
-    return Setting(model, composition.options, frozenset(mesh), devices,
-                   {axis: tuple(str(s) for s in composition.strategies if s.axis is axis) for axis in mesh})
+    return Setting(
+        model,
+        composition.options,
+        frozenset(mesh),
+        devices,
+        {axis: tuple(str(s) for s in composition.strategies if s.axis is axis) for axis in mesh},
+    )
 
 
 def applicable(setting: Setting, provenance: Provenance | None = None) -> tuple[Rule, ...]:
@@ -298,5 +381,14 @@ class Concrete:
         return self.setting.options.micro_batches
 
 
-__all__ = ["RULES", "Concrete", "Provenance", "Rule", "Setting", "Terms", "applicable", "framework_notes",
-           "setting_for"]
+__all__ = [
+    "RULES",
+    "Concrete",
+    "Provenance",
+    "Rule",
+    "Setting",
+    "Terms",
+    "applicable",
+    "framework_notes",
+    "setting_for",
+]

@@ -107,8 +107,16 @@ class PipelineSchedule(ABC):
     def stage_in_flight(self, p: sp.Expr, m: sp.Expr, v: sp.Expr, index: int) -> sp.Expr:
         """Micro-batches whose activations pipeline stage ``index`` (0 .. p-1) holds at its peak."""
 
-    def peak_activations(self, p: sp.Expr, m: sp.Expr, v: sp.Expr, whole: sp.Expr, deferred: sp.Expr,
-                         stage: Stage, index: int | None = None) -> sp.Expr:
+    def peak_activations(
+        self,
+        p: sp.Expr,
+        m: sp.Expr,
+        v: sp.Expr,
+        whole: sp.Expr,
+        deferred: sp.Expr,
+        stage: Stage,
+        index: int | None = None,
+    ) -> sp.Expr:
         """Activation bytes a device holds at its peak: on pipeline stage ``index`` (0 .. p-1),
         or, without one, on a device of ``stage`` (a middle stage: an upper bound). ``whole``:
         the bytes one micro-batch holds on the device from its forward until its backward;
@@ -249,18 +257,32 @@ class ZeroBubbleH1(OneFOneB):
     refusals = (
         # torchtitan/distributed/pipeline_parallel.py: a multi-stage schedule needs two or more
         # stages per rank, and ScheduleZBVZeroBubble exactly two in a V; ZB-H1 runs one per rank.
-        (TORCHTITAN, "ZB-H1 (its zero-bubble schedules, InterleavedZeroBubble and ZBVZeroBubble, run two or "
-                     "more stages per rank)"),
+        (
+            TORCHTITAN,
+            "ZB-H1 (its zero-bubble schedules, InterleavedZeroBubble and ZBVZeroBubble, run two or "
+            "more stages per rank)",
+        ),
         (DEEPSPEED, "a zero-bubble schedule (its pipeline engine runs 1F1B)"),
         # The authors' fork: "--zero-bubble-max-pending-backward ... 1 x number of pipelines will
         # get a schedule like ZB1P" (README of sail-sg/zero-bubble-pipeline-parallelism).
-        (MEGATRON, "a zero-bubble schedule (the authors' fork, sail-sg/zero-bubble-pipeline-parallelism, runs "
-                   "ZB-H1 with --enable-zero-bubble --zero-bubble-max-pending-backward <pp>)"),
+        (
+            MEGATRON,
+            "a zero-bubble schedule (the authors' fork, sail-sg/zero-bubble-pipeline-parallelism, runs "
+            "ZB-H1 with --enable-zero-bubble --zero-bubble-max-pending-backward <pp>)",
+        ),
     )
     deferred_activations = ((LAYER_IO, 4), (LINEAR_INNER, 12))
 
-    def peak_activations(self, p: sp.Expr, m: sp.Expr, v: sp.Expr, whole: sp.Expr, deferred: sp.Expr,
-                         stage: Stage, index: int | None = None) -> sp.Expr:
+    def peak_activations(
+        self,
+        p: sp.Expr,
+        m: sp.Expr,
+        v: sp.Expr,
+        whole: sp.Expr,
+        deferred: sp.Expr,
+        stage: Stage,
+        index: int | None = None,
+    ) -> sp.Expr:
         n = sp.Min(p, m)
         if index is not None:  # whole after a forward, deferred after a backward (docstring)
             whole_f, deferred_b = sp.Min(p - index, m), sp.Min(index + 1, m)
@@ -280,9 +302,7 @@ class ZeroBubbleH1(OneFOneB):
 
 
 # In the order the composition language lists their modifiers.
-SCHEDULES: dict[Schedule, PipelineSchedule] = {
-    s.kind: s for s in (Interleaved(), GPipe(), OneFOneB(), ZeroBubbleH1())
-}
+SCHEDULES: dict[Schedule, PipelineSchedule] = {s.kind: s for s in (Interleaved(), GPipe(), OneFOneB(), ZeroBubbleH1())}
 DEFAULT_SCHEDULE: Schedule = next(k for k, s in SCHEDULES.items() if s.default)
 
 
@@ -308,8 +328,7 @@ def modifier_help() -> dict[str, str]:
 
 def for_torchtitan(name: str) -> Schedule | None:
     """The schedule torchtitan's ``pipeline_parallel_schedule = name`` runs (case-insensitive)."""
-    return next((s.kind for s in SCHEDULES.values() if s.torchtitan and s.torchtitan.lower() == name.lower()),
-                None)
+    return next((s.kind for s in SCHEDULES.values() if s.torchtitan and s.torchtitan.lower() == name.lower()), None)
 
 
 def torchtitan_names() -> tuple[str, ...]:
@@ -318,6 +337,17 @@ def torchtitan_names() -> tuple[str, ...]:
 
 
 __all__ = [
-    "DEFAULT_SCHEDULE", "DEEPSPEED", "MEGATRON", "SCHEDULES", "TORCHTITAN", "PipelineSchedule", "Schedule",
-    "for_term", "for_torchtitan", "modifier_help", "schedule_of", "schedules", "torchtitan_names",
+    "DEFAULT_SCHEDULE",
+    "DEEPSPEED",
+    "MEGATRON",
+    "SCHEDULES",
+    "TORCHTITAN",
+    "PipelineSchedule",
+    "Schedule",
+    "for_term",
+    "for_torchtitan",
+    "modifier_help",
+    "schedule_of",
+    "schedules",
+    "torchtitan_names",
 ]

@@ -96,16 +96,31 @@ class _Traffic:
 class _StateOps:
     """Runs the program's ops on parameters, gradients and optimizer state."""
 
-    def __init__(self, program: StepProgram, mesh: _Mesh, layout: _Layout, states: _States, traffic: _Traffic,
-                 judge: _Judge, optimizer: Optimizer, numbers: Numbers, precision: Precision) -> None:
+    def __init__(
+        self,
+        program: StepProgram,
+        mesh: _Mesh,
+        layout: _Layout,
+        states: _States,
+        traffic: _Traffic,
+        judge: _Judge,
+        optimizer: Optimizer,
+        numbers: Numbers,
+        precision: Precision,
+    ) -> None:
         self.ops, self.pl = program.ops, program.placement
         self.mesh, self.layout, self.states, self.traffic, self.judge = mesh, layout, states, traffic, judge
         self.optimizer, self.n, self.precision = optimizer, numbers, precision
         # The axes the program reduce-scatters each group's gradient along: a reduce-scatter acts
         # on the gradient still whole along those it has not scattered yet (``states.scattered``).
         self.scatter_axes: dict[Group, frozenset[Axis]] = {
-            g: frozenset(op.axis for op in self.ops if op.group == g and op.state is G and op.axis is not None
-                         and op.kind is OpKind.REDUCE_SCATTER) for g in states.groups}
+            g: frozenset(
+                op.axis
+                for op in self.ops
+                if op.group == g and op.state is G and op.axis is not None and op.kind is OpKind.REDUCE_SCATTER
+            )
+            for g in states.groups
+        }
 
     def _wire(self, state: State) -> int:
         return self.precision.wire_bytes_of(state)
@@ -143,17 +158,23 @@ class _StateOps:
             # flat shards between those two (the participants), as for any replicated group.
             tied = axis is Axis.PP and op.group in self.pl.tied
             structural = (axis is Axis.PP and not tied) or (
-                axis is Axis.TP and self.pl.computes_sharded(Axis.TP, op.group))
+                axis is Axis.TP and self.pl.computes_sharded(Axis.TP, op.group)
+            )
 
-            def piece_of(d: Device, structural: bool = structural, bases: dict[Device, IndexArray] = bases,
-                         deg: int = deg, tied: bool = tied, members: list[Device] = members) -> IndexArray:
+            def piece_of(
+                d: Device,
+                structural: bool = structural,
+                bases: dict[Device, IndexArray] = bases,
+                deg: int = deg,
+                tied: bool = tied,
+                members: list[Device] = members,
+            ) -> IndexArray:
                 if structural:
                     return np.intersect1d(bases[d], self.layout.compute(op.group, d))
                 if tied:
                     return _chunk(bases[d], len(members), (members.index(d) - op.offset) % len(members))
                 if whole:  # its shard along the axis, whole along the others made whole
-                    return self.layout.holding(op.state, op.group, d, skip=whole, offsets={axis: op.offset},
-                                               force=axis)
+                    return self.layout.holding(op.state, op.group, d, skip=whole, offsets={axis: op.offset}, force=axis)
                 return _chunk(bases[d], deg, (self.mesh.coord(d, axis) - op.offset) % deg)
 
             for d in members:
@@ -214,7 +235,8 @@ class _StateOps:
                     pos = self.layout.holding(G, g, dev)
                     alive = st.live[dev][g][pos]
                     st.host.setdefault((G, dev, g), n.zeros(st.model.size(g)))[pos] = np.where(
-                        alive, st.G[dev][g][pos], 0)
+                        alive, st.G[dev][g][pos], 0
+                    )
                 case (OpKind.DEVICE_TO_HOST, State.PARAMETERS):
                     pos = self.layout.holding(P, g, dev)
                     st.host.setdefault((P, dev, g), n.zeros(st.model.size(g)))[pos] = st.P[dev][g][pos]

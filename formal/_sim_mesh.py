@@ -31,8 +31,9 @@ class _Mesh:
         self.axes: tuple[Axis, ...] = tuple(a for a, _ in pl.mesh)
         self.degrees: dict[Axis, int] = {a: int(d) for a, d in pl.mesh}
         shape = [self.degrees[a] for a in self.axes]
-        self.coords: list[dict[Axis, int]] = [dict(zip(self.axes, c, strict=True))
-                                              for c in itertools.product(*[range(n) for n in shape])]
+        self.coords: list[dict[Axis, int]] = [
+            dict(zip(self.axes, c, strict=True)) for c in itertools.product(*[range(n) for n in shape])
+        ]
         self.devices = range(len(self.coords))
         self._index = {tuple(c[a] for a in self.axes): i for i, c in enumerate(self.coords)}
 
@@ -77,7 +78,7 @@ def _chunk(positions: IndexArray, d: int, k: int) -> IndexArray:
     if n % d:
         raise SimulationError(f"{n} elements do not split evenly into {d} shards")
     size = n // d
-    return positions[k * size:(k + 1) * size]
+    return positions[k * size : (k + 1) * size]
 
 
 class _Layout:
@@ -159,8 +160,15 @@ class _Layout:
             self._cache[key] = self._structural(group, dev, None, split)
         return self._cache[key]
 
-    def holding(self, state: State, group: Group, dev: Device, skip: Axis | Iterable[Axis] | None = None,
-                offsets: dict[Axis, int] | None = None, force: Axis | None = None) -> IndexArray:
+    def holding(
+        self,
+        state: State,
+        group: Group,
+        dev: Device,
+        skip: Axis | Iterable[Axis] | None = None,
+        offsets: dict[Axis, int] | None = None,
+        force: Axis | None = None,
+    ) -> IndexArray:
         """Positions a device holds of (state, group) by its placement (the axes ``skip`` ignored:
         the union of what the devices along them hold).
 
@@ -180,10 +188,17 @@ class _Layout:
         pp_mode = Mode.REPLICATED  # no pipeline axis, or ignored: every stage's share
         if Axis.PP in entries and Axis.PP not in skipped and entries[Axis.PP].mode.is_sharded:
             pp_mode = Mode.SHARDED
-        tp_split = (Axis.TP in entries and Axis.TP not in skipped and entries[Axis.TP].mode.is_sharded
-                    and pl.computes_sharded(Axis.TP, group))
-        flat = [a for a in sorted(self.mesh.axes, key=lambda a: a is not Axis.DPR)
-                if a is not Axis.PP and (entries[a].mode.is_sharded or a is force) and not (a is Axis.TP and tp_split)]
+        tp_split = (
+            Axis.TP in entries
+            and Axis.TP not in skipped
+            and entries[Axis.TP].mode.is_sharded
+            and pl.computes_sharded(Axis.TP, group)
+        )
+        flat = [
+            a
+            for a in sorted(self.mesh.axes, key=lambda a: a is not Axis.DPR)
+            if a is not Axis.PP and (entries[a].mode.is_sharded or a is force) and not (a is Axis.TP and tp_split)
+        ]
         split = [a for a in flat if self.mesh.degree(a) > 1]
         union = [a for a in split if a in skipped] if len(split) > 1 else []
         if union:  # several flat axes nest: ignoring one is the union over its coordinates
@@ -204,11 +219,17 @@ class _Layout:
         self._cache[key] = pos
         return pos
 
-    def mask(self, state: State | None, group: Group, dev: Device,
-             skip: Axis | Iterable[Axis] | None = None) -> npt.NDArray[np.bool_]:
+    def mask(
+        self, state: State | None, group: Group, dev: Device, skip: Axis | Iterable[Axis] | None = None
+    ) -> npt.NDArray[np.bool_]:
         """``holding`` (or ``compute`` when ``state`` is None) as a boolean mask over the group."""
-        key: tuple[object, ...] = ("mask", state, group, dev,
-                                   frozenset({skip} if isinstance(skip, Axis) else skip or ()))
+        key: tuple[object, ...] = (
+            "mask",
+            state,
+            group,
+            dev,
+            frozenset({skip} if isinstance(skip, Axis) else skip or ()),
+        )
         if key not in self._masks:
             keep = np.zeros(self.model.size(group), dtype=bool)
             keep[self.compute(group, dev) if state is None else self.holding(state, group, dev, skip)] = True
@@ -217,12 +238,21 @@ class _Layout:
 
     def structural_axes(self, state: State, group: Group) -> list[Axis]:
         """Sharded axes that split the group by structure: pipeline stages and TP slices."""
-        return [a for a in self.mesh.axes if self.pl.entry(state, group, a).mode.is_sharded
-                and (a is Axis.PP or (a is Axis.TP and self.pl.computes_sharded(Axis.TP, group)))]
+        return [
+            a
+            for a in self.mesh.axes
+            if self.pl.entry(state, group, a).mode.is_sharded
+            and (a is Axis.PP or (a is Axis.TP and self.pl.computes_sharded(Axis.TP, group)))
+        ]
 
     def sharded_axes(self, state: State, group: Group) -> list[Axis]:
-        return [a for a in self.mesh.axes if self.pl.entry(state, group, a).mode.is_sharded and a is not Axis.PP
-                and not (a is Axis.TP and self.pl.computes_sharded(Axis.TP, group))]
+        return [
+            a
+            for a in self.mesh.axes
+            if self.pl.entry(state, group, a).mode.is_sharded
+            and a is not Axis.PP
+            and not (a is Axis.TP and self.pl.computes_sharded(Axis.TP, group))
+        ]
 
 
 @dataclass(frozen=True)
@@ -247,8 +277,9 @@ class _Geometry:
         replicas = int(np.prod([mesh.degree(a) for a in data_axes])) if data_axes else 1
         s_chunk = model.seq // cp if model.seq % cp == 0 else 0
         if not s_chunk or (sp and s_chunk % t):
-            raise SimulationError(f"seq={model.seq} does not split into cp({cp})"
-                                  + (f" x tp({t}) sequence shards" if sp else ""))
+            raise SimulationError(
+                f"seq={model.seq} does not split into cp({cp})" + (f" x tp({t}) sequence shards" if sp else "")
+            )
         if model.vocab % t or model.hidden % t or model.ffn % t:
             raise SimulationError(f"vocab, hidden and ffn must divide by tp({t})")
         return cls(pl.options.micro_batches, t, cp, sp, data_axes, replicas, s_chunk)

@@ -58,8 +58,7 @@ class _Exchanges:
     def _instances(self, kind: OpKind, group: Group, axis: Axis, phase: Phase) -> list[int]:
         return self.act_ops.get((kind, group, axis, phase), [])
 
-    def act(self, kind: OpKind, group: Group, axis: Axis, phase: Phase, vals: PerDevice,
-            dim: int = 1) -> PerDevice:
+    def act(self, kind: OpKind, group: Group, axis: Axis, phase: Phase, vals: PerDevice, dim: int = 1) -> PerDevice:
         """An activation collective along ``axis`` at one site of the model, as the program says."""
         if self.mesh.degree(axis) == 1:
             return vals
@@ -119,8 +118,17 @@ class _Exchanges:
 class _Passes:
     """One micro-batch of the reference model on every device, as the program's exchanges allow."""
 
-    def __init__(self, model: ReferenceModel, pl: Placement, mesh: _Mesh, layout: _Layout, geometry: _Geometry,
-                 numbers: Numbers, states: _States, exchanges: _Exchanges) -> None:
+    def __init__(
+        self,
+        model: ReferenceModel,
+        pl: Placement,
+        mesh: _Mesh,
+        layout: _Layout,
+        geometry: _Geometry,
+        numbers: Numbers,
+        states: _States,
+        exchanges: _Exchanges,
+    ) -> None:
         self.model, self.pl, self.mesh, self.layout, self.n = model, pl, mesh, layout, numbers
         self.states, self.exchanges = states, exchanges
         self.m, self.t, self.sp, self.s_chunk = geometry.m, geometry.t, geometry.sp, geometry.s_chunk
@@ -253,7 +261,7 @@ class _Passes:
         b = self.model.micro_batch
         start = (replica * self.m + mb) * b
         sl = self._seq_slice(dev)
-        return batch.tokens[start:start + b, sl], batch.targets[start:start + b, sl]
+        return batch.tokens[start : start + b, sl], batch.targets[start : start + b, sl]
 
     def _vocab_range(self, dev: Device) -> tuple[int, int]:
         per = self.model.vocab // self.t
@@ -312,7 +320,7 @@ class _Passes:
         for d in x:
             _, targets = self._batch_of(d, batch, mb)
             head = self._w(d, head_group, 0)
-            lo, hi = (self._vocab_range(d) if head_split else (0, self.model.vocab))
+            lo, hi = self._vocab_range(d) if head_split else (0, self.model.vocab)
             dlogits = n.scale(targets[..., lo:hi], Fraction(1, tokens_local))
             grad = n.mm(dlogits.reshape(-1, hi - lo).T, xf_full[d].reshape(-1, h))
             self._add_grad(d, head_group, 0, None, grad)

@@ -39,15 +39,26 @@ class Divergence:
 
     def __str__(self) -> str:
         mb = f", micro-batch {self.micro_batch}" if self.micro_batch is not None else ""
-        return (f"step {self.step} {self.phase}{mb}: {self.state.value}.{self.group.name} {self.element} "
-                f"on device {self.device} ({self.coordinates}): expected {self.expected}, got {self.got}")
+        return (
+            f"step {self.step} {self.phase}{mb}: {self.state.value}.{self.group.name} {self.element} "
+            f"on device {self.device} ({self.coordinates}): expected {self.expected}, got {self.got}"
+        )
 
     def as_json(self) -> dict[str, object]:
-        return {"step": self.step, "phase": self.phase, "micro_batch": self.micro_batch,
-                "state": self.state.value, "group": self.group.name, "device": self.device,
-                "coordinates": self.coordinates, "position": self.position, "element": self.element,
-                "expected": self.expected, "got": self.got,
-                "comparison": "bit-for-bit" if self.exact else "tolerance"}
+        return {
+            "step": self.step,
+            "phase": self.phase,
+            "micro_batch": self.micro_batch,
+            "state": self.state.value,
+            "group": self.group.name,
+            "device": self.device,
+            "coordinates": self.coordinates,
+            "position": self.position,
+            "element": self.element,
+            "expected": self.expected,
+            "got": self.got,
+            "comparison": "bit-for-bit" if self.exact else "tolerance",
+        }
 
 
 @dataclass(frozen=True)
@@ -79,20 +90,30 @@ class SimulationResult:
         """Every measured figure that differs from the cost model (empty: they agree)."""
         if not self.complete:
             return ()
-        out = [f"op {t.index} {t.op}: simulated {t.bytes} bytes/step, cost model {t.expected_bytes}"
-               for t in self.traffic if t.expected_bytes is not None and t.bytes != t.expected_bytes]
-        out += [f"{stage} {state.value}: simulated {sim} bytes, cost model {cost}"
-                for stage, state, sim, cost in self.memory if sim != cost]
-        out += [f"{stage} host: simulated {sim} bytes, cost model {cost}" for stage, sim, cost in self.host
-                if sim != cost]
+        out = [
+            f"op {t.index} {t.op}: simulated {t.bytes} bytes/step, cost model {t.expected_bytes}"
+            for t in self.traffic
+            if t.expected_bytes is not None and t.bytes != t.expected_bytes
+        ]
+        out += [
+            f"{stage} {state.value}: simulated {sim} bytes, cost model {cost}"
+            for stage, state, sim, cost in self.memory
+            if sim != cost
+        ]
+        out += [
+            f"{stage} host: simulated {sim} bytes, cost model {cost}" for stage, sim, cost in self.host if sim != cost
+        ]
         return tuple(out)
 
     def as_json(self) -> dict[str, object]:
         return {
-            "matches": self.matches, "steps": self.steps, "devices": self.devices,
+            "matches": self.matches,
+            "steps": self.steps,
+            "devices": self.devices,
             "arithmetic": self.arithmetic.value,
-            "comparison": "bit-for-bit" if self.arithmetic is Arithmetic.FIELD else
-            f"relative tolerance {FLOAT_TOLERANCE}",
+            "comparison": "bit-for-bit"
+            if self.arithmetic is Arithmetic.FIELD
+            else f"relative tolerance {FLOAT_TOLERANCE}",
             "divergence": None if self.divergence is None else self.divergence.as_json(),
             "cost_model_agrees": not self.cost_mismatches if self.complete else None,
             "cost_mismatches": list(self.cost_mismatches),
@@ -123,8 +144,17 @@ class _Judge:
             raise AssertionError("no step is being run")
         return self.ref
 
-    def check(self, state: State, group: Group, dev: Device, positions: IndexArray, got: Array,
-              expected: Array, phase: str, micro_batch: int | None) -> None:
+    def check(
+        self,
+        state: State,
+        group: Group,
+        dev: Device,
+        positions: IndexArray,
+        got: Array,
+        expected: Array,
+        phase: str,
+        micro_batch: int | None,
+    ) -> None:
         if not len(positions):
             return
         exact = self.n.kind is Arithmetic.FIELD
@@ -139,5 +169,19 @@ class _Judge:
         element = self.model.locate(group, pos)
         if state is O and got.ndim == 2:
             element += f" slot {int(bad[0])}"
-        raise _Diverged(Divergence(self.step, phase, micro_batch, state, group, dev, self.mesh.text(dev), pos,
-                                   element, self.n.as_text(exp_v), self.n.as_text(got_v), exact))
+        raise _Diverged(
+            Divergence(
+                self.step,
+                phase,
+                micro_batch,
+                state,
+                group,
+                dev,
+                self.mesh.text(dev),
+                pos,
+                element,
+                self.n.as_text(exp_v),
+                self.n.as_text(got_v),
+                exact,
+            )
+        )

@@ -27,8 +27,9 @@ Masks = dict[Device, dict[Group, npt.NDArray[np.bool_]]]
 class _States:
     """Every device's buffers of parameters, gradients and optimizer state, and the host store."""
 
-    def __init__(self, model: ReferenceModel, pl: Placement, mesh: _Mesh, layout: _Layout,
-                 optimizer: Optimizer, numbers: Numbers) -> None:
+    def __init__(
+        self, model: ReferenceModel, pl: Placement, mesh: _Mesh, layout: _Layout, optimizer: Optimizer, numbers: Numbers
+    ) -> None:
         self.model, self.pl, self.mesh, self.layout = model, pl, mesh, layout
         self.optimizer, self.n = optimizer, numbers
         self.groups = tuple(pl.groups(P))
@@ -135,8 +136,11 @@ class _States:
             # After the forward, what was gathered along the holding axes stays (FSDP SGO: all of
             # it; ZeRO++ hpZ: the secondary partition, whole across nodes), fetched offloaded
             # parameters included.
-            held = frozenset() if after_backward else frozenset(
-                a for a in self.mesh.axes if self.pl.entry(P, g, a).keep_gathered)
+            held = (
+                frozenset()
+                if after_backward
+                else frozenset(a for a in self.mesh.axes if self.pl.entry(P, g, a).keep_gathered)
+            )
             self.gathered[g] &= held
             for dev in self.mesh.devices:
                 if g in self.offloaded[P] and not held:

@@ -80,8 +80,14 @@ class Simulator:
     ``judge`` (each read against single-device training). The simulator runs the step loop.
     """
 
-    def __init__(self, program: StepProgram, model: ReferenceModel, optimizer: Optimizer, numbers: Numbers,
-                 precision: Precision = DEFAULT_PRECISION) -> None:
+    def __init__(
+        self,
+        program: StepProgram,
+        model: ReferenceModel,
+        optimizer: Optimizer,
+        numbers: Numbers,
+        precision: Precision = DEFAULT_PRECISION,
+    ) -> None:
         pl = program.placement
         self.program, self.model, self.optimizer, self.n, self.precision = program, model, optimizer, numbers, precision
         self.pl = pl
@@ -107,8 +113,9 @@ class Simulator:
         self.judge = _Judge(model, self.mesh, numbers)
         self.states = _States(model, pl, self.mesh, self.layout, optimizer, numbers)
         self.groups, self.offloaded = self.states.groups, self.states.offloaded
-        self.state_ops = _StateOps(program, self.mesh, self.layout, self.states, self.tallies, self.judge,
-                                   optimizer, numbers, precision)
+        self.state_ops = _StateOps(
+            program, self.mesh, self.layout, self.states, self.tallies, self.judge, optimizer, numbers, precision
+        )
         self.exchanges = _Exchanges(program, self.mesh, numbers, self.tallies)
         self.passes = _Passes(model, pl, self.mesh, self.layout, self.geometry, numbers, self.states, self.exchanges)
 
@@ -129,8 +136,16 @@ class Simulator:
                 self.state_ops.run(i)
                 for dev in self.mesh.devices:
                     pos = self.layout.compute(op.group, dev)
-                    self.judge.check(P, op.group, dev, pos, held[dev][op.group][pos],
-                                     self.judge.record.parameters[op.group][pos], phase.value, mb)
+                    self.judge.check(
+                        P,
+                        op.group,
+                        dev,
+                        pos,
+                        held[dev][op.group][pos],
+                        self.judge.record.parameters[op.group][pos],
+                        phase.value,
+                        mb,
+                    )
                     read[dev].setdefault(op.group, held[dev][op.group].copy())
             elif op.kind is not OpKind.COMPUTE:
                 self.state_ops.run(i)
@@ -175,8 +190,13 @@ class Simulator:
             run_op(i)
 
     # ---- driver ------------------------------------------------------------------------------
-    def run(self, data: tuple[Batch, ...], records: tuple[StepRecord, ...], p0: dict[Group, Array],
-            stop_at_divergence: bool = True) -> tuple[Divergence | None, bool]:
+    def run(
+        self,
+        data: tuple[Batch, ...],
+        records: tuple[StepRecord, ...],
+        p0: dict[Group, Array],
+        stop_at_divergence: bool = True,
+    ) -> tuple[Divergence | None, bool]:
         """Train on ``data`` from ``p0``, each step judged against ``records``.
 
         Returns the first divergence (None: none) and whether every step ran.
@@ -228,9 +248,17 @@ class Simulator:
         return tuple(rows), tuple(host_rows)
 
 
-def simulate_program(program: StepProgram, model: ReferenceModel, *, optimizer: Optimizer | None = None,
-                     arithmetic: Arithmetic = Arithmetic.FIELD, steps: int = 2, seed: int = 0,
-                     precision: Precision = DEFAULT_PRECISION, stop_at_divergence: bool = True) -> SimulationResult:
+def simulate_program(
+    program: StepProgram,
+    model: ReferenceModel,
+    *,
+    optimizer: Optimizer | None = None,
+    arithmetic: Arithmetic = Arithmetic.FIELD,
+    steps: int = 2,
+    seed: int = 0,
+    precision: Precision = DEFAULT_PRECISION,
+    stop_at_divergence: bool = True,
+) -> SimulationResult:
     """Run ``program`` on the simulated mesh and single-device training side by side.
 
     ``steps`` training steps are checked, plus one more whose reads check the last update.
@@ -245,13 +273,25 @@ def simulate_program(program: StepProgram, model: ReferenceModel, *, optimizer: 
     divergence, complete = sim.run(data, records, p0, stop_at_divergence)
     memory, host = sim.memory()
     return SimulationResult(
-        matches=divergence is None, divergence=divergence, steps=steps + 1, devices=len(sim.mesh.devices),
-        arithmetic=arithmetic, traffic=sim.traffic(steps + 1) if complete else (), memory=memory, host=host,
-        complete=complete)
+        matches=divergence is None,
+        divergence=divergence,
+        steps=steps + 1,
+        devices=len(sim.mesh.devices),
+        arithmetic=arithmetic,
+        traffic=sim.traffic(steps + 1) if complete else (),
+        memory=memory,
+        host=host,
+        complete=complete,
+    )
 
 
-def simulate(composition: Composition, model: ReferenceModel | None = None, *,
-             program: StepProgram | None = None, **kwargs: object) -> SimulationResult:
+def simulate(
+    composition: Composition,
+    model: ReferenceModel | None = None,
+    *,
+    program: StepProgram | None = None,
+    **kwargs: object,
+) -> SimulationResult:
     """Simulate a composition (its degrees, micro-batches and options) on the reference model.
 
     ``program``: a step program to run instead of the derived one (a user's or a mutated one).
@@ -276,8 +316,16 @@ def reference_for(composition: Composition, base: ReferenceModel | None = None) 
     while hidden % heads:
         hidden += t
     seq = _multiple(base.seq, cp * (t if composition.options.sequence_parallel else 1))
-    return ReferenceModel(layers=layers, hidden=hidden, heads=heads, ffn=_multiple(base.ffn, t),
-                          vocab=_multiple(base.vocab, t), seq=seq, micro_batch=base.micro_batch, tied=base.tied)
+    return ReferenceModel(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        ffn=_multiple(base.ffn, t),
+        vocab=_multiple(base.vocab, t),
+        seq=seq,
+        micro_batch=base.micro_batch,
+        tied=base.tied,
+    )
 
 
 def _multiple(value: int, k: int) -> int:
@@ -285,6 +333,11 @@ def _multiple(value: int, k: int) -> int:
 
 
 __all__ = [
-    "Divergence", "OpTraffic", "SimulationResult", "Simulator", "reference_for", "simulate",
+    "Divergence",
+    "OpTraffic",
+    "SimulationResult",
+    "Simulator",
+    "reference_for",
+    "simulate",
     "simulate_program",
 ]

@@ -108,13 +108,20 @@ def _notes(composition: Composition, program: StepProgram) -> list[str]:
     notes: list[str] = []
     m = pl.options.micro_batches
     if Axis.PP in pl.axes and _int_degree(pl.degree(Axis.PP)) > 1 and isinstance(m, int) and m > 1:
-        sharded = sorted({a.value for g in pl.groups(P) for a in pl.axes
-                          if a.splits_data and pl.mode(G, g, a) is Mode.SHARDED
-                          and program.origin(g, a) is Origin.PARTIAL})
+        sharded = sorted(
+            {
+                a.value
+                for g in pl.groups(P)
+                for a in pl.axes
+                if a.splits_data and pl.mode(G, g, a) is Mode.SHARDED and program.origin(g, a) is Origin.PARTIAL
+            }
+        )
         if sharded:
-            notes.append(f"gradients sharded along {', '.join(sharded)} under a pipeline with m={m} micro-batches: "
-                         f"valid, but they are reduce-scattered once per micro-batch ({m}x the traffic of one "
-                         f"reduction) or need unsharded accumulators. {DEEPSPEED_PP_NOTE}")
+            notes.append(
+                f"gradients sharded along {', '.join(sharded)} under a pipeline with m={m} micro-batches: "
+                f"valid, but they are reduce-scattered once per micro-batch ({m}x the traffic of one "
+                f"reduction) or need unsharded accumulators. {DEEPSPEED_PP_NOTE}"
+            )
     if program.derived is False or pl.user_program:
         notes.append("the step program was given, not derived: the verdict judges that program")
     return notes
@@ -131,8 +138,7 @@ _MEMO: dict[tuple[_IntegrityCase | _ConsistencyCase, int], tuple[tuple[Obligatio
 _MEMO_LIMIT = 50_000  # 0 turns remembering off (the benchmark's worst case: every group its own query)
 
 
-def _memo(case: _IntegrityCase | _ConsistencyCase, group: Group,
-          timeout_ms: int) -> tuple[Obligation, list[Violation]]:
+def _memo(case: _IntegrityCase | _ConsistencyCase, group: Group, timeout_ms: int) -> tuple[Obligation, list[Violation]]:
     budget = current_budget()
     key = (case, budget.query_rlimit if budget is not None else 0)
     hit = _MEMO.get(key)
@@ -155,10 +161,26 @@ def _memo(case: _IntegrityCase | _ConsistencyCase, group: Group,
             _MEMO[key] = (answer, units)
         fresh = True
     ob, found = answer
-    named = Obligation(_named(ob.name, group), ob.condition, ob.status, ob.reason_unknown,
-                       ob.seconds if fresh else 0.0, tuple(_named(c, group) for c in ob.core))
-    return named, [Violation(_named(v.rule, group), v.condition, v.state, group.name, v.axis,
-                             _named(v.explanation, group), _named_values(v.witness, group)) for v in found]
+    named = Obligation(
+        _named(ob.name, group),
+        ob.condition,
+        ob.status,
+        ob.reason_unknown,
+        ob.seconds if fresh else 0.0,
+        tuple(_named(c, group) for c in ob.core),
+    )
+    return named, [
+        Violation(
+            _named(v.rule, group),
+            v.condition,
+            v.state,
+            group.name,
+            v.axis,
+            _named(v.explanation, group),
+            _named_values(v.witness, group),
+        )
+        for v in found
+    ]
 
 
 def clear_cache() -> None:
@@ -183,11 +205,17 @@ def _named_values(witness: dict[str, Any], group: Group) -> dict[str, Any]:
     return {k: rename(v) for k, v in witness.items()}
 
 
-
-def decide(composition: Composition, program: StepProgram, model: Model, *,
-           timeout_ms: int = DEFAULT_TIMEOUT_MS, devices: int | None = None,
-           rlimit: int = DEFAULT_RUN_RLIMIT, query_rlimit: int = DEFAULT_QUERY_RLIMIT,
-           run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S) -> Verdict:
+def decide(
+    composition: Composition,
+    program: StepProgram,
+    model: Model,
+    *,
+    timeout_ms: int = DEFAULT_TIMEOUT_MS,
+    devices: int | None = None,
+    rlimit: int = DEFAULT_RUN_RLIMIT,
+    query_rlimit: int = DEFAULT_QUERY_RLIMIT,
+    run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
+) -> Verdict:
     """Decide the composition rules, gradient integrity and state consistency of ``program``.
 
     ``devices``: the device count the degrees must multiply to (the ``device_count`` rule),
@@ -202,8 +230,9 @@ def decide(composition: Composition, program: StepProgram, model: Model, *,
     return replace(verdict, units=budget.used, rlimit=budget.run_rlimit)
 
 
-def _decide(composition: Composition, program: StepProgram, model: Model, timeout_ms: int,
-            devices: int | None) -> Verdict:
+def _decide(
+    composition: Composition, program: StepProgram, model: Model, timeout_ms: int, devices: int | None
+) -> Verdict:
     obligations: list[Obligation] = []
     violations: list[Violation] = []
     ob, found = _decide_composition(composition, model, devices, timeout_ms)
@@ -228,10 +257,20 @@ def _decide(composition: Composition, program: StepProgram, model: Model, timeou
                 if v.rule not in labels:
                     labels.add(v.rule)
                     violations.append(v)
-    notes = [*_notes(composition, program), *framework_notes(setting_for(composition, model, devices),
-                                                             composition.mesh())]
+    notes = [
+        *_notes(composition, program),
+        *framework_notes(setting_for(composition, model, devices), composition.mesh()),
+    ]
     return Verdict(tuple(obligations), tuple(violations), tuple(notes))
 
 
-__all__ = ["DEFAULT_QUERY_RLIMIT", "DEFAULT_RUN_RLIMIT", "DEFAULT_RUN_TIMEOUT_S", "DEFAULT_TIMEOUT_MS",
-           "MAX_CONSISTENCY_DEVICES", "MAX_EXPLICIT_DEVICES", "clear_cache", "decide"]
+__all__ = [
+    "DEFAULT_QUERY_RLIMIT",
+    "DEFAULT_RUN_RLIMIT",
+    "DEFAULT_RUN_TIMEOUT_S",
+    "DEFAULT_TIMEOUT_MS",
+    "MAX_CONSISTENCY_DEVICES",
+    "MAX_EXPLICIT_DEVICES",
+    "clear_cache",
+    "decide",
+]

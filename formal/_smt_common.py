@@ -126,7 +126,6 @@ class _Index:
         return self.modes.get((state, group), {}).get(axis, Entry(Mode.REPLICATED))
 
 
-
 def _erased(op: Op) -> Op:
     """The op with its group erased and its size dropped (neither matters to a verdict)."""
     return replace(op, group=PLACEHOLDER, elements=sp.Integer(0), note="")

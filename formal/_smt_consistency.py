@@ -23,8 +23,10 @@ class _Z3Terms:
 
     def __init__(self) -> None:
         real = z3.RealSort()
-        self.upd = {"upd_p": z3.Function("upd_p", real, real, real, real),
-                    "upd_o": z3.Function("upd_o", real, real, real, real)}
+        self.upd = {
+            "upd_p": z3.Function("upd_p", real, real, real, real),
+            "upd_o": z3.Function("upd_o", real, real, real, real),
+        }
         self.cache: dict[_T, z3.ArithRef] = {}
 
     def __call__(self, t: _T) -> z3.ArithRef:
@@ -73,9 +75,16 @@ def _time(check: _Check) -> tuple[int, int]:
     return int(where["step"]), int(where["op"])
 
 
-def _root_causes(run: _AxisRun, solver: _Solver, terms: _Z3Terms, distinct: list[_Check],
-                 indicator: dict[int, z3.BoolRef], define: Callable[[_Check], z3.BoolRef], goal: z3.BoolRef,
-                 found: dict[str, tuple[str, dict[str, Any], int]]) -> float:
+def _root_causes(
+    run: _AxisRun,
+    solver: _Solver,
+    terms: _Z3Terms,
+    distinct: list[_Check],
+    indicator: dict[int, z3.BoolRef],
+    define: Callable[[_Check], z3.BoolRef],
+    goal: z3.BoolRef,
+    found: dict[str, tuple[str, dict[str, Any], int]],
+) -> float:
     """Fill ``found`` with every rule that can fail first, each with a decoded counterexample."""
     checks = [(indicator[id(c)] if id(c) in indicator else define(c), c) for c in distinct]
     definitions = [lit for lit in solver.literals if not lit.eq(goal)]
@@ -107,7 +116,10 @@ def _root_causes(run: _AxisRun, solver: _Solver, terms: _Z3Terms, distinct: list
                 continue
             read = check.values[0] if check.values else None
             witness: dict[str, Any] = {
-                **dict(check.where), "state": check.state.value, "degree": run.degree, "modelled_devices": run.d,
+                **dict(check.where),
+                "state": check.state.value,
+                "degree": run.degree,
+                "modelled_devices": run.d,
                 "single_device": str(check.expected),
                 "single_device_value": _number(model.eval(terms(check.expected), model_completion=True)),
             }
@@ -144,8 +156,9 @@ def _decide_consistency(run: _AxisRun, timeout_ms: int) -> tuple[Obligation, lis
         seen_exact.add((check.label, check.values, check.expected))
         distinct.append(check)
         names: dict[tuple[str, int], int] = {}
-        renaming = tuple(names.setdefault(leaf, len(names))
-                         for t in (*check.values, check.expected) for leaf in t.leaves)
+        renaming = tuple(
+            names.setdefault(leaf, len(names)) for t in (*check.values, check.expected) for leaf in t.leaves
+        )
         key = (check.label, tuple(v.shape for v in check.values), check.expected.shape, renaming)
         if key not in seen_renamed:
             seen_renamed.add(key)
@@ -160,26 +173,34 @@ def _decide_consistency(run: _AxisRun, timeout_ms: int) -> tuple[Obligation, lis
         indicator[id(check)] = literal
         return literal
 
-    goal = solver.track(f"state_consistency[{name}]", z3.Or(*[define(c) for c in representatives])
-                        if representatives else False)
+    goal = solver.track(
+        f"state_consistency[{name}]", z3.Or(*[define(c) for c in representatives]) if representatives else False
+    )
     first = solver.check()
     seconds = first.seconds
     found: dict[str, tuple[str, dict[str, Any], int]] = {}
     if first.model is not None:
         seconds += _root_causes(run, solver, terms, distinct, indicator, define, goal, found)
     status = Status.REFUTED if found else _status(first, violated_when="sat")
-    obligation = Obligation(f"state_consistency[{name}]", Condition.STATE_CONSISTENCY, status,
-                            first.reason, seconds, first.core)
+    obligation = Obligation(
+        f"state_consistency[{name}]", Condition.STATE_CONSISTENCY, status, first.reason, seconds, first.core
+    )
     violations = []
     for label, (rule, witness, count) in found.items():
         state = witness["state"]
         witness["failing_reads"] = count
-        where_text = (f"step {witness['step']}, {witness.get('phase', 'end of step')}, device {witness['device']}"
-                      if "device" in witness else f"end of step {witness['step']}")
-        explanation = (f"{_EXPLAIN[rule]}: {state}.{run.group.name} chunk {witness['chunk']} along "
-                       f"{run.axis.value} ({where_text}) reads {witness.get('read', 'nothing current')} "
-                       f"where single-device training has {witness['single_device']}")
+        where_text = (
+            f"step {witness['step']}, {witness.get('phase', 'end of step')}, device {witness['device']}"
+            if "device" in witness
+            else f"end of step {witness['step']}"
+        )
+        explanation = (
+            f"{_EXPLAIN[rule]}: {state}.{run.group.name} chunk {witness['chunk']} along "
+            f"{run.axis.value} ({where_text}) reads {witness.get('read', 'nothing current')} "
+            f"where single-device training has {witness['single_device']}"
+        )
         axis = None if rule == "fetch_before_use" else run.axis.value
-        violations.append(Violation(label, Condition.STATE_CONSISTENCY, state, run.group.name, axis,
-                                    explanation, witness))
+        violations.append(
+            Violation(label, Condition.STATE_CONSISTENCY, state, run.group.name, axis, explanation, witness)
+        )
     return obligation, violations

@@ -113,13 +113,15 @@ class _ConsistencyCase:
 
 def _consistency_case(index: _Index, group: Group, axis: Axis) -> _ConsistencyCase:
     return _ConsistencyCase(
-        axis, index.degrees[axis],
+        axis,
+        index.degrees[axis],
         (index.entry(P, group, axis), index.entry(O, group, axis), index.entry(G, group, axis)),
         (index.local.get((P, group)), index.local.get((O, group)), index.local.get((G, group))),
         tuple(op for op in index.ops.get(group, []) if op.state in (P, O, G) and op.axis in (None, axis)),
         index.placement.computes_sharded(axis, group),
         any(index.entry(P, group, a).keep_gathered for a in index.placement.axes),
-        index.entry(P, group, axis).keep_gathered)
+        index.entry(P, group, axis).keep_gathered,
+    )
 
 
 @dataclass
@@ -136,8 +138,9 @@ class _AxisRun:
         self.entry = dict(zip((P, O, G), self.case.entries, strict=True))
         self.local = dict(zip((P, O, G), self.case.local, strict=True))
         self.ops = list(self.case.ops)
-        raw = sorted({e.offset % self.degree for e in self.entry.values()}
-                     | {op.offset % self.degree for op in self.ops} | {0})
+        raw = sorted(
+            {e.offset % self.degree for e in self.entry.values()} | {op.offset % self.degree for op in self.ops} | {0}
+        )
         if self.degree <= MAX_CONSISTENCY_DEVICES:
             self.d = self.degree
             self.offsets = {o: o for o in raw}
@@ -145,11 +148,15 @@ class _AxisRun:
             self.d = max(MAX_CONSISTENCY_DEVICES, len(raw))
             self.offsets = {o: i for i, o in enumerate(raw)}
         self.hold: dict[Holder, dict[int, _T]] = {
-            (host, i, st): {} for host in (False, True) for i in range(self.d) for st in (P, O, G)}
+            (host, i, st): {} for host in (False, True) for i in range(self.d) for st in (P, O, G)
+        }
         self.ref: dict[State, list[_T]] = {st: [_T(f"{st.value}0", k) for k in range(self.d)] for st in (P, O)}
         self.junk = 0
-        self.names = {"P": f"P.{self.group.name}, {self.axis.value}", "O": f"O.{self.group.name}, {self.axis.value}",
-                      "G": f"G.{self.group.name}, {self.axis.value}"}
+        self.names = {
+            "P": f"P.{self.group.name}, {self.axis.value}",
+            "O": f"O.{self.group.name}, {self.axis.value}",
+            "G": f"G.{self.group.name}, {self.axis.value}",
+        }
 
     # -- partitions and holdings
     def off(self, offset: int) -> int:
@@ -203,8 +210,9 @@ class _AxisRun:
             label = f"fetch_before_use[P.{self.group.name}]"
         else:
             label = f"{rule}[{self.names[state.value]}]"
-        self.checks.append(_Check(state, rule, label, f"[{self.names[state.value]}]", values, expected,
-                                  tuple(where.items())))
+        self.checks.append(
+            _Check(state, rule, label, f"[{self.names[state.value]}]", values, expected, tuple(where.items()))
+        )
 
     def compute_rule(self, full: bool) -> str:
         entry = self.entry[P]
@@ -270,8 +278,9 @@ class _AxisRun:
             for st in (P, O):
                 for k in range(self.d):
                     holders = tuple(dict.fromkeys(h[k] for (_, _, s), h in self.hold.items() if s is st and k in h))
-                    self.check(st, "coverage", holders, self.ref[st][k], step=step, op=len(self.ops), chunk=k,
-                               at="end of step")
+                    self.check(
+                        st, "coverage", holders, self.ref[st][k], step=step, op=len(self.ops), chunk=k, at="end of step"
+                    )
             for key in self.hold:
                 if key[2] is G:
                     self.hold[key] = {}  # gradients live for one step
@@ -409,4 +418,3 @@ class _AxisRun:
             args = (self.ref[P][k], self.ref[O][k], gradient[k])
             self.ref[P][k] = _T("upd_p", k, args=args)
             self.ref[O][k] = _T("upd_o", k, args=args)
-

@@ -88,9 +88,14 @@ def _integrity_case(index: _Index, group: Group, axis: Axis) -> _IntegrityCase:
     if axis is Axis.PP and group in index.placement.tied:
         degree = min(degree, 2)  # a tied embedding lives on the first and the last stage
     host = _reads_host_gradient(index, group)
-    return _IntegrityCase(axis, degree, index.origins.get((group, axis), Origin.COMPLETE),
-                          index.entry(G, group, axis).mode.is_sharded, tuple(_gradient_ops(index, group, axis, host)),
-                          host)
+    return _IntegrityCase(
+        axis,
+        degree,
+        index.origins.get((group, axis), Origin.COMPLETE),
+        index.entry(G, group, axis).mode.is_sharded,
+        tuple(_gradient_ops(index, group, axis, host)),
+        host,
+    )
 
 
 def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation, list[Violation]]:
@@ -149,8 +154,9 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
             trimmed = True
             kept = [z3.Real(f"t{n}_{i}") for i in range(k)]
             kept_rest = z3.Real(f"t{n}_rest")
-            solver.track(f"free_outside_shard[{name}]",
-                         z3.And(kept[0] == values[0], *[v == 0 for v in kept[1:]], kept_rest == 0))
+            solver.track(
+                f"free_outside_shard[{name}]", z3.And(kept[0] == values[0], *[v == 0 for v in kept[1:]], kept_rest == 0)
+            )
             values, rest_v = kept, kept_rest
         if trimmed and op.kind.is_reduction:
             late.append(op)
@@ -173,19 +179,25 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
     solver.track(f"integrity[{name}]", z3.Or(*[read[i] != reference for i in owners]))
     answer = solver.check()
     status = _status(answer, violated_when="sat")
-    obligation = Obligation(f"gradient_integrity[{name}]", Condition.GRADIENT_INTEGRITY, status,
-                            answer.reason, answer.seconds, answer.core)
+    obligation = Obligation(
+        f"gradient_integrity[{name}]", Condition.GRADIENT_INTEGRITY, status, answer.reason, answer.seconds, answer.core
+    )
     if answer.model is None:
         return obligation, []
     model = answer.model
     ref_value = _number(model.eval(reference, model_completion=True))
     held = {str(i): _number(model.eval(read[i], model_completion=True)) for i in owners}
-    rule, defect = _classify_integrity(origin, ops, axis, degree, late,
-                                       copied if case.host and host is not None else None)
+    rule, defect = _classify_integrity(
+        origin, ops, axis, degree, late, copied if case.host and host is not None else None
+    )
     witness: dict[str, Any] = {
-        "defect": defect, "origin": origin.value, "degree": degree, "modelled_devices": k,
+        "defect": defect,
+        "origin": origin.value,
+        "degree": degree,
+        "modelled_devices": k,
         "contributions": {str(i): _number(model.eval(contributions[i], model_completion=True)) for i in range(k)},
-        "devices": held, "single_device": ref_value,
+        "devices": held,
+        "single_device": ref_value,
         "disagreeing_devices": [i for i in held if held[i] != ref_value],
         "ops": [str(op) for op in ops],
     }
@@ -197,42 +209,65 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
         witness["contributions"] = {"complete": ref_value}
     first_bad = witness["disagreeing_devices"][0] if witness["disagreeing_devices"] else "0"
     holder = "the host copy of device" if case.host and host is not None else "device"
-    explanation = (f"G.{group.name} along {axis.value}: {defect}; {holder} {first_bad} holds "
-                   f"{held.get(first_bad)} where single-device training has {ref_value}")
-    return obligation, [Violation(f"{rule}[{name}]", Condition.GRADIENT_INTEGRITY, G.value, group.name,
-                                  axis.value, explanation, witness)]
+    explanation = (
+        f"G.{group.name} along {axis.value}: {defect}; {holder} {first_bad} holds "
+        f"{held.get(first_bad)} where single-device training has {ref_value}"
+    )
+    return obligation, [
+        Violation(
+            f"{rule}[{name}]", Condition.GRADIENT_INTEGRITY, G.value, group.name, axis.value, explanation, witness
+        )
+    ]
 
 
-def _classify_integrity(origin: Origin, ops: list[Op], axis: Axis, degree: int,
-                        late: list[Op], copied: int | None = None) -> tuple[str, str]:
+def _classify_integrity(
+    origin: Origin, ops: list[Op], axis: Axis, degree: int, late: list[Op], copied: int | None = None
+) -> tuple[str, str]:
     """The rule a wrong gradient breaks. ``copied``: the index of the device-to-host copy the
     optimizer reads (only the ops before it reach the host)."""
     if copied is not None:
         copy = ops[copied]
         if copy.phase in (Phase.FORWARD, Phase.BACKWARD):
-            return ("transfer_after_reduction", f"the gradient is copied to the host in the {copy.phase.value} "
-                    "phase, before the backward has produced it: the host optimizer reads an incomplete gradient")
-        after = [op for op in ops[copied + 1:] if op.kind.is_reduction or op.kind is OpKind.SCALE]
+            return (
+                "transfer_after_reduction",
+                f"the gradient is copied to the host in the {copy.phase.value} "
+                "phase, before the backward has produced it: the host optimizer reads an incomplete gradient",
+            )
+        after = [op for op in ops[copied + 1 :] if op.kind.is_reduction or op.kind is OpKind.SCALE]
         if after:
             what = f"{after[0].kind.value}" + (f" ({after[0].reduce.value})" if after[0].reduce else "")
-            return ("transfer_after_reduction", f"the gradient is copied to the host before its {what} along "
-                    f"{axis.value}: the host optimizer reads the gradient as it was at the copy, and the "
-                    "later device-side op does not reach it")
+            return (
+                "transfer_after_reduction",
+                f"the gradient is copied to the host before its {what} along "
+                f"{axis.value}: the host optimizer reads the gradient as it was at the copy, and the "
+                "later device-side op does not reach it",
+            )
         ops = ops[:copied]
         late = [op for op in late if op in ops]
     ops = [op for op in ops if not op.kind.is_transfer]
     reductions = [op for op in ops if op.kind.is_reduction]
     if late:
-        return ("reduction_closure", f"reduction after gradient synchronisation ({late[0].phase.value} phase): "
-                f"the gradient sharded along {axis.value} was already freed outside each device's shard")
+        return (
+            "reduction_closure",
+            f"reduction after gradient synchronisation ({late[0].phase.value} phase): "
+            f"the gradient sharded along {axis.value} was already freed outside each device's shard",
+        )
     if origin is Origin.PARTIAL and not reductions:
-        return ("reduction_closure", f"missing reduction: each of the {degree} devices holds a partial "
-                f"sum along {axis.value} and nothing reduces it")
+        return (
+            "reduction_closure",
+            f"missing reduction: each of the {degree} devices holds a partial "
+            f"sum along {axis.value} and nothing reduces it",
+        )
     if origin is not Origin.PARTIAL and reductions:
-        return ("reduction_closure", f"reduction along {axis.value}, whose contributions were already "
-                f"{origin.value} after backward")
+        return (
+            "reduction_closure",
+            f"reduction along {axis.value}, whose contributions were already {origin.value} after backward",
+        )
     if len(reductions) > 1:
         return ("reduction_closure", f"duplicated reduction: reduced {len(reductions)} times along {axis.value}")
     want = "mean" if axis.splits_data else "sum"
-    return ("normalisation", f"normalisation: the contributions along {axis.value} must be combined by their "
-            f"{want} exactly once, and the program's reductions and scales do not give that")
+    return (
+        "normalisation",
+        f"normalisation: the contributions along {axis.value} must be combined by their "
+        f"{want} exactly once, and the program's reductions and scales do not give that",
+    )

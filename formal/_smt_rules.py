@@ -55,21 +55,25 @@ class _RuleTerms:
         return self.size("micro_batches", self._micro_batches)
 
 
-def _composition_rules(composition: Composition, model: Model, devices: int | None,
-                       solver: _Solver) -> tuple[list[z3.BoolRef], list[tuple[z3.BoolRef, Rule]]]:
+def _composition_rules(
+    composition: Composition, model: Model, devices: int | None, solver: _Solver
+) -> tuple[list[z3.BoolRef], list[tuple[z3.BoolRef, Rule]]]:
     """Tracked facts (degrees, sizes) and the correctness rules of ``formal._rules`` that apply,
     tracked under their names (orthogonality first, in the composition's axis order)."""
     terms = _RuleTerms(composition, solver)
     setting = setting_for(composition, model, devices)
     order = {axis: i for i, axis in enumerate(composition.mesh())}
-    rules = sorted(applicable(setting, Provenance.CORRECTNESS),
-                   key=lambda r: (0, order[r.axis]) if r.name.startswith("orthogonality[") and r.axis else (1, 0))
+    rules = sorted(
+        applicable(setting, Provenance.CORRECTNESS),
+        key=lambda r: (0, order[r.axis]) if r.name.startswith("orthogonality[") and r.axis else (1, 0),
+    )
     tracked = [(solver.track(r.name, r.holds(terms, setting)), r) for r in rules]
     return terms.facts, tracked
 
 
-def _decide_composition(composition: Composition, model: Model, devices: int | None,
-                        timeout_ms: int) -> tuple[Obligation, list[Violation]]:
+def _decide_composition(
+    composition: Composition, model: Model, devices: int | None, timeout_ms: int
+) -> tuple[Obligation, list[Violation]]:
     solver = _Solver(timeout_ms)
     facts, rules = _composition_rules(composition, model, devices, solver)
     mesh, setting = composition.mesh(), setting_for(composition, model, devices)
@@ -101,13 +105,21 @@ def _decide_composition(composition: Composition, model: Model, devices: int | N
         cores.extend(answer.core)
         for lit in broken:
             rule = by_literal[lit.decl().name()][1]
-            violations.append(Violation(rule.name, Condition.COMPOSITION, None, None,
-                                        rule.axis.value if rule.axis is not None else None,
-                                        rule.explain(mesh, setting),
-                                        {**rule.witness(mesh, setting), "core": list(answer.core)}))
+            violations.append(
+                Violation(
+                    rule.name,
+                    Condition.COMPOSITION,
+                    None,
+                    None,
+                    rule.axis.value if rule.axis is not None else None,
+                    rule.explain(mesh, setting),
+                    {**rule.witness(mesh, setting), "core": list(answer.core)},
+                )
+            )
             remaining.remove(lit)
         status = Status.REFUTED
     if violations and status is Status.UNKNOWN:
         status = Status.REFUTED
-    return Obligation("composition_rules", Condition.COMPOSITION, status, reason, seconds,
-                      tuple(dict.fromkeys(cores))), violations
+    return Obligation(
+        "composition_rules", Condition.COMPOSITION, status, reason, seconds, tuple(dict.fromkeys(cores))
+    ), violations

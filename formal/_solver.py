@@ -131,11 +131,15 @@ def solve(tracked: Solver, assumptions: Sequence[z3.BoolRef]) -> Answer:
     timeout_ms, rlimit = tracked.timeout_ms, 0
     if budget is not None:
         if budget.left <= 0:
-            return Answer("unknown", f"{RESOURCE_LIMIT}: the run's {budget.run_rlimit:,} z3 resource units "
-                                     "are spent (--rlimit)", (), None, 0.0)
+            return Answer(
+                "unknown",
+                f"{RESOURCE_LIMIT}: the run's {budget.run_rlimit:,} z3 resource units are spent (--rlimit)",
+                (),
+                None,
+                0.0,
+            )
         if time.monotonic() - budget.started > budget.run_timeout_s:
-            return Answer("unknown", f"{WALL_CLOCK_LIMIT}: the run passed {budget.run_timeout_s:g} s",
-                          (), None, 0.0)
+            return Answer("unknown", f"{WALL_CLOCK_LIMIT}: the run passed {budget.run_timeout_s:g} s", (), None, 0.0)
         timeout_ms, rlimit = budget.timeout_ms, min(budget.query_rlimit, budget.left)
     tracked.solver.set("timeout", timeout_ms)
     tracked.solver.set("rlimit", rlimit)  # 0: no limit
@@ -163,6 +167,17 @@ def solve(tracked: Solver, assumptions: Sequence[z3.BoolRef]) -> Answer:
     return Answer("unknown", reason, (), None, seconds, units)
 
 
-__all__ = ["DEFAULT_QUERY_RLIMIT", "DEFAULT_RUN_RLIMIT", "DEFAULT_RUN_TIMEOUT_S", "DEFAULT_TIMEOUT_MS",
-           "RESOURCE_LIMIT", "WALL_CLOCK_LIMIT", "Answer", "Budget", "Solver", "budgeted", "current_budget",
-           "solve"]
+__all__ = [
+    "DEFAULT_QUERY_RLIMIT",
+    "DEFAULT_RUN_RLIMIT",
+    "DEFAULT_RUN_TIMEOUT_S",
+    "DEFAULT_TIMEOUT_MS",
+    "RESOURCE_LIMIT",
+    "WALL_CLOCK_LIMIT",
+    "Answer",
+    "Budget",
+    "Solver",
+    "budgeted",
+    "current_budget",
+    "solve",
+]

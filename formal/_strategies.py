@@ -51,24 +51,28 @@ P, O, G, A = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS, State.ACTIVATIO
 _ACT_SPLIT = ((A, None), S)
 
 
-def _data_parallel(name: str, p: Entry, o: Entry, g: Entry, description: str, source: str,
-                   axis: Axis = Axis.DP) -> Strategy:
-    return Strategy(name, axis, None, (((P, None), p), ((O, None), o), ((G, None), g), _ACT_SPLIT),
-                    frozenset(), description, source)
+def _data_parallel(
+    name: str, p: Entry, o: Entry, g: Entry, description: str, source: str, axis: Axis = Axis.DP
+) -> Strategy:
+    return Strategy(
+        name, axis, None, (((P, None), p), ((O, None), o), ((G, None), g), _ACT_SPLIT), frozenset(), description, source
+    )
 
 
 ZERO_SOURCE = "Rajbhandari et al., ZeRO, SC'20, section 5 (Figure 1)"
 
 
 def dp() -> Strategy:
-    return _data_parallel("dp", R, R, R, "data parallel (DDP): everything replicated",
-                          "Li et al., PyTorch Distributed, VLDB'20")
+    return _data_parallel(
+        "dp", R, R, R, "data parallel (DDP): everything replicated", "Li et al., PyTorch Distributed, VLDB'20"
+    )
 
 
 def dpr() -> Strategy:
     """The replicate axis of hybrid sharding (HSDP = FSDP along dp composed with this)."""
-    return _data_parallel("dpr", R, R, R, "data-parallel replicate axis of HSDP",
-                          "PyTorch FSDP HYBRID_SHARD", axis=Axis.DPR)
+    return _data_parallel(
+        "dpr", R, R, R, "data-parallel replicate axis of HSDP", "PyTorch FSDP HYBRID_SHARD", axis=Axis.DPR
+    )
 
 
 def zero(stage: int) -> Strategy:
@@ -76,35 +80,49 @@ def zero(stage: int) -> Strategy:
         case 1:
             return _data_parallel("zero1", R, S, R, "ZeRO stage 1: optimizer state sharded", ZERO_SOURCE)
         case 2:
-            return _data_parallel("zero2", R, S, S, "ZeRO stage 2: optimizer state and gradients sharded",
-                                  ZERO_SOURCE)
+            return _data_parallel("zero2", R, S, S, "ZeRO stage 2: optimizer state and gradients sharded", ZERO_SOURCE)
         case 3:
-            return _data_parallel("zero3", SG, S, S,
-                                  "ZeRO stage 3: parameters gathered per use, all sharded", ZERO_SOURCE)
+            return _data_parallel(
+                "zero3", SG, S, S, "ZeRO stage 3: parameters gathered per use, all sharded", ZERO_SOURCE
+            )
         case _:
             raise CompositionError(f"zero{stage}: ZeRO stage must be 1, 2 or 3")
 
 
 def fsdp() -> Strategy:
-    return _data_parallel("fsdp", SG, S, S, "FSDP FULL_SHARD (reshard_after_forward=True)",
-                          "Zhao et al., PyTorch FSDP, VLDB'23")
+    return _data_parallel(
+        "fsdp", SG, S, S, "FSDP FULL_SHARD (reshard_after_forward=True)", "Zhao et al., PyTorch FSDP, VLDB'23"
+    )
 
 
 def fsdp_shard_grad_op() -> Strategy:
-    return _data_parallel("fsdp-sgo", Entry(Mode.SHARDED_GATHER, keep_gathered=True), S, S,
-                          "FSDP SHARD_GRAD_OP (reshard_after_forward=False): gathered once per "
-                          "micro-batch, held through backward", "Zhao et al., PyTorch FSDP, VLDB'23")
+    return _data_parallel(
+        "fsdp-sgo",
+        Entry(Mode.SHARDED_GATHER, keep_gathered=True),
+        S,
+        S,
+        "FSDP SHARD_GRAD_OP (reshard_after_forward=False): gathered once per micro-batch, held through backward",
+        "Zhao et al., PyTorch FSDP, VLDB'23",
+    )
 
 
 def hsdp() -> Strategy:
     s = fsdp()
-    return Strategy("hsdp", s.axis, None, s.entries, s.compute_sharded,
-                    "HSDP: FSDP along dp, compose with dpr for the replicate axis",
-                    "PyTorch FSDP HYBRID_SHARD")
+    return Strategy(
+        "hsdp",
+        s.axis,
+        None,
+        s.entries,
+        s.compute_sharded,
+        "HSDP: FSDP along dp, compose with dpr for the replicate axis",
+        "PyTorch FSDP HYBRID_SHARD",
+    )
 
 
-HPZ_SOURCE = ("Wang et al. 2023, ZeRO++ (arXiv 2306.10209), section 3.2 (hpZ); DeepSpeed "
-              "zero_optimization.zero_hpz_partition_size")
+HPZ_SOURCE = (
+    "Wang et al. 2023, ZeRO++ (arXiv 2306.10209), section 3.2 (hpZ); DeepSpeed "
+    "zero_optimization.zero_hpz_partition_size"
+)
 
 
 def hpz_dpr() -> Strategy:
@@ -118,16 +136,29 @@ def hpz_dpr() -> Strategy:
     (torch.distributed.fsdp.fully_shard docs). Optimizer state and gradients are sharded along
     dpr as along dp (reduce-scattered over the whole group, as ZeRO-3 does).
     """
-    return _data_parallel("hpz-dpr", Entry(Mode.SHARDED_GATHER, keep_gathered=True), S, S,
-                          "ZeRO++ hpZ across nodes: parameters gathered in forward, held through backward "
-                          "(compose zero3<k>xhpz-dpr<n>, or write zero3xhpz)", HPZ_SOURCE, axis=Axis.DPR)
+    return _data_parallel(
+        "hpz-dpr",
+        Entry(Mode.SHARDED_GATHER, keep_gathered=True),
+        S,
+        S,
+        "ZeRO++ hpZ across nodes: parameters gathered in forward, held through backward "
+        "(compose zero3<k>xhpz-dpr<n>, or write zero3xhpz)",
+        HPZ_SOURCE,
+        axis=Axis.DPR,
+    )
 
 
 def distributed_optimizer() -> Strategy:
     s = zero(1)
-    return Strategy("distopt", s.axis, None, s.entries, s.compute_sharded,
-                    "Megatron distributed optimizer: ZeRO-1 (use --precision megatron)",
-                    "Megatron-LM docs, distributed optimizer")
+    return Strategy(
+        "distopt",
+        s.axis,
+        None,
+        s.entries,
+        s.compute_sharded,
+        "Megatron distributed optimizer: ZeRO-1 (use --precision megatron)",
+        "Megatron-LM docs, distributed optimizer",
+    )
 
 
 # Megatron TP: column/row-parallel matrices and vocabulary-parallel embedding/head are split;
@@ -143,38 +174,70 @@ def tp() -> Strategy:
     # Korthikanti 4.3: the embedding dropout and the output layer's inputs are whole on every
     # rank (split only by sequence parallelism); the logits are vocabulary-parallel.
     entries += [((A, EMBEDDING_IO), R), ((A, OUTPUT_IO), R), ((A, LOGITS), S)]
-    return Strategy("tp", Axis.TP, None, tuple(entries), TP_SHARDED,
-                    "Megatron tensor parallelism: column/row-parallel matrices, vocab-parallel "
-                    "embedding, replicated LayerNorm", "Shoeybi et al. 2019, Megatron-LM, section 3")
+    return Strategy(
+        "tp",
+        Axis.TP,
+        None,
+        tuple(entries),
+        TP_SHARDED,
+        "Megatron tensor parallelism: column/row-parallel matrices, vocab-parallel embedding, replicated LayerNorm",
+        "Shoeybi et al. 2019, Megatron-LM, section 3",
+    )
 
 
 def pp() -> Strategy:
-    return Strategy("pp", Axis.PP, None, (((P, None), S), ((O, None), S), ((G, None), S), ((A, None), S)),
-                    None, "pipeline parallelism: layers split into stages",
-                    "Narayanan et al. 2021, PTD-P, section 2.2")
+    return Strategy(
+        "pp",
+        Axis.PP,
+        None,
+        (((P, None), S), ((O, None), S), ((G, None), S), ((A, None), S)),
+        None,
+        "pipeline parallelism: layers split into stages",
+        "Narayanan et al. 2021, PTD-P, section 2.2",
+    )
 
 
 def cp() -> Strategy:
-    return Strategy("cp", Axis.CP, None, (((P, None), R), ((O, None), R), ((G, None), R), _ACT_SPLIT),
-                    frozenset(), "context parallelism: sequence split, K/V exchanged in attention",
-                    "Megatron-LM context parallelism (ring attention)")
+    return Strategy(
+        "cp",
+        Axis.CP,
+        None,
+        (((P, None), R), ((O, None), R), ((G, None), R), _ACT_SPLIT),
+        frozenset(),
+        "context parallelism: sequence split, K/V exchanged in attention",
+        "Megatron-LM context parallelism (ring attention)",
+    )
 
 
 def ep() -> Strategy:
-    entries: list[tuple[tuple[State, Group | None], Entry]] = [
-        ((st, EXPERTS), S) for st in (P, O, G)
-    ] + [_ACT_SPLIT]
-    return Strategy("ep", Axis.EP, None, tuple(entries), frozenset({EXPERTS}),
-                    "expert parallelism: experts split, tokens exchanged all-to-all",
-                    "Lepikhin et al. 2020, GShard; Megatron-LM MoE")
+    entries: list[tuple[tuple[State, Group | None], Entry]] = [((st, EXPERTS), S) for st in (P, O, G)] + [_ACT_SPLIT]
+    return Strategy(
+        "ep",
+        Axis.EP,
+        None,
+        tuple(entries),
+        frozenset({EXPERTS}),
+        "expert parallelism: experts split, tokens exchanged all-to-all",
+        "Lepikhin et al. 2020, GShard; Megatron-LM MoE",
+    )
 
 
 LIBRARY: dict[str, Callable[[], Strategy]] = {
-    "dp": dp, "ddp": dp, "dpr": dpr,
-    "zero1": lambda: zero(1), "zero2": lambda: zero(2), "zero3": lambda: zero(3),
-    "fsdp": fsdp, "fsdp-sgo": fsdp_shard_grad_op, "hsdp": hsdp, "hpz-dpr": hpz_dpr,
+    "dp": dp,
+    "ddp": dp,
+    "dpr": dpr,
+    "zero1": lambda: zero(1),
+    "zero2": lambda: zero(2),
+    "zero3": lambda: zero(3),
+    "fsdp": fsdp,
+    "fsdp-sgo": fsdp_shard_grad_op,
+    "hsdp": hsdp,
+    "hpz-dpr": hpz_dpr,
     "distopt": distributed_optimizer,
-    "tp": tp, "pp": pp, "cp": cp, "ep": ep,
+    "tp": tp,
+    "pp": pp,
+    "cp": cp,
+    "ep": ep,
 }
 
 
@@ -238,8 +301,12 @@ class Composition:
         _apply_recompute(local, self.options.recompute, act_groups)
         _apply_offload(local, self.options, param_groups)
         compute = tuple(
-            (s.axis, frozenset(param_groups) if s.compute_sharded is None
-             else frozenset(g for g in param_groups if g in s.compute_sharded))
+            (
+                s.axis,
+                frozenset(param_groups)
+                if s.compute_sharded is None
+                else frozenset(g for g in param_groups if g in s.compute_sharded),
+            )
             for s in self.strategies
         )
         return Placement(
@@ -277,8 +344,7 @@ def _apply_sequence_parallel(rows: dict[Key, dict[Axis, Entry]]) -> None:
             rows[key][Axis.TP] = S
 
 
-def _apply_tied_embeddings(rows: dict[Key, dict[Axis, Entry]], model: Model,
-                           mesh: dict[Axis, int]) -> frozenset[Group]:
+def _apply_tied_embeddings(rows: dict[Key, dict[Axis, Entry]], model: Model, mesh: dict[Axis, int]) -> frozenset[Group]:
     if not model.tied_embeddings or Axis.PP not in mesh:
         return frozenset()
     for st in (P, O, G):

@@ -49,8 +49,13 @@ class Violation:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "rule": self.rule, "condition": self.condition.label, "state": self.state, "group": self.group,
-            "axis": self.axis, "explanation": self.explanation, "witness": self.witness,
+            "rule": self.rule,
+            "condition": self.condition.label,
+            "state": self.state,
+            "group": self.group,
+            "axis": self.axis,
+            "explanation": self.explanation,
+            "witness": self.witness,
         }
 
 
@@ -91,8 +96,11 @@ class Verdict:
             "state_consistency": self.condition_status(Condition.STATE_CONSISTENCY).label,
             "composition_rules": self.condition_status(Condition.COMPOSITION).label,
             "violations": [v.as_json() for v in self.violations],
-            "unknown": [{"obligation": o.name, "reason": o.reason_unknown}
-                        for o in self.obligations if o.status is Status.UNKNOWN],
+            "unknown": [
+                {"obligation": o.name, "reason": o.reason_unknown}
+                for o in self.obligations
+                if o.status is Status.UNKNOWN
+            ],
             "obligations": len(self.obligations),
             "notes": list(self.notes),
             "solver": {"resource_units": self.units, "resource_budget": self.rlimit},

@@ -119,7 +119,17 @@ ROUTER = Group("router")  # MoE router (gate): replicated
 WEIGHTS = Group("weights")  # every parameter of a model given only by its count
 
 PARAMETER_GROUPS: tuple[Group, ...] = (
-    ATTENTION, MLP, ROW_BIAS, NORM, FINAL_NORM, EMBEDDING, POSITION, HEAD, EXPERTS, ROUTER, WEIGHTS,
+    ATTENTION,
+    MLP,
+    ROW_BIAS,
+    NORM,
+    FINAL_NORM,
+    EMBEDDING,
+    POSITION,
+    HEAD,
+    EXPERTS,
+    ROUTER,
+    WEIGHTS,
 )
 LAYER_GROUPS: frozenset[Group] = frozenset({ATTENTION, MLP, ROW_BIAS, NORM, EXPERTS, ROUTER, WEIGHTS})
 FIRST_STAGE_GROUPS: frozenset[Group] = frozenset({EMBEDDING, POSITION})
@@ -188,8 +198,12 @@ class OpKind(StrEnum):
     @property
     def is_collective(self) -> bool:
         return self in (
-            OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.BROADCAST,
-            OpKind.SEND_RECV, OpKind.ALL_TO_ALL,
+            OpKind.ALL_REDUCE,
+            OpKind.REDUCE_SCATTER,
+            OpKind.ALL_GATHER,
+            OpKind.BROADCAST,
+            OpKind.SEND_RECV,
+            OpKind.ALL_TO_ALL,
         )
 
     @property

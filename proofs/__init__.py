@@ -13,8 +13,13 @@ from proofs._obligation import Obligation, Result, discharge
 def all_obligations() -> list[Obligation]:
     from proofs import activations, composition, costs, necessity, sufficiency
 
-    return (sufficiency.obligations() + necessity.obligations() + activations.obligations()
-            + composition.obligations() + costs.obligations())
+    return (
+        sufficiency.obligations()
+        + necessity.obligations()
+        + activations.obligations()
+        + composition.obligations()
+        + costs.obligations()
+    )
 
 
 def discharge_index(index: int) -> tuple[int, Result]:

@@ -18,8 +18,14 @@ from proofs import Obligation, Result, all_obligations, discharge, discharge_ind
 
 
 def _timed_out(obligation: Obligation, limit: float) -> Result:
-    return Result(obligation.name, obligation.statement, obligation.method, Status.UNKNOWN, 0.0,
-                  reason_unknown=f"not finished within the run's limit of {limit:g} s (--timeout-s)")
+    return Result(
+        obligation.name,
+        obligation.statement,
+        obligation.method,
+        Status.UNKNOWN,
+        0.0,
+        reason_unknown=f"not finished within the run's limit of {limit:g} s (--timeout-s)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,16 +33,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON document instead of rows")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     parser.add_argument("--only", default="", help="run the obligations whose name contains this")
-    parser.add_argument("--timeout-s", type=float, default=1800.0,
-                        help="wall-clock limit of the whole run; unfinished obligations are unknown")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=1800.0,
+        help="wall-clock limit of the whole run; unfinished obligations are unknown",
+    )
     args = parser.parse_args(argv)
     obligations = all_obligations()
     chosen = [i for i, o in enumerate(obligations) if args.only in o.name]
     start = time.perf_counter()
     if args.jobs > 1 and len(chosen) > 1:
         # Longest first (the two-axis and library obligations) so the pool finishes together.
-        order = sorted(chosen, key=lambda i: not obligations[i].name.startswith(("composition.sound",
-                                                                                 "sufficiency.library")))
+        order = sorted(
+            chosen, key=lambda i: not obligations[i].name.startswith(("composition.sound", "sufficiency.library"))
+        )
         # Workers come from a forkserver (never a fork of a process whose BLAS or OpenMP threads
         # may be running), and the whole run has one deadline: an obligation still running then
         # is reported as unknown (timeout), never as proved, and its worker is killed.
@@ -59,8 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - start
     proved = sum(r.status is Status.PROVED for r in results)
     if args.json:
-        print(json.dumps({"proved": proved, "total": len(results), "seconds": round(wall, 2),
-                          "obligations": [r.as_json() for r in results]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "proved": proved,
+                    "total": len(results),
+                    "seconds": round(wall, 2),
+                    "obligations": [r.as_json() for r in results],
+                },
+                indent=2,
+            )
+        )
     else:
         width = max((len(r.name) for r in results), default=10)
         for r in results:

@@ -141,10 +141,12 @@ def _const(value: bool | int) -> z3.ExprRef:
 
 
 def constant_features(program: Program) -> Features:
-    axes = tuple(AxisFeatures(**{f.name: _const(getattr(ap, f.name)) for f in fields(AxisProgram)})
-                 for ap in program.axes)
-    return Features(axes, z3.BoolVal(program.offload), z3.BoolVal(program.fetch_forward),
-                    z3.BoolVal(program.fetch_backward))
+    axes = tuple(
+        AxisFeatures(**{f.name: _const(getattr(ap, f.name)) for f in fields(AxisProgram)}) for ap in program.axes
+    )
+    return Features(
+        axes, z3.BoolVal(program.offload), z3.BoolVal(program.fetch_forward), z3.BoolVal(program.fetch_backward)
+    )
 
 
 def symbolic_features(mesh: Mesh, prefix: str = "prog") -> Features:
@@ -167,11 +169,17 @@ def symbolic_features(mesh: Mesh, prefix: str = "prog") -> Features:
         if ax.cls.computes_sharded:
             values["p_sharded"] = z3.BoolVal(True)
         axes.append(AxisFeatures(**values))
-    return Features(tuple(axes), z3.Bool(f"{prefix}.offload"), z3.Bool(f"{prefix}.fetch_forward"),
-                    z3.Bool(f"{prefix}.fetch_backward"), tuple(domain))
+    return Features(
+        tuple(axes),
+        z3.Bool(f"{prefix}.offload"),
+        z3.Bool(f"{prefix}.fetch_forward"),
+        z3.Bool(f"{prefix}.fetch_backward"),
+        tuple(domain),
+    )
 
 
 # --- the conditions (docs/semantics.md, "Correctness"), one named constraint per axis and rule ----
+
 
 def conditions(mesh: Mesh, ft: Features) -> dict[str, z3.BoolRef]:
     """Gradient integrity and state consistency as named constraints over the program features."""
@@ -204,23 +212,24 @@ def conditions(mesh: Mesh, ft: Features) -> dict[str, z3.BoolRef]:
         if ax.cls in (AxisClass.DATA, AxisClass.SEQUENCE, AxisClass.PART):
             # G's partition is the reduce-scatter's; without a reduction (complete gradients) each
             # device holds what it computed, and the compute partition is P's (next rule).
-            out[f"aligned_gradients[{where}]"] = z3.Implies(
-                f.g_sharded, z3.And(f.o_sharded, f.g_offset == f.o_offset))
-        out[f"aligned_parameters[{where}]"] = z3.Implies(
-            f.p_sharded, z3.And(f.o_sharded, f.p_offset == f.o_offset))
+            out[f"aligned_gradients[{where}]"] = z3.Implies(f.g_sharded, z3.And(f.o_sharded, f.g_offset == f.o_offset))
+        out[f"aligned_parameters[{where}]"] = z3.Implies(f.p_sharded, z3.And(f.o_sharded, f.p_offset == f.o_offset))
         if ax.cls.computes_sharded:
             continue  # P is sharded along a compute-split axis: refresh rules have nothing to say
         out[f"aligned_refresh[{where}]"] = z3.Implies(
             z3.And(f.o_sharded, z3.Not(f.p_sharded), z3.Or(f.refresh_end, f.refresh_start)),
-            f.refresh_offset == f.o_offset)
+            f.refresh_offset == f.o_offset,
+        )
         out[f"refreshed[{where}]"] = z3.Implies(
-            z3.And(f.o_sharded, z3.Not(f.p_sharded)), z3.Or(f.refresh_end, f.refresh_start))
+            z3.And(f.o_sharded, z3.Not(f.p_sharded)), z3.Or(f.refresh_end, f.refresh_start)
+        )
     out["fetch_before_forward"] = z3.Implies(ft.offload, ft.fetch_forward)
     out["fetch_before_backward"] = z3.Implies(ft.offload, ft.fetch_backward)
     return out
 
 
 # --- constant folding: with a concrete program most branches disappear while the terms are built ---
+
 
 def _flat(args: tuple[object, ...]) -> list[z3.BoolRef]:
     if len(args) == 1 and isinstance(args[0], list | tuple):
@@ -271,8 +280,7 @@ def _eq(x: z3.ArithRef, k: int) -> z3.BoolRef:
 # A contribution: (sample coords, element, part coords, forward view, backward view, visible)
 # where ``visible`` says, per sample-splitting axis, whether the whole sequence is visible
 # (True) or only the device's own block (False); it matters on SEQUENCE axes only.
-Contribution = Callable[[Coords, Coords, Coords, Sequence[Value], Sequence[Value], Coords, tuple[bool, ...]],
-                        Value]
+Contribution = Callable[[Coords, Coords, Coords, Sequence[Value], Sequence[Value], Coords, tuple[bool, ...]], Value]
 Update = Callable[[Value, Value, Value], tuple[Value, Value]]
 
 
@@ -322,11 +330,12 @@ def _lookup(table: dict[tuple[Coords, Coords], Value], e: Coords) -> Callable[[C
 
 
 def _with(coords: Coords, axis: int, value: int) -> Coords:
-    return (*coords[:axis], value, *coords[axis + 1:])
+    return (*coords[:axis], value, *coords[axis + 1 :])
 
 
-def _from_owner(ax: MeshAxis, axis: int, e: Coords, offset: z3.ArithRef, i: Coords,
-                table: Callable[[Coords], Value], junk: Junk) -> Value:
+def _from_owner(
+    ax: MeshAxis, axis: int, e: Coords, offset: z3.ArithRef, i: Coords, table: Callable[[Coords], Value], junk: Junk
+) -> Value:
     """The value ``table`` holds at the owner (along ``axis``) of element ``e``, seen from ``i``."""
     out: Value = junk()
     for c in reversed(range(ax.degree)):
@@ -356,18 +365,35 @@ class Step:
         return _and([p for _, p in self.pre])
 
 
-def run(mesh: Mesh, ft: Features, contribution: Contribution, update: Update, junk: Junk,
-        p: dict[Coords, Value], o: dict[Coords, Value], p_dev: dict[tuple[Coords, Coords], Value],
-        o_dev: dict[tuple[Coords, Coords], Value], host: dict[Coords, Value]) -> Step:
+def run(
+    mesh: Mesh,
+    ft: Features,
+    contribution: Contribution,
+    update: Update,
+    junk: Junk,
+    p: dict[Coords, Value],
+    o: dict[Coords, Value],
+    p_dev: dict[tuple[Coords, Coords], Value],
+    o_dev: dict[tuple[Coords, Coords], Value],
+    host: dict[Coords, Value],
+) -> Step:
     """One step of the program ``ft`` on ``mesh`` from the given single-device values ``p``,
     ``o`` and per-device copies ``p_dev``, ``o_dev``, ``host`` (see the module doc)."""
     devs, elems = devices(mesh), elements(mesh)
     n = len(mesh)
 
-    def held(sharded: Callable[[AxisFeatures], z3.BoolRef], offset: Callable[[AxisFeatures], z3.ArithRef],
-             i: Coords, e: Coords) -> z3.BoolRef:
-        return _and([_or(_not(sharded(f)), owns(ax, e[a], offset(f), i[a]))
-                       for a, (ax, f) in enumerate(zip(mesh, ft.axes, strict=True))])
+    def held(
+        sharded: Callable[[AxisFeatures], z3.BoolRef],
+        offset: Callable[[AxisFeatures], z3.ArithRef],
+        i: Coords,
+        e: Coords,
+    ) -> z3.BoolRef:
+        return _and(
+            [
+                _or(_not(sharded(f)), owns(ax, e[a], offset(f), i[a]))
+                for a, (ax, f) in enumerate(zip(mesh, ft.axes, strict=True))
+            ]
+        )
 
     def held_p(i: Coords, e: Coords) -> z3.BoolRef:
         return held(lambda f: f.p_sharded, lambda f: f.p_offset, i, e)
@@ -385,8 +411,7 @@ def run(mesh: Mesh, ft: Features, contribution: Contribution, update: Update, ju
                 p1[(i, e)] = _if(_and(f.refresh_start, _not(f.p_sharded)), pulled, prev[(i, e)])
 
     # 1. reads.
-    def read(i: Coords, e: Coords, gather: Callable[[AxisFeatures], z3.BoolRef],
-             fetch: z3.BoolRef) -> Value:
+    def read(i: Coords, e: Coords, gather: Callable[[AxisFeatures], z3.BoolRef], fetch: z3.BoolRef) -> Value:
         def pick(a: int, src: Coords) -> Value:
             if a == n:
                 return p1[(src, e)]
@@ -394,9 +419,9 @@ def run(mesh: Mesh, ft: Features, contribution: Contribution, update: Update, ju
             from_owner = _from_owner(ax, a, e, f.p_offset, src, lambda c: pick(a + 1, c), junk)
             if ax.cls.computes_sharded:  # the computation for e runs on its owner
                 return from_owner
-            local = _if(_or(_not(f.p_sharded), owns(ax, e[a], f.p_offset, src[a])),
-                          pick(a + 1, src), junk())
+            local = _if(_or(_not(f.p_sharded), owns(ax, e[a], f.p_offset, src[a])), pick(a + 1, src), junk())
             return _if(_and(f.p_sharded, gather(f)), from_owner, local)
+
         return _if(ft.offload, _if(fetch, host[e], junk()), pick(0, i))
 
     view_f = {i: [read(i, e, lambda f: f.gather_forward, ft.fetch_forward) for e in elems] for i in devs}
@@ -416,20 +441,30 @@ def run(mesh: Mesh, ft: Features, contribution: Contribution, update: Update, ju
     everything = tuple(True for _ in sample_axes)
     batch = len(all_samples)
 
-    def contributions(i: Coords, e: Coords, vf: Sequence[Value], vb: Sequence[Value],
-                      visible: tuple[bool, ...]) -> Value:
-        samples = [k for k in all_samples
-                   if all(mesh[a].cls is AxisClass.EXPERT or k[s] == i[a] for s, a in enumerate(sample_axes))]
+    def contributions(
+        i: Coords, e: Coords, vf: Sequence[Value], vb: Sequence[Value], visible: tuple[bool, ...]
+    ) -> Value:
+        samples = [
+            k
+            for k in all_samples
+            if all(mesh[a].cls is AxisClass.EXPERT or k[s] == i[a] for s, a in enumerate(sample_axes))
+        ]
         parts = [j for j in all_parts if all(j[s] == i[a] for s, a in enumerate(part_axes))]
-        return z3.Sum([contribution(k, e, j, vf, vb, tuple(i[a] for a in sample_axes), visible)
-                       for k in samples for j in parts] or [z3.RealVal(0)])
+        return z3.Sum(
+            [contribution(k, e, j, vf, vb, tuple(i[a] for a in sample_axes), visible) for k in samples for j in parts]
+            or [z3.RealVal(0)]
+        )
 
     lg: dict[tuple[Coords, Coords], Value] = {}
     for i in devs:
         for e in elems:
-            computes = _and([owns(ax, e[a], f.p_offset, i[a]) for a, (ax, f)
-                               in enumerate(zip(mesh, ft.axes, strict=True))
-                               if ax.cls.computes_sharded])
+            computes = _and(
+                [
+                    owns(ax, e[a], f.p_offset, i[a])
+                    for a, (ax, f) in enumerate(zip(mesh, ft.axes, strict=True))
+                    if ax.cls.computes_sharded
+                ]
+            )
             # Without K/V exchange a token block sees only its own block along SEQUENCE axes.
             value: Value = contributions(i, e, view_f[i], view_b[i], everything)
             for s, a in enumerate(sample_axes):
@@ -439,31 +474,38 @@ def run(mesh: Mesh, ft: Features, contribution: Contribution, update: Update, ju
             lg[(i, e)] = _if(computes, value, junk())
 
     single_view = [p[e] for e in elems]
-    single_g = {e: z3.Sum([contribution(k, e, j, single_view, single_view, k, everything)
-                           for k in all_samples for j in all_parts] or [z3.RealVal(0)]) / batch
-                for e in elems}
+    single_g = {
+        e: z3.Sum(
+            [contribution(k, e, j, single_view, single_view, k, everything) for k in all_samples for j in all_parts]
+            or [z3.RealVal(0)]
+        )
+        / batch
+        for e in elems
+    }
 
     # 3. gradient synchronisation, axis by axis.
     g = lg
     for a, (ax, f) in enumerate(zip(mesh, ft.axes, strict=True)):
         d = ax.degree
 
-        def reduce(src: dict[tuple[Coords, Coords], Value], a: int = a, ax: MeshAxis = ax,
-                   f: AxisFeatures = f, d: int = d) -> dict[tuple[Coords, Coords], Value]:
+        def reduce(
+            src: dict[tuple[Coords, Coords], Value], a: int = a, ax: MeshAxis = ax, f: AxisFeatures = f, d: int = d
+        ) -> dict[tuple[Coords, Coords], Value]:
             out: dict[tuple[Coords, Coords], Value] = {}
             for i in devs:
                 for e in elems:
                     total = z3.Sum([src[(_with(i, a, c), e)] for c in range(d)])
                     total = _if(f.mean, total / d, total)
-                    out[(i, e)] = _if(_or(_not(f.g_sharded), owns(ax, e[a], f.g_offset, i[a])),
-                                        total, junk())
+                    out[(i, e)] = _if(_or(_not(f.g_sharded), owns(ax, e[a], f.g_offset, i[a])), total, junk())
             return out
 
         once = reduce(g) if not z3.is_true(_eq(f.reductions, 0)) else g
         twice = reduce(once) if not (z3.is_true(_eq(f.reductions, 0)) or z3.is_true(_eq(f.reductions, 1))) else g
-        g = {key: _if(f.scaled, 1 / z3.RealVal(d), 1) *
-             _if(_eq(f.reductions, 0), g[key], _if(_eq(f.reductions, 1), once[key], twice[key]))
-             for key in g}
+        g = {
+            key: _if(f.scaled, 1 / z3.RealVal(d), 1)
+            * _if(_eq(f.reductions, 0), g[key], _if(_eq(f.reductions, 1), once[key], twice[key]))
+            for key in g
+        }
 
     # 4. the element-wise update on the optimizer's shards.
     p2: dict[tuple[Coords, Coords], Value] = {}
@@ -496,15 +538,23 @@ def run(mesh: Mesh, ft: Features, contribution: Contribution, update: Update, ju
             if a == n:
                 return new_p[(src, e)]
             ax, f = mesh[a], ft.axes[a]
-            return _if(f.o_sharded, _from_owner(ax, a, e, f.o_offset, src, lambda c: pick(a + 1, c), junk),
-                         pick(a + 1, _with(src, a, 0)))
+            return _if(
+                f.o_sharded,
+                _from_owner(ax, a, e, f.o_offset, src, lambda c: pick(a + 1, c), junk),
+                pick(a + 1, _with(src, a, 0)),
+            )
+
         return pick(0, tuple(0 for _ in mesh))
 
     # Liveness: held, and not overwritten (refresh at start) before the next read.
     def live_p(i: Coords, e: Coords) -> z3.BoolRef:
-        overwritten = _or([_and(f.refresh_start, _not(f.p_sharded),
-                                    _not(owns(ax, e[a], f.refresh_offset, i[a])))
-                             for a, (ax, f) in enumerate(zip(mesh, ft.axes, strict=True))] or [z3.BoolVal(False)])
+        overwritten = _or(
+            [
+                _and(f.refresh_start, _not(f.p_sharded), _not(owns(ax, e[a], f.refresh_offset, i[a])))
+                for a, (ax, f) in enumerate(zip(mesh, ft.axes, strict=True))
+            ]
+            or [z3.BoolVal(False)]
+        )
         return _and(_not(ft.offload), held_p(i, e), _not(overwritten))
 
     pre: list[tuple[str, z3.BoolRef]] = []
@@ -525,10 +575,16 @@ def run(mesh: Mesh, ft: Features, contribution: Contribution, update: Update, ju
 
 # --- instantiations -------------------------------------------------------------------------------
 
-def state_variables(mesh: Mesh, prefix: str = "s") -> tuple[dict[Coords, Value], dict[Coords, Value],
-                                                            dict[tuple[Coords, Coords], Value],
-                                                            dict[tuple[Coords, Coords], Value],
-                                                            dict[Coords, Value]]:
+
+def state_variables(
+    mesh: Mesh, prefix: str = "s"
+) -> tuple[
+    dict[Coords, Value],
+    dict[Coords, Value],
+    dict[tuple[Coords, Coords], Value],
+    dict[tuple[Coords, Coords], Value],
+    dict[Coords, Value],
+]:
     devs, elems = devices(mesh), elements(mesh)
     p = {e: z3.Real(f"{prefix}.p{list(e)}") for e in elems}
     o = {e: z3.Real(f"{prefix}.o{list(e)}") for e in elems}
@@ -542,8 +598,16 @@ def uninterpreted(mesh: Mesh) -> tuple[Contribution, Update]:
     """Any model and any element-wise optimizer: per-sample contributions and the update are
     uninterpreted functions; a contribution sees the parameters only through what was read."""
     n_elems = len(elements(mesh))
-    contrib = z3.Function("contribution", z3.IntSort(), z3.IntSort(), z3.IntSort(), z3.IntSort(),
-                          z3.RealSort(), z3.RealSort(), z3.RealSort())
+    contrib = z3.Function(
+        "contribution",
+        z3.IntSort(),
+        z3.IntSort(),
+        z3.IntSort(),
+        z3.IntSort(),
+        z3.RealSort(),
+        z3.RealSort(),
+        z3.RealSort(),
+    )
     view = z3.Function("view", *([z3.RealSort()] * max(n_elems, 1)), z3.RealSort())
     upd_p = z3.Function("update_p", z3.RealSort(), z3.RealSort(), z3.RealSort(), z3.RealSort())
     upd_o = z3.Function("update_o", z3.RealSort(), z3.RealSort(), z3.RealSort(), z3.RealSort())
@@ -557,8 +621,15 @@ def uninterpreted(mesh: Mesh) -> tuple[Contribution, Update]:
             out = out * dim + c
         return out
 
-    def contribution(k: Coords, e: Coords, j: Coords, vf: Sequence[Value], vb: Sequence[Value],
-                     block: Coords, visible: tuple[bool, ...]) -> Value:
+    def contribution(
+        k: Coords,
+        e: Coords,
+        j: Coords,
+        vf: Sequence[Value],
+        vb: Sequence[Value],
+        block: Coords,
+        visible: tuple[bool, ...],
+    ) -> Value:
         # What a token block sees without the exchange: only its own block (``block``), encoded
         # as a context number; 0 is the whole sequence.
         ctx = 0
@@ -566,8 +637,7 @@ def uninterpreted(mesh: Mesh) -> tuple[Contribution, Update]:
             if not vis:
                 ctx = 1 + s * 64 + block[s]
         sdims = [ax.degree for ax in sample_axes]
-        return contrib(index(k, sdims), elem_index[e], index(j, part_dims),
-                       ctx, view(*vf), view(*vb))
+        return contrib(index(k, sdims), elem_index[e], index(j, part_dims), ctx, view(*vf), view(*vb))
 
     def update(pv: Value, ov: Value, gv: Value) -> tuple[Value, Value]:
         return upd_p(pv, ov, gv), upd_o(pv, ov, gv)
@@ -575,8 +645,9 @@ def uninterpreted(mesh: Mesh) -> tuple[Contribution, Update]:
     return contribution, update
 
 
-def sufficiency_query(mesh: Mesh, ft: Features, drop: frozenset[str] = frozenset()
-                      ) -> tuple[dict[str, z3.BoolRef], z3.BoolRef]:
+def sufficiency_query(
+    mesh: Mesh, ft: Features, drop: frozenset[str] = frozenset()
+) -> tuple[dict[str, z3.BoolRef], z3.BoolRef]:
     """Hypotheses (domain, conditions minus ``drop``, the invariant before) and the goal."""
     contribution, update = uninterpreted(mesh)
     p, o, p_dev, o_dev, host = state_variables(mesh)

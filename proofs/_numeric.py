@@ -72,8 +72,17 @@ class LinearModel:
                 out = [u + v for u, v in zip(out, self.x(k2, j), strict=True)]
         return out
 
-    def contribution(self, k: Coords, e: Coords, j: Coords, vf: Any, vb: Any,
-                     block: Coords, visible: tuple[bool, ...], y: dict[tuple[Coords, Coords], Any]) -> Any:
+    def contribution(
+        self,
+        k: Coords,
+        e: Coords,
+        j: Coords,
+        vf: Any,
+        vb: Any,
+        block: Coords,
+        visible: tuple[bool, ...],
+        y: dict[tuple[Coords, Coords], Any],
+    ) -> Any:
         del block  # the sample's own block is ``k``; ``visible`` says how far it sees
         xe = self.x_eff(k, j, visible)
         idx = elements(self.mesh).index(e)
@@ -93,7 +102,7 @@ def _owns(ax: MeshAxis, e: int, offset: int, c: int) -> bool:
 
 
 def _with(i: Coords, a: int, c: int) -> Coords:
-    return (*i[:a], c, *i[a + 1:])
+    return (*i[:a], c, *i[a + 1 :])
 
 
 @dataclass(frozen=True)
@@ -104,22 +113,30 @@ class Outcome:
     steps: int
 
 
-def single_device(model: LinearModel, y: dict[tuple[Coords, Coords], Fraction], w: dict[Coords, Fraction]
-                  ) -> dict[Coords, Fraction]:
+def single_device(
+    model: LinearModel, y: dict[tuple[Coords, Coords], Fraction], w: dict[Coords, Fraction]
+) -> dict[Coords, Fraction]:
     elems = elements(model.mesh)
     view = np.array([w[e] for e in elems], dtype=object)
     samples, parts = model.samples(), model.parts()
     everything = tuple(True for _ in model.sample_axes)
     out = {}
     for e in elems:
-        total = sum((model.contribution(k, e, j, view, view, k, everything, y) for k in samples for j in parts),
-                    start=Fraction(0))
+        total = sum(
+            (model.contribution(k, e, j, view, view, k, everything, y) for k in samples for j in parts),
+            start=Fraction(0),
+        )
         out[e] = w[e] - LR * total / len(samples)
     return out
 
 
-def distributed(model: LinearModel, program: Program, y: dict[tuple[Coords, Coords], Fraction],
-                w0: dict[Coords, Fraction], steps: int = 2) -> Outcome:
+def distributed(
+    model: LinearModel,
+    program: Program,
+    y: dict[tuple[Coords, Coords], Fraction],
+    w0: dict[Coords, Fraction],
+    steps: int = 2,
+) -> Outcome:
     """Run ``program`` for ``steps`` steps from all copies equal to ``w0``; compare every read and
     every live copy with single-device SGD after each step. Unheld buffers read as zero."""
     mesh = model.mesh
@@ -131,8 +148,10 @@ def distributed(model: LinearModel, program: Program, y: dict[tuple[Coords, Coor
 
     def held(kind: str, i: Coords, e: Coords) -> bool:
         for a, (ax, f) in enumerate(zip(mesh, axes, strict=True)):
-            sharded, offset = {"P": (f.p_sharded or ax.cls.computes_sharded, f.p_offset),
-                               "O": (f.o_sharded, f.o_offset)}[kind]
+            sharded, offset = {
+                "P": (f.p_sharded or ax.cls.computes_sharded, f.p_offset),
+                "O": (f.o_sharded, f.o_offset),
+            }[kind]
             if sharded and not _owns(ax, e[a], offset, i[a]):
                 return False
         return True
@@ -151,8 +170,13 @@ def distributed(model: LinearModel, program: Program, y: dict[tuple[Coords, Coor
                         p_dev[(i, e)] = pull(prev, a, f.refresh_offset, i, e)
 
         # 1. reads
-        def read(i: Coords, e: Coords, backward: bool, p_dev: dict[tuple[Coords, Coords], Fraction] = p_dev,
-                 host: dict[Coords, Fraction] = host) -> Fraction:
+        def read(
+            i: Coords,
+            e: Coords,
+            backward: bool,
+            p_dev: dict[tuple[Coords, Coords], Fraction] = p_dev,
+            host: dict[Coords, Fraction] = host,
+        ) -> Fraction:
             if program.offload:
                 return host[e] if (program.fetch_backward if backward else program.fetch_forward) else Fraction(0)
             src = list(i)
@@ -173,23 +197,41 @@ def distributed(model: LinearModel, program: Program, y: dict[tuple[Coords, Coor
             for k, e in enumerate(elems):
                 for phase, view in (("forward", view_f), ("backward", view_b)):
                     if view[i][k] != w[e]:
-                        return Outcome(f"step {step}: {phase} read of P{list(e)} on device {list(i)} is "
-                                       f"{view[i][k]}, single-device {w[e]}", step)
+                        return Outcome(
+                            f"step {step}: {phase} read of P{list(e)} on device {list(i)} is "
+                            f"{view[i][k]}, single-device {w[e]}",
+                            step,
+                        )
 
         # 2. local gradients
         sample_axes, part_axes = model.sample_axes, model.part_axes
         lg: dict[tuple[Coords, Coords], Fraction] = {}
         for i in devs:
             visible = tuple(axes[a].exchange or mesh[a].cls is not AxisClass.SEQUENCE for a in sample_axes)
-            samples = [k for k in model.samples()
-                       if all(mesh[a].cls is AxisClass.EXPERT or k[s] == i[a] for s, a in enumerate(sample_axes))]
+            samples = [
+                k
+                for k in model.samples()
+                if all(mesh[a].cls is AxisClass.EXPERT or k[s] == i[a] for s, a in enumerate(sample_axes))
+            ]
             parts = [j for j in model.parts() if all(j[s] == i[a] for s, a in enumerate(part_axes))]
             for e in elems:
-                computes = all(_owns(ax, e[a], f.p_offset, i[a]) for a, (ax, f)
-                               in enumerate(zip(mesh, axes, strict=True))
-                               if ax.cls.computes_sharded)
-                lg[(i, e)] = sum((model.contribution(k, e, j, view_f[i], view_b[i], k, visible, y)
-                                  for k in samples for j in parts), start=Fraction(0)) if computes else Fraction(0)
+                computes = all(
+                    _owns(ax, e[a], f.p_offset, i[a])
+                    for a, (ax, f) in enumerate(zip(mesh, axes, strict=True))
+                    if ax.cls.computes_sharded
+                )
+                lg[(i, e)] = (
+                    sum(
+                        (
+                            model.contribution(k, e, j, view_f[i], view_b[i], k, visible, y)
+                            for k in samples
+                            for j in parts
+                        ),
+                        start=Fraction(0),
+                    )
+                    if computes
+                    else Fraction(0)
+                )
 
         # 3. synchronisation
         g = lg
@@ -217,8 +259,11 @@ def distributed(model: LinearModel, program: Program, y: dict[tuple[Coords, Coor
                     continue
                 p_read = host[e] if program.offload else (p_dev[(i, e)] if held("P", i, e) else Fraction(0))
                 if p_read != w[e]:
-                    return Outcome(f"step {step}: optimizer read of P{list(e)} on device {list(i)} is {p_read}, "
-                                   f"single-device {w[e]}", step)
+                    return Outcome(
+                        f"step {step}: optimizer read of P{list(e)} on device {list(i)} is {p_read}, "
+                        f"single-device {w[e]}",
+                        step,
+                    )
                 value = p_read - LR * g[(i, e)]
                 if program.offload:
                     new_host[e] = value

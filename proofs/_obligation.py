@@ -37,9 +37,15 @@ class Result:
     reason_unknown: str = ""
 
     def as_json(self) -> dict[str, Any]:
-        return {"name": self.name, "statement": self.statement, "method": self.method,
-                "status": self.status.label, "seconds": round(self.seconds, 3), "detail": self.detail,
-                "reason_unknown": self.reason_unknown}
+        return {
+            "name": self.name,
+            "statement": self.statement,
+            "method": self.method,
+            "status": self.status.label,
+            "seconds": round(self.seconds, 3),
+            "detail": self.detail,
+            "reason_unknown": self.reason_unknown,
+        }
 
 
 def discharge(obligation: Obligation) -> Result:
@@ -48,8 +54,15 @@ def discharge(obligation: Obligation) -> Result:
         outcome = obligation.decide()
     except Exception as exc:  # a crash is not a proof
         outcome = Outcome(Status.UNKNOWN, reason_unknown=f"{type(exc).__name__}: {exc}")
-    return Result(obligation.name, obligation.statement, obligation.method, outcome.status,
-                  time.perf_counter() - start, outcome.detail, outcome.reason_unknown)
+    return Result(
+        obligation.name,
+        obligation.statement,
+        obligation.method,
+        outcome.status,
+        time.perf_counter() - start,
+        outcome.detail,
+        outcome.reason_unknown,
+    )
 
 
 def proved_if_unsat(check: Check, what: str = "") -> Outcome:

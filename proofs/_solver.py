@@ -53,8 +53,7 @@ def check(assertions: Mapping[str, z3.BoolRef], timeout_ms: int = DEFAULT_TIMEOU
     return Check(Answer.UNKNOWN, seconds, reason_unknown=solver.reason_unknown() or "unknown")
 
 
-def prove(hypotheses: Mapping[str, z3.BoolRef], goal: z3.BoolRef,
-          timeout_ms: int = DEFAULT_TIMEOUT_MS) -> Check:
+def prove(hypotheses: Mapping[str, z3.BoolRef], goal: z3.BoolRef, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> Check:
     """Is ``goal`` implied by the hypotheses? UNSAT of hypotheses and not-goal means proved."""
     assertions = dict(hypotheses)
     assertions["negated_goal"] = z3.Not(goal)

@@ -67,27 +67,42 @@ def translate(program: StepProgram, group: Group) -> Translated:
             continue
         p_entry, o_entry, g_entry = (pl.entry(st, group, axis) for st in (P, O, G))
         gathers_f = any(op.kind is OpKind.ALL_GATHER and op.state is P and op.phase is Phase.FORWARD for op in mine)
-        gathers_b = any(op.kind is OpKind.ALL_GATHER and op.state is P and op.phase is Phase.BACKWARD
-                        for op in mine) or (gathers_f and p_entry.keep_gathered)
+        gathers_b = any(
+            op.kind is OpKind.ALL_GATHER and op.state is P and op.phase is Phase.BACKWARD for op in mine
+        ) or (gathers_f and p_entry.keep_gathered)
         refresh = [op for op in mine if op.kind is OpKind.ALL_GATHER and op.state is P and op.phase is Phase.REFRESH]
         scatter = [op for op in reductions if op.kind is OpKind.REDUCE_SCATTER]
         scales = [op for op in mine if op.kind is OpKind.SCALE and op.state is G]
         exchange = any(op.state is A and op.axis is axis and op.phase is Phase.FORWARD for op in program.ops)
         scaled = any(op.scale is not None and sp.simplify(op.scale * degree - 1) == 0 for op in scales)
-        axes.append(AxisProgram(
-            p_sharded=p_entry.mode.is_sharded, o_sharded=o_entry.mode.is_sharded,
-            g_sharded=bool(scatter) if reductions else g_entry.mode.is_sharded,
-            p_offset=p_entry.offset, o_offset=o_entry.offset,
-            g_offset=scatter[0].offset if scatter else g_entry.offset,
-            refresh_offset=refresh[0].offset if refresh else o_entry.offset,
-            gather_forward=gathers_f, gather_backward=gathers_b,
-            reductions=len(reductions), mean=bool(reductions) and reductions[0].reduce is Reduce.MEAN,
-            scaled=scaled, refresh_end=bool(refresh), refresh_start=False, exchange=exchange,
-        ))
+        axes.append(
+            AxisProgram(
+                p_sharded=p_entry.mode.is_sharded,
+                o_sharded=o_entry.mode.is_sharded,
+                g_sharded=bool(scatter) if reductions else g_entry.mode.is_sharded,
+                p_offset=p_entry.offset,
+                o_offset=o_entry.offset,
+                g_offset=scatter[0].offset if scatter else g_entry.offset,
+                refresh_offset=refresh[0].offset if refresh else o_entry.offset,
+                gather_forward=gathers_f,
+                gather_backward=gathers_b,
+                reductions=len(reductions),
+                mean=bool(reductions) and reductions[0].reduce is Reduce.MEAN,
+                scaled=scaled,
+                refresh_end=bool(refresh),
+                refresh_start=False,
+                exchange=exchange,
+            )
+        )
         mesh.append(MeshAxis(cls, degree))
         kept.append(axis)
     offload = pl.local_mode(P, group) is Mode.OFFLOADED
-    fetch = {ph: any(op.kind is OpKind.HOST_TO_DEVICE and op.state is P and op.group == group and op.phase is ph
-                     for op in program.ops) for ph in (Phase.FORWARD, Phase.BACKWARD)}
+    fetch = {
+        ph: any(
+            op.kind is OpKind.HOST_TO_DEVICE and op.state is P and op.group == group and op.phase is ph
+            for op in program.ops
+        )
+        for ph in (Phase.FORWARD, Phase.BACKWARD)
+    }
     prog = Program(tuple(axes), offload, fetch[Phase.FORWARD], fetch[Phase.BACKWARD])
     return Translated(tuple(mesh), prog, tuple(kept))

@@ -69,9 +69,17 @@ def sufficiency(split: str, degree: int) -> Outcome:
 
 
 def _without(program: StepProgram, site: Site) -> StepProgram:
-    return program.with_ops(op for op in program.ops
-                            if not (op.state is State.ACTIVATIONS and op.kind is site.kind and op.group == site.group
-                                    and op.axis is site.axis and op.phase is site.phase))
+    return program.with_ops(
+        op
+        for op in program.ops
+        if not (
+            op.state is State.ACTIVATIONS
+            and op.kind is site.kind
+            and op.group == site.group
+            and op.axis is site.axis
+            and op.phase is site.phase
+        )
+    )
 
 
 def _replay(site: Site, witness: dict[str, object], program: StepProgram) -> bool:
@@ -86,8 +94,15 @@ def _replay(site: Site, witness: dict[str, object], program: StepProgram) -> boo
 
     x = [[val(start[f"{i}.{c}"]) for c in range(d)] for i in range(d)]
     i, c = int(str(witness["device"])), int(str(witness["chunk"]))
-    ops = [op for op in program.ops if op.state is State.ACTIVATIONS and op.kind is site.kind
-           and op.group == site.group and op.axis is site.axis and op.phase is site.phase]
+    ops = [
+        op
+        for op in program.ops
+        if op.state is State.ACTIVATIONS
+        and op.kind is site.kind
+        and op.group == site.group
+        and op.axis is site.axis
+        and op.phase is site.phase
+    ]
     assert not ops, "the mutated program still has the site's collective"
     freed = object()  # what a device holds where nothing was written: not a value at all
     match site.need:
@@ -115,8 +130,10 @@ def necessity(split: str, rule: str) -> Outcome:
     witness = found[0].witness
     if not _replay(site, witness, broken):
         return Outcome(Status.REFUTED, f"{rule}: the exact replay of z3's counterexample does not differ")
-    detail = (f"{rule}: without its {site.kind.value}, device {witness['device']} holds "
-              f"{witness['device_value']} where one device has {witness['single_device']} (replayed exactly)")
+    detail = (
+        f"{rule}: without its {site.kind.value}, device {witness['device']} holds "
+        f"{witness['device_value']} where one device has {witness['single_device']} (replayed exactly)"
+    )
     if site.axis in SIMULATED:
         reference = reference_for(comp, ReferenceModel())
         transformer = reference.transformer()
@@ -134,15 +151,26 @@ def _site_rules(split: str) -> list[str]:
 
 
 def obligations() -> list[Obligation]:
-    out = [Obligation(f"activations.sufficient[{split}, d={d}]",
-                      f"the derived program completes every activation the {split} placement splits, at degree {d}",
-                      "z3", functools.partial(sufficiency, split, d))
-           for split in SPLITS for d in (2, 3, 4)]
+    out = [
+        Obligation(
+            f"activations.sufficient[{split}, d={d}]",
+            f"the derived program completes every activation the {split} placement splits, at degree {d}",
+            "z3",
+            functools.partial(sufficiency, split, d),
+        )
+        for split in SPLITS
+        for d in (2, 3, 4)
+    ]
     for split in SPLITS:
         for rule in _site_rules(split):
-            out.append(Obligation(f"activations.needed[{split}: {rule.removeprefix('activation_exchange')}]",
-                                  f"{rule} is necessary: without it some device computes another value "
-                                  "than one device", "z3+numpy-check", functools.partial(necessity, split, rule)))
+            out.append(
+                Obligation(
+                    f"activations.needed[{split}: {rule.removeprefix('activation_exchange')}]",
+                    f"{rule} is necessary: without it some device computes another value than one device",
+                    "z3+numpy-check",
+                    functools.partial(necessity, split, rule),
+                )
+            )
     return out
 
 

@@ -29,13 +29,17 @@ from proofs.sufficiency import DENSE, derived, instance, step_obligation
 
 # Pairs of axis classes that no composition produces: one cp axis, one ep axis, and no group is
 # both a sequence-parallel partial sum on tp and a tied weight on pp.
-IMPOSSIBLE = frozenset({(AxisClass.SEQUENCE, AxisClass.SEQUENCE), (AxisClass.EXPERT, AxisClass.EXPERT),
-                        (AxisClass.PART, AxisClass.PART)})
+IMPOSSIBLE = frozenset(
+    {(AxisClass.SEQUENCE, AxisClass.SEQUENCE), (AxisClass.EXPERT, AxisClass.EXPERT), (AxisClass.PART, AxisClass.PART)}
+)
 
 
 def two_axis_meshes() -> list[Mesh]:
-    return [(MeshAxis(a, 2), MeshAxis(b, 2)) for a, b in itertools.combinations_with_replacement(AxisClass, 2)
-            if (a, b) not in IMPOSSIBLE]
+    return [
+        (MeshAxis(a, 2), MeshAxis(b, 2))
+        for a, b in itertools.combinations_with_replacement(AxisClass, 2)
+        if (a, b) not in IMPOSSIBLE
+    ]
 
 
 def refuted(mesh: Mesh, program: Program) -> Outcome:
@@ -55,15 +59,26 @@ def refuted(mesh: Mesh, program: Program) -> Outcome:
 
 NEEDED: dict[str, tuple[str, tuple[str, ...]]] = {
     "orthogonality": ("rule 1 (sizes divide the degrees)", ("indivisible_shards",)),
-    "reduction_closure": ("rule 2 (reduce along every split axis, along no other, normalised once)",
-                          ("missing_reduction", "duplicated_reduction", "reduction_on_complete_axis",
-                           "double_averaging", "expert_not_normalised")),
-    "gather_before_use": ("rule 3 (a sharded state used whole is gathered or fetched first)",
-                          ("sharded_read_without_gather", "offloaded_not_fetched")),
+    "reduction_closure": (
+        "rule 2 (reduce along every split axis, along no other, normalised once)",
+        (
+            "missing_reduction",
+            "duplicated_reduction",
+            "reduction_on_complete_axis",
+            "double_averaging",
+            "expert_not_normalised",
+        ),
+    ),
+    "gather_before_use": (
+        "rule 3 (a sharded state used whole is gathered or fetched first)",
+        ("sharded_read_without_gather", "offloaded_not_fetched"),
+    ),
     "alignment": ("rule 4 (P, O and G shards use one partition)", ("misaligned_shards",)),
     "refresh": ("rule 5 (replicas updated from sharded optimizer state are all-gathered)", ("stale_replica_read",)),
-    "prerequisite_cp_exchange": ("rule 6c (context parallelism needs attention that exchanges K/V)",
-                                 ("missing_kv_exchange",)),
+    "prerequisite_cp_exchange": (
+        "rule 6c (context parallelism needs attention that exchanges K/V)",
+        ("missing_kv_exchange",),
+    ),
 }
 
 
@@ -89,29 +104,50 @@ def _key(prog: StepProgram, group: Group) -> tuple[Mesh, Program]:
 def obligations() -> list[Obligation]:
     out: list[Obligation] = []
     for mesh in two_axis_meshes():
-        out.append(Obligation(
-            f"composition.sound[{mesh_name(mesh)}]",
-            f"every program on a {mesh_name(mesh)} mesh satisfying each axis's conditions (rules 2-6 per axis) "
-            "preserves the invariant: composition on distinct axes is sound",
-            "z3", functools.partial(step_obligation, mesh)))
+        out.append(
+            Obligation(
+                f"composition.sound[{mesh_name(mesh)}]",
+                f"every program on a {mesh_name(mesh)} mesh satisfying each axis's conditions (rules 2-6 per axis) "
+                "preserves the invariant: composition on distinct axes is sound",
+                "z3",
+                functools.partial(step_obligation, mesh),
+            )
+        )
     for key, (rule, violations) in NEEDED.items():
-        out.append(Obligation(
-            f"composition.needed[{key}]", f"{rule} is needed: dropping it admits a program z3 refutes",
-            "z3", functools.partial(needed_obligation, violations)))
-    out.append(Obligation(
-        "composition.wellformedness[sp_without_tp]",
-        "rule 6a (sequence parallelism needs tp) is well-formedness, not correctness: SP on a dp-only "
-        "composition derives a program proved correct",
-        "z3", functools.partial(wellformed_obligation, (("dp", 2),), Options(sequence_parallel=True))))
-    out.append(Obligation(
-        "composition.wellformedness[ep_on_dense]",
-        "rule 6b (expert parallelism needs an MoE model) is well-formedness: ep on a dense model acts as a "
-        "data axis and its program is proved correct",
-        "z3", functools.partial(wellformed_obligation, (("ep", 2),), Options())))
-    out.append(Obligation(
-        "composition.cost_not_validity[zero2_zero3_with_pp]",
-        "rule 7: ZeRO-2/3 under a pipeline with 4 micro-batches (per-micro-batch reduce-scatters) is correct",
-        "z3", functools.partial(_cost_rule)))
+        out.append(
+            Obligation(
+                f"composition.needed[{key}]",
+                f"{rule} is needed: dropping it admits a program z3 refutes",
+                "z3",
+                functools.partial(needed_obligation, violations),
+            )
+        )
+    out.append(
+        Obligation(
+            "composition.wellformedness[sp_without_tp]",
+            "rule 6a (sequence parallelism needs tp) is well-formedness, not correctness: SP on a dp-only "
+            "composition derives a program proved correct",
+            "z3",
+            functools.partial(wellformed_obligation, (("dp", 2),), Options(sequence_parallel=True)),
+        )
+    )
+    out.append(
+        Obligation(
+            "composition.wellformedness[ep_on_dense]",
+            "rule 6b (expert parallelism needs an MoE model) is well-formedness: ep on a dense model acts as a "
+            "data axis and its program is proved correct",
+            "z3",
+            functools.partial(wellformed_obligation, (("ep", 2),), Options()),
+        )
+    )
+    out.append(
+        Obligation(
+            "composition.cost_not_validity[zero2_zero3_with_pp]",
+            "rule 7: ZeRO-2/3 under a pipeline with 4 micro-batches (per-micro-batch reduce-scatters) is correct",
+            "z3",
+            functools.partial(_cost_rule),
+        )
+    )
     return out
 
 
@@ -123,4 +159,3 @@ def _cost_rule() -> Outcome:
             t = translate(prog, g)
             outcomes.append(instance(t.mesh, t.program))
     return combine(outcomes, f"{len(outcomes)} (strategy, group) programs proved correct")
-

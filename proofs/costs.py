@@ -103,11 +103,15 @@ def _activations(*names: str, sequence_parallel: bool = False, recompute: Recomp
 KORTHIKANTI: dict[str, tuple[Callable[[], sp.Expr], sp.Expr]] = {
     "no_parallelism": (lambda: _activations(), SBH * (34 + 5 * a * s / h)),
     "tensor_parallel": (lambda: _activations("tp"), SBH * (10 + 24 / T + 5 * a * s / (h * T))),
-    "tensor_sequence_parallel": (lambda: _activations("tp", sequence_parallel=True),
-                                 SBH * (34 / T + 5 * a * s / (h * T))),
+    "tensor_sequence_parallel": (
+        lambda: _activations("tp", sequence_parallel=True),
+        SBH * (34 / T + 5 * a * s / (h * T)),
+    ),
     "selective_recompute_tp": (lambda: _activations("tp", recompute=Recompute.SELECTIVE), SBH * (10 + 24 / T)),
-    "selective_recompute_tp_sp": (lambda: _activations("tp", sequence_parallel=True, recompute=Recompute.SELECTIVE),
-                                  34 * SBH / T),
+    "selective_recompute_tp_sp": (
+        lambda: _activations("tp", sequence_parallel=True, recompute=Recompute.SELECTIVE),
+        34 * SBH / T,
+    ),
     "full_recompute": (lambda: _activations(recompute=Recompute.FULL), 2 * SBH),
 }
 
@@ -127,19 +131,24 @@ def _io_activations(*names: str, sequence_parallel: bool = False, stage: Stage =
     options = Options(sequence_parallel=sequence_parallel)
     comp = Composition(tuple(LIBRARY[n]().with_degree(2) for n in names), options)
     pl = comp.placement(Transformer("shape-only", layers=2, hidden=8, heads=2, vocab=16, seq=8), symbolic=True)
-    io = io_activation_bytes(s, b, h, V, DEFAULT_PRECISION.activations, DEFAULT_PRECISION.mask_bytes,
-                             DEFAULT_PRECISION.logits_bytes)
+    io = io_activation_bytes(
+        s, b, h, V, DEFAULT_PRECISION.activations, DEFAULT_PRECISION.mask_bytes, DEFAULT_PRECISION.logits_bytes
+    )
     return io_activations(pl, io, stage)
 
 
 # Korthikanti et al. 2022, section 4.3: with sequence and tensor parallelism, the input
 # embeddings' dropout keeps sbh/t per micro-batch, and the output layer (p = 1) 4sbh/t (1 + v/h).
 KORTHIKANTI_IO: dict[str, tuple[Callable[[], sp.Expr], sp.Expr]] = {
-    "tensor_sequence_parallel": (lambda: _io_activations("tp", sequence_parallel=True),
-                                 SBH / T + 4 * SBH / T * (1 + V / h)),
+    "tensor_sequence_parallel": (
+        lambda: _io_activations("tp", sequence_parallel=True),
+        SBH / T + 4 * SBH / T * (1 + V / h),
+    ),
     "pipeline_first_stage": (lambda: _io_activations("tp", "pp", sequence_parallel=True), SBH / T),
-    "pipeline_last_stage": (lambda: _io_activations("tp", "pp", sequence_parallel=True, stage=Stage.LAST),
-                            4 * SBH / T * (1 + V / h)),
+    "pipeline_last_stage": (
+        lambda: _io_activations("tp", "pp", sequence_parallel=True, stage=Stage.LAST),
+        4 * SBH / T * (1 + V / h),
+    ),
 }
 
 
@@ -149,23 +158,50 @@ def io_activation_obligation(key: str) -> Outcome:
 
 
 def obligations() -> list[Obligation]:
-    out = [Obligation(f"costs.memory[{name}]",
-                      f"for all N and Psi, the model-state memory derived from {name}'s placement equals "
-                      f"{ZERO_MEMORY[name]} (ZeRO, K=12)", "sympy", functools.partial(memory_obligation, name))
-           for name in ZERO_MEMORY]
-    out.append(Obligation("costs.zero3_over_dp.memory", "for all N, DP holds N times ZeRO-3's model-state memory",
-                          "sympy", ratio_memory))
-    out.append(Obligation("costs.zero3_over_dp.communication",
-                          "ZeRO-3 moves 3/2 of DP's model-state traffic (ZeRO paper units, (d-1)/d dropped)",
-                          "sympy", ratio_traffic))
+    out = [
+        Obligation(
+            f"costs.memory[{name}]",
+            f"for all N and Psi, the model-state memory derived from {name}'s placement equals "
+            f"{ZERO_MEMORY[name]} (ZeRO, K=12)",
+            "sympy",
+            functools.partial(memory_obligation, name),
+        )
+        for name in ZERO_MEMORY
+    ]
+    out.append(
+        Obligation(
+            "costs.zero3_over_dp.memory",
+            "for all N, DP holds N times ZeRO-3's model-state memory",
+            "sympy",
+            ratio_memory,
+        )
+    )
+    out.append(
+        Obligation(
+            "costs.zero3_over_dp.communication",
+            "ZeRO-3 moves 3/2 of DP's model-state traffic (ZeRO paper units, (d-1)/d dropped)",
+            "sympy",
+            ratio_traffic,
+        )
+    )
     for key, (_, closed) in KORTHIKANTI.items():
-        out.append(Obligation(f"costs.activations[{key}]",
-                              f"for all s, b, h, a, t, the per-layer activation bytes derived from the activation "
-                              f"placement equal {closed} (Korthikanti et al. 2022)",
-                              "sympy", functools.partial(activation_obligation, key)))
+        out.append(
+            Obligation(
+                f"costs.activations[{key}]",
+                f"for all s, b, h, a, t, the per-layer activation bytes derived from the activation "
+                f"placement equal {closed} (Korthikanti et al. 2022)",
+                "sympy",
+                functools.partial(activation_obligation, key),
+            )
+        )
     for key, (_, closed) in KORTHIKANTI_IO.items():
-        out.append(Obligation(f"costs.io_activations[{key}]",
-                              f"for all s, b, h, V, t, the input/output-layer activation bytes of one micro-batch "
-                              f"derived from the placement equal {closed} (Korthikanti et al. 2022, section 4.3)",
-                              "sympy", functools.partial(io_activation_obligation, key)))
+        out.append(
+            Obligation(
+                f"costs.io_activations[{key}]",
+                f"for all s, b, h, V, t, the input/output-layer activation bytes of one micro-batch "
+                f"derived from the placement equal {closed} (Korthikanti et al. 2022, section 4.3)",
+                "sympy",
+                functools.partial(io_activation_obligation, key),
+            )
+        )
     return out

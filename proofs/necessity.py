@@ -68,9 +68,13 @@ class Violation:
     build: Callable[[], tuple[Mesh, Program]]
 
 
-def _program(names: tuple[tuple[str, int], ...], group: Group, options: Options = NO_OPTIONS,
-             mutate: Callable[[StepProgram], StepProgram] | None = None,
-             entry: tuple[str, State, Entry] | None = None) -> tuple[Mesh, Program]:
+def _program(
+    names: tuple[tuple[str, int], ...],
+    group: Group,
+    options: Options = NO_OPTIONS,
+    mutate: Callable[[StepProgram], StepProgram] | None = None,
+    entry: tuple[str, State, Entry] | None = None,
+) -> tuple[Mesh, Program]:
     strategies = []
     for name, degree in names:
         s = LIBRARY[name]().with_degree(degree)
@@ -91,12 +95,14 @@ def _without(pred: Callable[[Op], bool]) -> Callable[[StepProgram], StepProgram]
         kept = [op for op in prog.ops if not pred(op)]
         assert len(kept) < len(prog.ops), "the mutation must remove an op"
         return prog.with_ops(kept)
+
     return mutate
 
 
 def _plus(make: Callable[[StepProgram], Op]) -> Callable[[StepProgram], StepProgram]:
     def mutate(prog: StepProgram) -> StepProgram:
         return prog.with_ops((*prog.ops, make(prog)))
+
     return mutate
 
 
@@ -109,6 +115,7 @@ def _duplicate(pred: Callable[[Op], bool]) -> Callable[[StepProgram], StepProgra
                 ops.append(op)
         assert len(ops) > len(prog.ops)
         return prog.with_ops(ops)
+
     return mutate
 
 
@@ -117,50 +124,106 @@ def _grad_op(kind: OpKind, group: Group, axis: Axis) -> Callable[[Op], bool]:
 
 
 VIOLATIONS: tuple[Violation, ...] = (
-    Violation("missing_reduction", "gradient integrity",
-              "LayerNorm gradients under sequence parallelism not all-reduced across tp (Megatron-LM #1446)",
-              lambda: _program((("tp", 2),), NORM, Options(sequence_parallel=True),
-                               _without(_grad_op(OpKind.ALL_REDUCE, NORM, Axis.TP)))),
-    Violation("duplicated_reduction", "gradient integrity",
-              "the tied-embedding all-reduce between first and last pipeline stage issued twice",
-              lambda: _program((("pp", 2),), EMBEDDING, Options(),
-                               _duplicate(_grad_op(OpKind.ALL_REDUCE, EMBEDDING, Axis.PP)))),
-    Violation("reduction_on_complete_axis", "gradient integrity",
-              "LayerNorm gradients (complete on every tp rank without sequence parallelism) summed across tp",
-              lambda: _program((("tp", 2),), NORM, Options(), _plus(lambda prog: Op(
-                  OpKind.ALL_REDUCE, G, NORM, Axis.TP, Phase.GRAD_SYNC, sp.Integer(1), reduce=Reduce.SUM)))),
-    Violation("double_averaging", "gradient integrity",
-              "data-parallel gradients all-reduced with mean and then divided by the degree again",
-              lambda: _program((("dp", 2),), MLP, Options(), _plus(lambda prog: Op(
-                  OpKind.SCALE, G, MLP, Axis.DP, Phase.GRAD_SYNC, scale=sp.Rational(1, 2))))),
-    Violation("expert_not_normalised", "gradient integrity",
-              "expert gradients not divided by the ep size (Megatron-LM PR #5956)",
-              lambda: _program((("ep", 2),), EXPERTS, Options(),
-                               _without(lambda op: op.kind is OpKind.SCALE and op.group == EXPERTS))),
-    Violation("stale_replica_read", "state consistency (agreement)",
-              "ZeRO-1 without the all-gather that refreshes parameter replicas after the sharded update",
-              lambda: _program((("zero1", 2),), MLP, Options(), _without(
-                  lambda op: op.kind is OpKind.ALL_GATHER and op.state is P and op.phase is Phase.REFRESH))),
-    Violation("misaligned_shards", "state consistency (alignment)",
-              "ZeRO-2 with optimizer shards cut at another offset than gradient shards",
-              lambda: _program((("zero2", 2),), MLP, Options(), None, ("zero2", O, Entry(Mode.SHARDED, offset=1)))),
-    Violation("sharded_read_without_gather", "state consistency (gather before use)",
-              "ZeRO-3 parameters read in the forward without the all-gather",
-              lambda: _program((("zero3", 2),), MLP, Options(), _without(
-                  lambda op: op.kind is OpKind.ALL_GATHER and op.state is P and op.phase is Phase.FORWARD))),
-    Violation("offloaded_not_fetched", "state consistency (coverage)",
-              "offloaded parameters read in the forward without the host-to-device copy",
-              lambda: _program((("dp", 2),), MLP, Options(offload_parameters=True), _without(
-                  lambda op: op.kind is OpKind.HOST_TO_DEVICE and op.state is P and op.phase is Phase.FORWARD))),
-    Violation("missing_kv_exchange", "gradient integrity (the loss itself)",
-              "context parallelism without the key/value exchange: each block attends only to itself",
-              lambda: _program((("cp", 2),), MLP, Options(), _without(
-                  lambda op: op.state is A and op.axis is Axis.CP))),
-    Violation("indivisible_shards", "state consistency (coverage)",
-              "a tp-sharded tensor whose size does not divide by tp: floor-sized shards lose the remainder "
-              "(Megatron-LM #1754)",
-              lambda: ((MeshAxis(AxisClass.COMPUTE, 2, elements=3),),
-                       _program((("tp", 2),), MLP, Options())[1])),
+    Violation(
+        "missing_reduction",
+        "gradient integrity",
+        "LayerNorm gradients under sequence parallelism not all-reduced across tp (Megatron-LM #1446)",
+        lambda: _program(
+            (("tp", 2),), NORM, Options(sequence_parallel=True), _without(_grad_op(OpKind.ALL_REDUCE, NORM, Axis.TP))
+        ),
+    ),
+    Violation(
+        "duplicated_reduction",
+        "gradient integrity",
+        "the tied-embedding all-reduce between first and last pipeline stage issued twice",
+        lambda: _program(
+            (("pp", 2),), EMBEDDING, Options(), _duplicate(_grad_op(OpKind.ALL_REDUCE, EMBEDDING, Axis.PP))
+        ),
+    ),
+    Violation(
+        "reduction_on_complete_axis",
+        "gradient integrity",
+        "LayerNorm gradients (complete on every tp rank without sequence parallelism) summed across tp",
+        lambda: _program(
+            (("tp", 2),),
+            NORM,
+            Options(),
+            _plus(
+                lambda prog: Op(OpKind.ALL_REDUCE, G, NORM, Axis.TP, Phase.GRAD_SYNC, sp.Integer(1), reduce=Reduce.SUM)
+            ),
+        ),
+    ),
+    Violation(
+        "double_averaging",
+        "gradient integrity",
+        "data-parallel gradients all-reduced with mean and then divided by the degree again",
+        lambda: _program(
+            (("dp", 2),),
+            MLP,
+            Options(),
+            _plus(lambda prog: Op(OpKind.SCALE, G, MLP, Axis.DP, Phase.GRAD_SYNC, scale=sp.Rational(1, 2))),
+        ),
+    ),
+    Violation(
+        "expert_not_normalised",
+        "gradient integrity",
+        "expert gradients not divided by the ep size (Megatron-LM PR #5956)",
+        lambda: _program(
+            (("ep", 2),), EXPERTS, Options(), _without(lambda op: op.kind is OpKind.SCALE and op.group == EXPERTS)
+        ),
+    ),
+    Violation(
+        "stale_replica_read",
+        "state consistency (agreement)",
+        "ZeRO-1 without the all-gather that refreshes parameter replicas after the sharded update",
+        lambda: _program(
+            (("zero1", 2),),
+            MLP,
+            Options(),
+            _without(lambda op: op.kind is OpKind.ALL_GATHER and op.state is P and op.phase is Phase.REFRESH),
+        ),
+    ),
+    Violation(
+        "misaligned_shards",
+        "state consistency (alignment)",
+        "ZeRO-2 with optimizer shards cut at another offset than gradient shards",
+        lambda: _program((("zero2", 2),), MLP, Options(), None, ("zero2", O, Entry(Mode.SHARDED, offset=1))),
+    ),
+    Violation(
+        "sharded_read_without_gather",
+        "state consistency (gather before use)",
+        "ZeRO-3 parameters read in the forward without the all-gather",
+        lambda: _program(
+            (("zero3", 2),),
+            MLP,
+            Options(),
+            _without(lambda op: op.kind is OpKind.ALL_GATHER and op.state is P and op.phase is Phase.FORWARD),
+        ),
+    ),
+    Violation(
+        "offloaded_not_fetched",
+        "state consistency (coverage)",
+        "offloaded parameters read in the forward without the host-to-device copy",
+        lambda: _program(
+            (("dp", 2),),
+            MLP,
+            Options(offload_parameters=True),
+            _without(lambda op: op.kind is OpKind.HOST_TO_DEVICE and op.state is P and op.phase is Phase.FORWARD),
+        ),
+    ),
+    Violation(
+        "missing_kv_exchange",
+        "gradient integrity (the loss itself)",
+        "context parallelism without the key/value exchange: each block attends only to itself",
+        lambda: _program((("cp", 2),), MLP, Options(), _without(lambda op: op.state is A and op.axis is Axis.CP)),
+    ),
+    Violation(
+        "indivisible_shards",
+        "state consistency (coverage)",
+        "a tp-sharded tensor whose size does not divide by tp: floor-sized shards lose the remainder "
+        "(Megatron-LM #1754)",
+        lambda: ((MeshAxis(AxisClass.COMPUTE, 2, elements=3),), _program((("tp", 2),), MLP, Options())[1]),
+    ),
 )
 
 
@@ -169,8 +232,9 @@ def _fraction(value: z3.ExprRef) -> Fraction:
     return Fraction(value.numerator_as_long(), value.denominator_as_long())
 
 
-def counterexample(mesh: Mesh, program: Program) -> tuple[Answer, str, dict[tuple[Coords, Coords], Fraction],
-                                                          dict[Coords, Fraction]]:
+def counterexample(
+    mesh: Mesh, program: Program
+) -> tuple[Answer, str, dict[tuple[Coords, Coords], Fraction], dict[Coords, Fraction]]:
     """z3: targets and initial weights on which one SGD step of ``program`` differs somewhere."""
     model = LinearModel(mesh)
     elems = elements(mesh)
@@ -215,13 +279,16 @@ def mesh_label(mesh: Mesh) -> str:
 
 
 def obligations() -> list[Obligation]:
-    return [Obligation(
-        f"necessity.{v.key}",
-        f"{v.condition} is necessary: {v.description}; some model, data and SGD step make the result differ",
-        "z3+numpy-check", functools.partial(necessity_obligation, v)) for v in VIOLATIONS]
+    return [
+        Obligation(
+            f"necessity.{v.key}",
+            f"{v.condition} is necessary: {v.description}; some model, data and SGD step make the result differ",
+            "z3+numpy-check",
+            functools.partial(necessity_obligation, v),
+        )
+        for v in VIOLATIONS
+    ]
 
 
 def violation_programs() -> dict[str, tuple[Mesh, Program]]:
     return {v.key: v.build() for v in VIOLATIONS}
-
-

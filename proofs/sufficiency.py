@@ -48,8 +48,10 @@ MAX_SINGLE_DEVICES = 8  # every library strategy alone on 2..8 devices
 PAIR_DEGREES = ((2, 2),)  # every pair of library strategies on distinct axes
 ONE_AXIS_DEGREES = (2, 3, 4)  # the every-program obligation, per axis class
 
-INVARIANT = ("every live copy or shard (read before it is next written) equals the single-device value, "
-             "and every read returns it")
+INVARIANT = (
+    "every live copy or shard (read before it is next written) equals the single-device value, "
+    "and every read returns it"
+)
 
 
 def step_obligation(mesh: Mesh, drop: frozenset[str] = frozenset()) -> Outcome:
@@ -139,10 +141,20 @@ def coefficient(program: StepProgram, group: object, axis: Axis) -> sp.Expr:
     pl = program.placement
     d = pl.degree(axis)
     origin = program.origin(group, axis)  # type: ignore[arg-type]
-    reductions = [op for op in program.ops if op.group == group and op.axis is axis and op.state is State.GRADIENTS
-                  and op.kind.is_reduction and op.phase is Phase.GRAD_SYNC]
-    scales = [op.scale for op in program.ops if op.group == group and op.axis is axis
-              and op.kind is OpKind.SCALE and op.scale is not None]
+    reductions = [
+        op
+        for op in program.ops
+        if op.group == group
+        and op.axis is axis
+        and op.state is State.GRADIENTS
+        and op.kind.is_reduction
+        and op.phase is Phase.GRAD_SYNC
+    ]
+    scales = [
+        op.scale
+        for op in program.ops
+        if op.group == group and op.axis is axis and op.kind is OpKind.SCALE and op.scale is not None
+    ]
     n = reductions[0].participants if reductions and reductions[0].participants is not None else d
     match origin:
         case Origin.PARTIAL:
@@ -169,8 +181,9 @@ def coefficient(program: StepProgram, group: object, axis: Axis) -> sp.Expr:
 
 def normalisation_obligation(name: str) -> Outcome:
     """sympy: with symbolic degrees, every (group, axis) coefficient is exactly 1."""
-    specs = [((name, 0),)] + [((name, 0), (other, 0)) for other in STRATEGIES
-                              if LIBRARY[other]().axis is not LIBRARY[name]().axis]
+    specs = [((name, 0),)] + [
+        ((name, 0), (other, 0)) for other in STRATEGIES if LIBRARY[other]().axis is not LIBRARY[name]().axis
+    ]
     checked = 0
     for spec in specs:
         names = tuple(n for n, _ in spec)
@@ -184,29 +197,41 @@ def normalisation_obligation(name: str) -> Outcome:
                     c = coefficient(prog, group, axis)
                     checked += 1
                     if sp.simplify(c - 1) != 0:
-                        return Outcome(Status.REFUTED, f"{'x'.join(names)}: {group} along {axis.value} is scaled "
-                                                       f"by {c}, not 1")
+                        return Outcome(
+                            Status.REFUTED, f"{'x'.join(names)}: {group} along {axis.value} is scaled by {c}, not 1"
+                        )
     return Outcome(Status.PROVED, f"{checked} (composition, group, axis) coefficients equal 1 for symbolic degrees")
 
 
 def obligations() -> list[Obligation]:
     out: list[Obligation] = []
     for mesh in one_axis_meshes():
-        out.append(Obligation(
-            f"sufficiency.step[{mesh_name(mesh)}]",
-            f"every program on a {mesh_name(mesh)} mesh with gradient integrity and state consistency preserves: "
-            f"{INVARIANT}",
-            "z3", functools.partial(step_obligation, mesh)))
+        out.append(
+            Obligation(
+                f"sufficiency.step[{mesh_name(mesh)}]",
+                f"every program on a {mesh_name(mesh)} mesh with gradient integrity and state consistency preserves: "
+                f"{INVARIANT}",
+                "z3",
+                functools.partial(step_obligation, mesh),
+            )
+        )
     for name in STRATEGIES:
-        out.append(Obligation(
-            f"sufficiency.library[{name}]",
-            f"every derived step program of {name} (alone, 2..{MAX_SINGLE_DEVICES} devices; with each other "
-            "library strategy on another axis, 2x2) satisfies both conditions and preserves the invariant",
-            "z3", functools.partial(library_obligation, name)))
-        out.append(Obligation(
-            f"sufficiency.normalisation[{name}]",
-            f"for symbolic degrees, every derived program of {name} (alone and composed) sums every gradient "
-            "contribution exactly once with the single-device normalisation",
-            "sympy", functools.partial(normalisation_obligation, name)))
+        out.append(
+            Obligation(
+                f"sufficiency.library[{name}]",
+                f"every derived step program of {name} (alone, 2..{MAX_SINGLE_DEVICES} devices; with each other "
+                "library strategy on another axis, 2x2) satisfies both conditions and preserves the invariant",
+                "z3",
+                functools.partial(library_obligation, name),
+            )
+        )
+        out.append(
+            Obligation(
+                f"sufficiency.normalisation[{name}]",
+                f"for symbolic degrees, every derived program of {name} (alone and composed) sums every gradient "
+                "contribution exactly once with the single-device normalisation",
+                "sympy",
+                functools.partial(normalisation_obligation, name),
+            )
+        )
     return out
-

@@ -12,11 +12,18 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
-    "ci", max_examples=100, deadline=None, derandomize=True, print_blob=True,
+    "ci",
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
 )
 settings.register_profile(
-    "thorough", max_examples=2_000, deadline=None, print_blob=True,
+    "thorough",
+    max_examples=2_000,
+    deadline=None,
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
@@ -27,8 +34,13 @@ _SUMMARY = pytest.StashKey[list[str]]()
 # (about three minutes on two cores): the PyTorch engines, the proof runner, the thousand-program
 # differential run and the CLI run as subprocesses. CI runs everything.
 _GROUPS = {
-    "torch": ("test_torch_equivalence", "test_torch_gloo", "test_torch_large", "test_torch_validation",
-              "test_torch_isolation"),
+    "torch": (
+        "test_torch_equivalence",
+        "test_torch_gloo",
+        "test_torch_large",
+        "test_torch_validation",
+        "test_torch_isolation",
+    ),
     "proofs": ("test_proofs",),
     "differential": ("test_differential",),
 }
@@ -66,8 +78,7 @@ def summary_lines(request: pytest.FixtureRequest) -> list[str]:
     return request.config.stash.setdefault(_SUMMARY, [])
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int,
-                            config: pytest.Config) -> None:
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
     lines = config.stash.get(_SUMMARY, [])
     if lines:
         terminalreporter.section("differential testing")

@@ -20,8 +20,37 @@ from formal._vocab import State
 
 DATA_PARALLEL = ("dp", "zero1", "zero2", "zero3", "fsdp", "fsdp-sgo", "hsdp", "distopt")
 SHARDED_OPTIMIZER_REPLICATED_PARAMETERS = ("zero1", "zero2", "distopt")
-TOKENS = ("tp", "dp", "pp", "cp", "ep", "zero", "fsdp", "sp", "x", "×", "*", "m", "v", "2", "4", "8", "0",
-          "-", "offload", "params", "recompute", " ", "", "1f1b", "gpipe", "dpr", "hsdp", "9999999", "é")
+TOKENS = (
+    "tp",
+    "dp",
+    "pp",
+    "cp",
+    "ep",
+    "zero",
+    "fsdp",
+    "sp",
+    "x",
+    "×",
+    "*",
+    "m",
+    "v",
+    "2",
+    "4",
+    "8",
+    "0",
+    "-",
+    "offload",
+    "params",
+    "recompute",
+    " ",
+    "",
+    "1f1b",
+    "gpipe",
+    "dpr",
+    "hsdp",
+    "9999999",
+    "é",
+)
 
 
 @st.composite
@@ -29,11 +58,20 @@ def models(draw: st.DrawFn) -> Transformer:
     """Small transformers whose sizes divide by 8 (tp, pp and ep up to 4, cp up to 2)."""
     moe = draw(st.booleans())
     return Transformer(
-        "tiny-moe" if moe else "tiny", layers=8, hidden=512, heads=8, vocab=1024, seq=256,
+        "tiny-moe" if moe else "tiny",
+        layers=8,
+        hidden=512,
+        heads=8,
+        vocab=1024,
+        seq=256,
         kv_heads=draw(st.sampled_from([None, 4])),
-        ffn_kind=draw(st.sampled_from(list(Ffn))), norm=draw(st.sampled_from(list(Norm))),
-        bias=draw(st.booleans()), learned_positions=draw(st.booleans()),
-        tied_embeddings=draw(st.booleans()), experts=8 if moe else 0, top_k=2 if moe else 0,
+        ffn_kind=draw(st.sampled_from(list(Ffn))),
+        norm=draw(st.sampled_from(list(Norm))),
+        bias=draw(st.booleans()),
+        learned_positions=draw(st.booleans()),
+        tied_embeddings=draw(st.booleans()),
+        experts=8 if moe else 0,
+        top_k=2 if moe else 0,
     )
 
 
@@ -84,8 +122,11 @@ def library_names() -> st.SearchStrategy[str]:
 @st.composite
 def mutations(draw: st.DrawFn, program: StepProgram) -> tuple[StepProgram, int]:
     """A program with one of its P/O/G collectives or transfers dropped, and the dropped index."""
-    candidates = [i for i, op in enumerate(program.ops)
-                  if op.state is not State.ACTIVATIONS and (op.kind.is_collective or op.kind.is_transfer)]
+    candidates = [
+        i
+        for i, op in enumerate(program.ops)
+        if op.state is not State.ACTIVATIONS and (op.kind.is_collective or op.kind.is_transfer)
+    ]
     index = draw(st.sampled_from(candidates))
     return program.with_ops(op for i, op in enumerate(program.ops) if i != index), index
 
@@ -96,10 +137,48 @@ def composition_texts() -> st.SearchStrategy[str]:
 
 
 MODE_WORDS = ("R", "S", "S*", "M", "O", "S@1", "S*+hold", "R@1", "sharded", "Q", "", "S@99999999", "+hold")
-KEYS = ("axis", "P", "O", "G", "A", "groups", "compute_sharded", "description", "op", "state", "group",
-        "phase", "reduce", "offset", "scale", "bogus")
-VALUES = ('"dp"', '"tp"', '"pp"', '"zz"', "1", "-1", "true", '"all"', '["attention"]', "[1]", '"1/d"', '"0"',
-          '"sum"', '"mean"', '"all_reduce"', '"compute"', '"G"', '"P"', '"grad_sync"', "{}", "3.5", '"x"')
+KEYS = (
+    "axis",
+    "P",
+    "O",
+    "G",
+    "A",
+    "groups",
+    "compute_sharded",
+    "description",
+    "op",
+    "state",
+    "group",
+    "phase",
+    "reduce",
+    "offset",
+    "scale",
+    "bogus",
+)
+VALUES = (
+    '"dp"',
+    '"tp"',
+    '"pp"',
+    '"zz"',
+    "1",
+    "-1",
+    "true",
+    '"all"',
+    '["attention"]',
+    "[1]",
+    '"1/d"',
+    '"0"',
+    '"sum"',
+    '"mean"',
+    '"all_reduce"',
+    '"compute"',
+    '"G"',
+    '"P"',
+    '"grad_sync"',
+    "{}",
+    "3.5",
+    '"x"',
+)
 
 
 @st.composite
@@ -113,8 +192,11 @@ def strategy_files(draw: st.DrawFn) -> str:
         lines.append(f"[strategies.{name}]" if name else "[strategies]")
         for _ in range(draw(st.integers(0, 5))):
             key = draw(st.sampled_from(KEYS))
-            value = (f'"{draw(st.sampled_from(MODE_WORDS))}"' if key in "POGA" and draw(st.booleans())
-                     else draw(st.sampled_from(VALUES)))
+            value = (
+                f'"{draw(st.sampled_from(MODE_WORDS))}"'
+                if key in "POGA" and draw(st.booleans())
+                else draw(st.sampled_from(VALUES))
+            )
             lines.append(f"{key} = {value}")
     for _ in range(draw(st.integers(0, 3))):
         lines.append("[[program]]")

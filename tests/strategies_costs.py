@@ -22,11 +22,20 @@ def transformers(draw: st.DrawFn) -> Transformer:
     kv = draw(st.sampled_from([h for h in (1, 2, 4, 8) if heads % h == 0]))
     hidden = heads * draw(st.integers(1, 16)) * 8
     return Transformer(
-        "random", layers=draw(st.integers(1, 12)), hidden=hidden, heads=heads, kv_heads=kv,
-        vocab=draw(st.integers(8, 4096)), seq=draw(st.integers(1, 256)), micro_batch=draw(st.integers(1, 4)),
-        ffn=draw(st.none() | st.integers(1, 1024)), ffn_kind=draw(st.sampled_from(list(Ffn))),
-        norm=draw(st.sampled_from(list(Norm))), bias=draw(st.booleans()),
-        learned_positions=draw(st.booleans()), tied_embeddings=draw(st.booleans()),
+        "random",
+        layers=draw(st.integers(1, 12)),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv,
+        vocab=draw(st.integers(8, 4096)),
+        seq=draw(st.integers(1, 256)),
+        micro_batch=draw(st.integers(1, 4)),
+        ffn=draw(st.none() | st.integers(1, 1024)),
+        ffn_kind=draw(st.sampled_from(list(Ffn))),
+        norm=draw(st.sampled_from(list(Norm))),
+        bias=draw(st.booleans()),
+        learned_positions=draw(st.booleans()),
+        tied_embeddings=draw(st.booleans()),
         final_norm=draw(st.booleans()),
     )
 

@@ -30,27 +30,183 @@ CONFIGS = EXAMPLES / "configs"
 # --- words ------------------------------------------------------------------------------------
 
 NASTY_TEXTS = (
-    "", " ", "[/bold]", "[bold]x[/]", "[red]", "\x1b[31mred\x1b[0m", "\x1b]0;title\x07", "\r", "\n", "\t", "\x00",
-    "\x7f", "²", "٣", "１２", "Ⅷ", "1e400", "9" * 400, "-1", "0", "00", "2**70", "1180591620717411303424", "nan", "inf",
-    "-inf", "auto", "$TP", "${WORLD}", "'", '"', "\\", "{}", "[]", "%s", "{0}", "😀", "\u202eevil", "\ufeff8",
-    "\udcff", "\udc80abc", "-", "--", "x", "×", "*", " 8", "8 ", "+8", "0x10", "1_000", "8.0", "1e3", "٨", "8\x00",
-    "$\\frac{$", "$x^$", "</script>", "<b>", "&amp;", "%(x)s", "\\", "{}{}",
+    "",
+    " ",
+    "[/bold]",
+    "[bold]x[/]",
+    "[red]",
+    "\x1b[31mred\x1b[0m",
+    "\x1b]0;title\x07",
+    "\r",
+    "\n",
+    "\t",
+    "\x00",
+    "\x7f",
+    "²",
+    "٣",
+    "１２",
+    "Ⅷ",
+    "1e400",
+    "9" * 400,
+    "-1",
+    "0",
+    "00",
+    "2**70",
+    "1180591620717411303424",
+    "nan",
+    "inf",
+    "-inf",
+    "auto",
+    "$TP",
+    "${WORLD}",
+    "'",
+    '"',
+    "\\",
+    "{}",
+    "[]",
+    "%s",
+    "{0}",
+    "😀",
+    "\u202eevil",
+    "\ufeff8",
+    "\udcff",
+    "\udc80abc",
+    "-",
+    "--",
+    "x",
+    "×",
+    "*",
+    " 8",
+    "8 ",
+    "+8",
+    "0x10",
+    "1_000",
+    "8.0",
+    "1e3",
+    "٨",
+    "8\x00",
+    "$\\frac{$",
+    "$x^$",
+    "</script>",
+    "<b>",
+    "&amp;",
+    "%(x)s",
+    "\\",
+    "{}{}",
 )
 NASTY_NUMBERS = (
-    "0", "1", "2", "8", "-1", "-3", "²", "٣", "８", "1e400", "1e30", "9" * 50, "9" * 400, "2**70",
-    "1180591620717411303424", "1000000", "1000001", "nan", "inf", "", " ", "8 ", "0x8", "1_0", "8.5", "abc", "+2",
-    "\u0663\u0662", "\udcff", "4\n", "1e9", "7.5e9", "70B", "80GB", "80GiB", "1e-30", "0.4", "1e9\x1c", "8\u2028",
-    "80GB\x85", "\x1f2",
+    "0",
+    "1",
+    "2",
+    "8",
+    "-1",
+    "-3",
+    "²",
+    "٣",
+    "８",
+    "1e400",
+    "1e30",
+    "9" * 50,
+    "9" * 400,
+    "2**70",
+    "1180591620717411303424",
+    "1000000",
+    "1000001",
+    "nan",
+    "inf",
+    "",
+    " ",
+    "8 ",
+    "0x8",
+    "1_0",
+    "8.5",
+    "abc",
+    "+2",
+    "\u0663\u0662",
+    "\udcff",
+    "4\n",
+    "1e9",
+    "7.5e9",
+    "70B",
+    "80GB",
+    "80GiB",
+    "1e-30",
+    "0.4",
+    "1e9\x1c",
+    "8\u2028",
+    "80GB\x85",
+    "\x1f2",
 )
 # Compositions quick to decide: small degrees, the default or a --params model.
-TINY_COMPOSITIONS = ("dp2", "zero1", "zero32", "zero2x", "tp2", "pp2", "dp2xtp2", "tp2xpp2", "fsdp2", "tp2xsp",
-                     "dp2xm2", "zero3xoffload", "dp2xrecompute", "tp3", "dp2xdp2", "tp2xzero3xpp4", "dp", "hsdp2",
-                     "fsdp2xdpr2", "tp2xspxdp2", "zero22", "cp2xdp2", "ep2xdp2", "pp2xgpipe", "pp2xv2")
-MODELS = ("gpt3-1.3b", "llama2-7b", "mixtral-8x7b", "zero-7.5b", "", " ", "nonesuch", "config.json", "[/bold]",
-          "\x1b[2J", "llama2-7b\x00", "/dev/null", "/", "missing.json")
-OPTIONS = ("--devices", "--model", "--params", "--precision", "--device-memory", "--micro-batch", "--seq",
-           "--json", "--csv", "--explain", "--timeout-ms", "--from", "--report", "--strategies", "--debug",
-           "--no-such", "-h", "--version", "--", "--chart", "--values", "--to", "--all", "--degree")
+TINY_COMPOSITIONS = (
+    "dp2",
+    "zero1",
+    "zero32",
+    "zero2x",
+    "tp2",
+    "pp2",
+    "dp2xtp2",
+    "tp2xpp2",
+    "fsdp2",
+    "tp2xsp",
+    "dp2xm2",
+    "zero3xoffload",
+    "dp2xrecompute",
+    "tp3",
+    "dp2xdp2",
+    "tp2xzero3xpp4",
+    "dp",
+    "hsdp2",
+    "fsdp2xdpr2",
+    "tp2xspxdp2",
+    "zero22",
+    "cp2xdp2",
+    "ep2xdp2",
+    "pp2xgpipe",
+    "pp2xv2",
+)
+MODELS = (
+    "gpt3-1.3b",
+    "llama2-7b",
+    "mixtral-8x7b",
+    "zero-7.5b",
+    "",
+    " ",
+    "nonesuch",
+    "config.json",
+    "[/bold]",
+    "\x1b[2J",
+    "llama2-7b\x00",
+    "/dev/null",
+    "/",
+    "missing.json",
+)
+OPTIONS = (
+    "--devices",
+    "--model",
+    "--params",
+    "--precision",
+    "--device-memory",
+    "--micro-batch",
+    "--seq",
+    "--json",
+    "--csv",
+    "--explain",
+    "--timeout-ms",
+    "--from",
+    "--report",
+    "--strategies",
+    "--debug",
+    "--no-such",
+    "-h",
+    "--version",
+    "--",
+    "--chart",
+    "--values",
+    "--to",
+    "--all",
+    "--degree",
+)
 
 
 def hostile_texts(max_size: int = 24) -> st.SearchStrategy[str]:
@@ -68,7 +224,7 @@ def hostile_numbers() -> st.SearchStrategy[str]:
     """What a user may type where a number belongs."""
     return st.one_of(
         st.sampled_from(NASTY_NUMBERS),
-        st.integers(-10**30, 10**60).map(str),
+        st.integers(-(10**30), 10**60).map(str),
         st.integers(0, 2**70).map(lambda n: f"{n}"),
         hostile_texts(8),
     )
@@ -82,8 +238,26 @@ def small_numbers() -> st.SearchStrategy[str]:
 def refused_numbers() -> st.SearchStrategy[str]:
     """Numbers no option accepts: not digits, zero, negative, or beyond every bound."""
     return st.one_of(
-        st.sampled_from(("0", "-1", "²", "٣", "８", "1e400", "9" * 400, "2**70", "1180591620717411303424", "nan", "",
-                         "abc", "0x8", "8.5", "\udcff", "1000000000000")),
+        st.sampled_from(
+            (
+                "0",
+                "-1",
+                "²",
+                "٣",
+                "８",
+                "1e400",
+                "9" * 400,
+                "2**70",
+                "1180591620717411303424",
+                "nan",
+                "",
+                "abc",
+                "0x8",
+                "8.5",
+                "\udcff",
+                "1000000000000",
+            )
+        ),
         st.integers(10**12, 10**60).map(str),
     )
 
@@ -92,7 +266,9 @@ def compositions_texts() -> st.SearchStrategy[str]:
     """Tiny valid compositions, mangled ones, and arbitrary text."""
     tiny = st.sampled_from(TINY_COMPOSITIONS)
     return st.one_of(
-        tiny, tiny, tiny,
+        tiny,
+        tiny,
+        tiny,
         st.tuples(tiny, st.sampled_from(("x", "×", "*", "xx", "")), hostile_texts(6)).map("".join),
         st.tuples(st.sampled_from(("tp", "dp", "zero3", "pp", "m", "v", "cp")), hostile_numbers()).map("".join),
         hostile_texts(),
@@ -100,6 +276,7 @@ def compositions_texts() -> st.SearchStrategy[str]:
 
 
 # --- command lines ----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Case:
@@ -120,8 +297,16 @@ def _options(draw: st.DrawFn, names: tuple[str, ...], numbers: st.SearchStrategy
     out: list[str] = []
     for name in draw(st.lists(st.sampled_from(names), max_size=4)):
         match name:
-            case "--devices" | "--micro-batch" | "--seq" | "--timeout-ms" | "--degree" | "--global-batch" | \
-                    "--node-size" | "--top":
+            case (
+                "--devices"
+                | "--micro-batch"
+                | "--seq"
+                | "--timeout-ms"
+                | "--degree"
+                | "--global-batch"
+                | "--node-size"
+                | "--top"
+            ):
                 out += [name, draw(numbers)]
             case "--params":
                 out += [name, draw(st.one_of(st.sampled_from(("1e9", "7.5e9", "70B", "1e6")), hostile_numbers()))]
@@ -140,15 +325,46 @@ def _options(draw: st.DrawFn, names: tuple[str, ...], numbers: st.SearchStrategy
     return out
 
 
-_CHECK_OPTIONS = ("--devices", "--params", "--params", "--model", "--precision", "--device-memory", "--micro-batch",
-                  "--seq", "--json", "--csv", "--explain", "--timeout-ms", "--debug", "--no-such", "--")
+_CHECK_OPTIONS = (
+    "--devices",
+    "--params",
+    "--params",
+    "--model",
+    "--precision",
+    "--device-memory",
+    "--micro-batch",
+    "--seq",
+    "--json",
+    "--csv",
+    "--explain",
+    "--timeout-ms",
+    "--debug",
+    "--no-such",
+    "--",
+)
 
 
 @st.composite
 def hostile_argvs(draw: st.DrawFn) -> Case:
     """Command lines for every subcommand, with hostile words where values belong."""
-    kind = draw(st.sampled_from(("check", "check", "check", "check", "sweep", "compare", "explain", "export",
-                                 "plan", "strategies", "words", "simulate")))
+    kind = draw(
+        st.sampled_from(
+            (
+                "check",
+                "check",
+                "check",
+                "check",
+                "sweep",
+                "compare",
+                "explain",
+                "export",
+                "plan",
+                "strategies",
+                "words",
+                "simulate",
+            )
+        )
+    )
     match kind:
         case "check":
             words = [draw(compositions_texts())]
@@ -158,14 +374,23 @@ def hostile_argvs(draw: st.DrawFn) -> Case:
             if "--params" not in words and "--model" not in words and draw(st.booleans()):
                 words += ["--params", "1e9"]
         case "simulate":  # the reference simulator, on compositions small enough to run in milliseconds
-            words = [draw(st.sampled_from(("dp2", "tp2", "zero22", "pp2", "dp2xtp2", "tp2xsp", "fsdp2"))),
-                     "--simulate", "--params", "1e6"]
+            words = [
+                draw(st.sampled_from(("dp2", "tp2", "zero22", "pp2", "dp2xtp2", "tp2xsp", "fsdp2"))),
+                "--simulate",
+                "--params",
+                "1e6",
+            ]
             words += _options(draw, ("--json", "--micro-batch", "--seq", "--explain"), refused_numbers())
         case "sweep":
-            template = draw(st.one_of(st.sampled_from(("tp{}", "zero3{}", "tp{}xdp2", "{}", "tp{}{}", "tp")),
-                                      hostile_texts(8)))
-            values = draw(st.one_of(st.lists(hostile_numbers(), max_size=5).map(",".join),
-                                    st.sampled_from(("1,2,4", "2", ",", "1,,2", "²", "1," * 100))))
+            template = draw(
+                st.one_of(st.sampled_from(("tp{}", "zero3{}", "tp{}xdp2", "{}", "tp{}{}", "tp")), hostile_texts(8))
+            )
+            values = draw(
+                st.one_of(
+                    st.lists(hostile_numbers(), max_size=5).map(",".join),
+                    st.sampled_from(("1,2,4", "2", ",", "1,,2", "²", "1," * 100)),
+                )
+            )
             words = ["sweep", template, "--values", values, "--params", "1e9"]
             words += _options(draw, ("--devices", "--json", "--csv", "--micro-batch", "--seq"), hostile_numbers())
         case "compare":
@@ -174,31 +399,49 @@ def hostile_argvs(draw: st.DrawFn) -> Case:
         case "explain":
             words = ["explain"]
             if draw(st.booleans()):
-                words.append(draw(st.one_of(st.sampled_from(("zero2", "fsdp", "tp", "dpr", "ZERO2", "zero9")),
-                                            hostile_texts(8))))
+                words.append(
+                    draw(st.one_of(st.sampled_from(("zero2", "fsdp", "tp", "dpr", "ZERO2", "zero9")), hostile_texts(8)))
+                )
             words += _options(draw, ("--all", "--degree", "--json", "--csv"), hostile_numbers())
         case "export":
-            words = ["export", draw(compositions_texts()), "--to",
-                     draw(st.one_of(st.sampled_from(("torchtitan", "deepspeed", "megatron", "dtensor")),
-                                    hostile_texts(8)))]
+            words = [
+                "export",
+                draw(compositions_texts()),
+                "--to",
+                draw(st.one_of(st.sampled_from(("torchtitan", "deepspeed", "megatron", "dtensor")), hostile_texts(8))),
+            ]
             words += _options(draw, ("--devices", "--params", "--json", "--csv", "--model"), hostile_numbers())
         case "plan":  # large valid device counts enumerate many meshes: only small or refused numbers here
             numbers = st.one_of(small_numbers(), refused_numbers())
             words = ["plan", "--params", draw(st.sampled_from(("1e9", "7.5e9", "1e6"))), "--devices", draw(numbers)]
-            words += _options(draw, ("--global-batch", "--seq", "--node-size", "--top", "--json", "--precision"),
-                              numbers)
+            words += _options(
+                draw, ("--global-batch", "--seq", "--node-size", "--top", "--json", "--precision"), numbers
+            )
             if draw(st.booleans()):
-                words += ["--micro-batch", draw(st.one_of(st.lists(numbers, min_size=1, max_size=3).map(",".join),
-                                                          st.sampled_from(("1,2,4", "", ",", "2**70"))))]
+                words += [
+                    "--micro-batch",
+                    draw(
+                        st.one_of(
+                            st.lists(numbers, min_size=1, max_size=3).map(",".join),
+                            st.sampled_from(("1,2,4", "", ",", "2**70")),
+                        )
+                    ),
+                ]
             if draw(st.booleans()):
                 axis = draw(st.sampled_from(("tp", "pp", "dp", "qq", "", "TP")))
                 words += ["--fix", f"{axis}{draw(st.sampled_from(('=', '', '==')))}{draw(numbers)}"]
             if draw(st.booleans()):
-                words += ["--device-flops", draw(st.one_of(st.sampled_from(("312e12", "1e15", "312T")),
-                                                           refused_numbers()))]
+                words += [
+                    "--device-flops",
+                    draw(st.one_of(st.sampled_from(("312e12", "1e15", "312T")), refused_numbers())),
+                ]
             if draw(st.booleans()):
-                words += ["--bandwidth", draw(st.sampled_from(("dp=50GB/s", "tp=", "=1", "qq=1GB/s", "dp=-1GB/s",
-                                                               "dp=1e400GB/s", "dp=²GB/s")))]
+                words += [
+                    "--bandwidth",
+                    draw(
+                        st.sampled_from(("dp=50GB/s", "tp=", "=1", "qq=1GB/s", "dp=-1GB/s", "dp=1e400GB/s", "dp=²GB/s"))
+                    ),
+                ]
         case "strategies":
             words = ["strategies", *draw(st.lists(hostile_texts(6), max_size=1))]
         case _:
@@ -211,6 +454,7 @@ def hostile_argvs(draw: st.DrawFn) -> Case:
 
 
 # --- documents --------------------------------------------------------------------------------
+
 
 def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     """Every path into a document (dict keys and list indices), parents before children."""
@@ -244,16 +488,50 @@ def hostile_values(json_only: bool = False) -> st.SearchStrategy[Any]:
     scalars = st.one_of(
         st.none() if json_only else st.sampled_from(("none",)),
         st.booleans(),
-        st.integers(-2**70, 2**70),
-        st.sampled_from((0, -1, 1, 2, 3, 4, 8, -2**63, 2**63, 10**19, 10**400, "auto", "cpu", "none", "1F1B",
-                         "Interleaved1F1B", "full", "selective", "op", "2", "-1", 1.5, 0.0, -0.0, 1e308, float("inf"),
-                         float("-inf"), float("nan"))),
+        st.integers(-(2**70), 2**70),
+        st.sampled_from(
+            (
+                0,
+                -1,
+                1,
+                2,
+                3,
+                4,
+                8,
+                -(2**63),
+                2**63,
+                10**19,
+                10**400,
+                "auto",
+                "cpu",
+                "none",
+                "1F1B",
+                "Interleaved1F1B",
+                "full",
+                "selective",
+                "op",
+                "2",
+                "-1",
+                1.5,
+                0.0,
+                -0.0,
+                1e308,
+                float("inf"),
+                float("-inf"),
+                float("nan"),
+            )
+        ),
         st.floats(allow_nan=True, allow_infinity=True),
         hostile_texts(12),
     )
-    return st.recursive(scalars, lambda inner: st.one_of(
-        st.lists(inner, max_size=3), st.dictionaries(st.sampled_from(("stage", "enabled", "device", "a", "")),
-                                                     inner, max_size=2)), max_leaves=4)
+    return st.recursive(
+        scalars,
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=3),
+            st.dictionaries(st.sampled_from(("stage", "enabled", "device", "a", "")), inner, max_size=2),
+        ),
+        max_leaves=4,
+    )
 
 
 @st.composite
@@ -300,7 +578,7 @@ def corrupted_bytes(draw: st.DrawFn, text: str) -> bytes:
     data = text.encode("utf-8", "surrogatepass")
     match draw(st.sampled_from(("as-is",) * 12 + ("truncate", "binary", "latin-1", "bom", "nul", "empty", "huge"))):
         case "truncate":
-            return data[:draw(st.integers(0, max(len(data) - 1, 0)))]
+            return data[: draw(st.integers(0, max(len(data) - 1, 0)))]
         case "binary":
             return draw(st.binary(min_size=1, max_size=64))
         case "latin-1":
@@ -308,7 +586,7 @@ def corrupted_bytes(draw: st.DrawFn, text: str) -> bytes:
         case "bom":
             return b"\xef\xbb\xbf" + data
         case "nul":
-            return data[: len(data) // 2] + b"\x00" + data[len(data) // 2:]
+            return data[: len(data) // 2] + b"\x00" + data[len(data) // 2 :]
         case "empty":
             return draw(st.sampled_from((b"", b" \n", b"\n\n")))
         case "huge":  # one byte over the reader's limit
@@ -369,6 +647,7 @@ def toml_text(doc: dict[str, Any]) -> str:
 
 # --- configuration files ----------------------------------------------------------------------
 
+
 def _load_json(name: str) -> Any:
     return json.loads((CONFIGS / name).read_text())
 
@@ -376,26 +655,101 @@ def _load_json(name: str) -> Any:
 _DEEPSPEED = tuple(_load_json(p.name) for p in sorted(CONFIGS.glob("deepspeed_*.json")))
 _TORCHTITAN = tuple(tomllib.loads(p.read_text()) for p in sorted(CONFIGS.glob("torchtitan_*.toml")))
 _MEGATRON = tuple(p.read_text() for p in sorted(CONFIGS.glob("megatron_*.sh")))
-_DS_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
-            "pipeline", "tensor_parallel", "fp16", "bf16", "stage", "offload_optimizer", "offload_param",
-            "sequence_parallel_size", "activation_checkpointing", "stages", "autotp_size", "enabled", "device")
-_TT_KEYS = ("parallelism", "training", "model", "activation_checkpoint", "data_parallel_shard_degree",
-            "tensor_parallel_degree", "pipeline_parallel_degree", "pipeline_parallel_split_points",
-            "pipeline_parallel_schedule", "local_batch_size", "seq_len", "mode", "selective_ac_option", "flavor",
-            "expert_parallel_degree", "fsdp_reshard_after_forward", "global_batch_size", "enable_cpu_offload")
-_HF_BASES = (
-    {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-     "num_key_value_heads": 2, "max_position_embeddings": 128, "intermediate_size": 128, "vocab_size": 1000,
-     "hidden_act": "silu", "tie_word_embeddings": False, "_name_or_path": "tiny-llama", "head_dim": 16},
-    {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 1000,
-     "n_inner": None, "_name_or_path": "tiny-gpt2"},
-    {"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-     "max_position_embeddings": 128, "intermediate_size": 128, "vocab_size": 1000, "num_local_experts": 4,
-     "num_experts_per_tok": 2},
+_DS_KEYS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "zero_optimization",
+    "pipeline",
+    "tensor_parallel",
+    "fp16",
+    "bf16",
+    "stage",
+    "offload_optimizer",
+    "offload_param",
+    "sequence_parallel_size",
+    "activation_checkpointing",
+    "stages",
+    "autotp_size",
+    "enabled",
+    "device",
 )
-_HF_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "vocab_size",
-            "max_position_embeddings", "intermediate_size", "num_key_value_heads", "n_embd", "n_layer", "n_head",
-            "_name_or_path", "hidden_act", "attention_bias", "num_local_experts", "num_experts_per_tok")
+_TT_KEYS = (
+    "parallelism",
+    "training",
+    "model",
+    "activation_checkpoint",
+    "data_parallel_shard_degree",
+    "tensor_parallel_degree",
+    "pipeline_parallel_degree",
+    "pipeline_parallel_split_points",
+    "pipeline_parallel_schedule",
+    "local_batch_size",
+    "seq_len",
+    "mode",
+    "selective_ac_option",
+    "flavor",
+    "expert_parallel_degree",
+    "fsdp_reshard_after_forward",
+    "global_batch_size",
+    "enable_cpu_offload",
+)
+_HF_BASES = (
+    {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "intermediate_size": 128,
+        "vocab_size": 1000,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "_name_or_path": "tiny-llama",
+        "head_dim": 16,
+    },
+    {
+        "model_type": "gpt2",
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "n_positions": 128,
+        "vocab_size": 1000,
+        "n_inner": None,
+        "_name_or_path": "tiny-gpt2",
+    },
+    {
+        "model_type": "mixtral",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 128,
+        "intermediate_size": 128,
+        "vocab_size": 1000,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    },
+)
+_HF_KEYS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "intermediate_size",
+    "num_key_value_heads",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "_name_or_path",
+    "hidden_act",
+    "attention_bias",
+    "num_local_experts",
+    "num_experts_per_tok",
+)
 
 
 def _devices(draw: st.DrawFn) -> list[str]:
@@ -412,8 +766,13 @@ def _model(draw: st.DrawFn) -> list[str]:
 
 def _command(draw: st.DrawFn, config: str) -> list[str]:
     if draw(st.integers(0, 4)) == 0:
-        return ["export", "--from", config, "--to",
-                draw(st.sampled_from(("torchtitan", "deepspeed", "megatron", "dtensor")))]
+        return [
+            "export",
+            "--from",
+            config,
+            "--to",
+            draw(st.sampled_from(("torchtitan", "deepspeed", "megatron", "dtensor"))),
+        ]
     return ["--from", config, *draw(st.sampled_from(([], ["--json"], ["--csv"])))]
 
 
@@ -442,12 +801,30 @@ def torchtitan_configs(draw: st.DrawFn) -> Case:
     return Case((*_command(draw, "{dir}/" + name), *_devices(draw), *_model(draw)), ((name, data),))
 
 
-_MEG_ARGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
-             "--expert-model-parallel-size", "--micro-batch-size", "--global-batch-size", "--seq-length",
-             "--num-layers", "--hidden-size", "--num-attention-heads", "--num-layers-per-virtual-pipeline-stage",
-             "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--sequence-parallel",
-             "--use-distributed-optimizer", "--expert-tensor-parallel-size", "--nproc_per_node", "--nnodes",
-             "--no-such-argument", "--use-torch-fsdp2", "--bf16")
+_MEG_ARGS = (
+    "--tensor-model-parallel-size",
+    "--pipeline-model-parallel-size",
+    "--context-parallel-size",
+    "--expert-model-parallel-size",
+    "--micro-batch-size",
+    "--global-batch-size",
+    "--seq-length",
+    "--num-layers",
+    "--hidden-size",
+    "--num-attention-heads",
+    "--num-layers-per-virtual-pipeline-stage",
+    "--recompute-granularity",
+    "--recompute-method",
+    "--recompute-num-layers",
+    "--sequence-parallel",
+    "--use-distributed-optimizer",
+    "--expert-tensor-parallel-size",
+    "--nproc_per_node",
+    "--nnodes",
+    "--no-such-argument",
+    "--use-torch-fsdp2",
+    "--bf16",
+)
 
 
 @st.composite
@@ -498,9 +875,27 @@ def hf_configs(draw: st.DrawFn) -> Case:
 _STRATEGY_EXAMPLES = tuple(
     (case["args"], (ROOT / case["args"][case["args"].index("--strategies") + 1]).read_text())
     for case in tomllib.loads((EXAMPLES / "expected.toml").read_text())["case"]
-    if "--strategies" in case["args"])
-_ST_KEYS = ("strategies", "program", "axis", "P", "O", "G", "A", "op", "state", "group", "phase", "reduce",
-            "offset", "scale", "groups", "compute_sharded", "description")
+    if "--strategies" in case["args"]
+)
+_ST_KEYS = (
+    "strategies",
+    "program",
+    "axis",
+    "P",
+    "O",
+    "G",
+    "A",
+    "op",
+    "state",
+    "group",
+    "phase",
+    "reduce",
+    "offset",
+    "scale",
+    "groups",
+    "compute_sharded",
+    "description",
+)
 
 
 @st.composite
@@ -511,7 +906,7 @@ def strategies_files(draw: st.DrawFn) -> Case:
     if draw(st.integers(0, 3)):
         text = toml_text(draw(mutated_documents(doc, _ST_KEYS, json_only=False)))
     i = args.index("--strategies")
-    argv = [*args[:i], "--strategies", "{dir}/user.toml", *args[i + 2:]]
+    argv = [*args[:i], "--strategies", "{dir}/user.toml", *args[i + 2 :]]
     if draw(st.integers(0, 9)) == 0:  # the file's program on the reference simulator (a few tenths of a second)
         argv.append("--simulate")
     return Case(tuple(argv), (("user.toml", draw(corrupted_bytes(text))),))
@@ -519,17 +914,38 @@ def strategies_files(draw: st.DrawFn) -> Case:
 
 # --- output files -----------------------------------------------------------------------------
 
+
 @st.composite
 def output_cases(draw: st.DrawFn) -> Case:
     """``--report``, ``plan --csv`` and ``--chart`` into good and bad places, over an old file or
     none, and sometimes on a disk that fills up part-way."""
     named = st.text(st.characters(exclude_categories=["Cs"], exclude_characters="/\x00"), min_size=1, max_size=12)
-    target = draw(st.one_of(
-        st.sampled_from(("report.html", "out.csv", "chart.svg", "chart.png", "chart.gif", "missing/x.html", "", ".",
-                         "sub", "sub/deeper/x.csv", "r\x00.html", "ünï.html")),
-        st.tuples(named, st.sampled_from((".html", ".csv", ".svg", ".png", ".SVG", ""))).map("".join).filter(
-            # not a name the case uses otherwise, nor one that looks like the writer's temporary file
-            lambda n: n not in (".", "..", "sub", "missing") and not re.match(r"^\..*\.tmp$", n))))
+    target = draw(
+        st.one_of(
+            st.sampled_from(
+                (
+                    "report.html",
+                    "out.csv",
+                    "chart.svg",
+                    "chart.png",
+                    "chart.gif",
+                    "missing/x.html",
+                    "",
+                    ".",
+                    "sub",
+                    "sub/deeper/x.csv",
+                    "r\x00.html",
+                    "ünï.html",
+                )
+            ),
+            st.tuples(named, st.sampled_from((".html", ".csv", ".svg", ".png", ".SVG", "")))
+            .map("".join)
+            .filter(
+                # not a name the case uses otherwise, nor one that looks like the writer's temporary file
+                lambda n: n not in (".", "..", "sub", "missing") and not re.match(r"^\..*\.tmp$", n)
+            ),
+        )
+    )
     old = draw(st.one_of(st.none(), st.just(b"old report\n"), st.binary(max_size=32)))
     kind = draw(st.sampled_from(("report", "csv", "compare", "sweep")))
     path = "{dir}/" + target if target else ""
@@ -537,16 +953,36 @@ def output_cases(draw: st.DrawFn) -> Case:
     argv: list[str]
     match kind:
         case "report":
-            argv = [draw(st.sampled_from(("dp2", "tp3", "zero22", "tp2xpp2", "zero4"))), "--params", "1e9",
-                    "--report", path, *draw(st.sampled_from(((), ("--json",), ("--csv",))))]
+            argv = [
+                draw(st.sampled_from(("dp2", "tp3", "zero22", "tp2xpp2", "zero4"))),
+                "--params",
+                "1e9",
+                "--report",
+                path,
+                *draw(st.sampled_from(((), ("--json",), ("--csv",)))),
+            ]
         case "csv":
             argv = ["plan", "--params", "1e9", "--devices", draw(st.sampled_from(("2", "4", "0"))), "--csv", path]
         case "compare":
-            argv = ["compare", *draw(st.lists(st.sampled_from(("dp2", "zero22", "tp2", "zero5")), min_size=1,
-                                              max_size=3)), "--params", "1e9", "--chart", path]
+            argv = [
+                "compare",
+                *draw(st.lists(st.sampled_from(("dp2", "zero22", "tp2", "zero5")), min_size=1, max_size=3)),
+                "--params",
+                "1e9",
+                "--chart",
+                path,
+            ]
         case _:
-            argv = ["sweep", draw(st.sampled_from(("tp{}", "zero3{}", "q{}"))), "--values",
-                    draw(st.sampled_from(("1,2", "2", "3"))), "--params", "1e9", "--chart", path]
+            argv = [
+                "sweep",
+                draw(st.sampled_from(("tp{}", "zero3{}", "q{}"))),
+                "--values",
+                draw(st.sampled_from(("1,2", "2", "3"))),
+                "--params",
+                "1e9",
+                "--chart",
+                path,
+            ]
     outputs: tuple[tuple[str, bytes | None], ...] = ()
     if target and "\x00" not in target and target not in (".", "sub"):
         if target.startswith("missing"):  # its directory does not exist: nothing there before
@@ -557,6 +993,22 @@ def output_cases(draw: st.DrawFn) -> Case:
     return Case(tuple(argv), files, outputs, disk_full=draw(st.integers(0, 4)) == 0, slow=True)
 
 
-__all__ = ["Case", "compositions_texts", "corrupted_bytes", "deepspeed_configs", "hf_configs", "hostile_argvs",
-           "hostile_numbers", "hostile_texts", "hostile_values", "megatron_scripts", "mutated_documents",
-           "output_cases", "refused_numbers", "small_numbers", "strategies_files", "toml_text", "torchtitan_configs"]
+__all__ = [
+    "Case",
+    "compositions_texts",
+    "corrupted_bytes",
+    "deepspeed_configs",
+    "hf_configs",
+    "hostile_argvs",
+    "hostile_numbers",
+    "hostile_texts",
+    "hostile_values",
+    "megatron_scripts",
+    "mutated_documents",
+    "output_cases",
+    "refused_numbers",
+    "small_numbers",
+    "strategies_files",
+    "toml_text",
+    "torchtitan_configs",
+]

@@ -33,8 +33,17 @@ from formal._strategies import Composition
 from formal._vocab import OpKind, Phase, Reduce, State
 
 DATA_PARALLEL = ("dp", "zero1", "zero2", "zero3", "fsdp", "fsdp-sgo", "hsdp", "distopt")
-MUTATION_KINDS = ("drop", "duplicate", "reorder", "reaxis", "reduce", "offset", "rescale", "skip_refresh",
-                  "skip_gather")
+MUTATION_KINDS = (
+    "drop",
+    "duplicate",
+    "reorder",
+    "reaxis",
+    "reduce",
+    "offset",
+    "rescale",
+    "skip_refresh",
+    "skip_gather",
+)
 
 
 @st.composite
@@ -120,8 +129,12 @@ def applicable(program: StepProgram) -> list[tuple[str, int]]:
             out.append(("skip_refresh", i))
         if op.kind is OpKind.ALL_GATHER and op.phase in (Phase.FORWARD, Phase.BACKWARD):
             out.append(("skip_gather", i))
-    out += [("offset", i) for i, op in enumerate(ops) if op.kind is OpKind.OPTIMIZER_STEP
-            and any(program.placement.mode(State.OPTIMIZER, op.group, a).is_sharded for a in mesh)]
+    out += [
+        ("offset", i)
+        for i, op in enumerate(ops)
+        if op.kind is OpKind.OPTIMIZER_STEP
+        and any(program.placement.mode(State.OPTIMIZER, op.group, a).is_sharded for a in mesh)
+    ]
     return out
 
 
@@ -161,8 +174,18 @@ def mutations(draw: st.DrawFn, program: StepProgram) -> tuple[StepProgram, str]:
         case "rescale":
             assert op.axis is not None
             d = program.placement.degree(op.axis)
-            ops.insert(i, Op(OpKind.SCALE, op.state, op.group, op.axis, op.phase, scale=1 / d,
-                             note="normalise (again) before the mean"))
+            ops.insert(
+                i,
+                Op(
+                    OpKind.SCALE,
+                    op.state,
+                    op.group,
+                    op.axis,
+                    op.phase,
+                    scale=1 / d,
+                    note="normalise (again) before the mean",
+                ),
+            )
         case _:
             raise AssertionError(kind)
     return program.with_ops(ops), f"{kind} op {i}: {op}"

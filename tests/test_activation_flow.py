@@ -73,43 +73,68 @@ def test_dropping_any_activation_collective_is_refuted(text: str) -> None:
         op = program.ops[i]
         rules = exchange_violations(text, dropped, model)
         assert op.axis is not None
-        assert rules == [f"activation_exchange[A.{op.group.name}, {op.axis.value}, {op.phase.value}, {op.kind.value}]"
-                         ], (text, op)
+        assert rules == [
+            f"activation_exchange[A.{op.group.name}, {op.axis.value}, {op.phase.value}, {op.kind.value}]"
+        ], (text, op)
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("tp2", {(EMBEDDING_IO.name, Phase.FORWARD, OpKind.ALL_REDUCE, "sum"),
-             (OUTPUT_IO.name, Phase.BACKWARD, OpKind.ALL_REDUCE, "sum")}),
-    ("tp4xsp", {(EMBEDDING_IO.name, Phase.FORWARD, OpKind.REDUCE_SCATTER, "shard-sum"),
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "tp2",
+            {
+                (EMBEDDING_IO.name, Phase.FORWARD, OpKind.ALL_REDUCE, "sum"),
+                (OUTPUT_IO.name, Phase.BACKWARD, OpKind.ALL_REDUCE, "sum"),
+            },
+        ),
+        (
+            "tp4xsp",
+            {
+                (EMBEDDING_IO.name, Phase.FORWARD, OpKind.REDUCE_SCATTER, "shard-sum"),
                 (EMBEDDING_IO.name, Phase.BACKWARD, OpKind.ALL_GATHER, "gather"),
                 (OUTPUT_IO.name, Phase.FORWARD, OpKind.ALL_GATHER, "gather"),
-                (OUTPUT_IO.name, Phase.BACKWARD, OpKind.REDUCE_SCATTER, "shard-sum")}),
-    ("tp2xpp2xm2", {(EMBEDDING_IO.name, Phase.FORWARD, OpKind.ALL_REDUCE, "sum"),
-                    (OUTPUT_IO.name, Phase.BACKWARD, OpKind.ALL_REDUCE, "sum")}),
-    ("pp2xm4", set()),
-])
+                (OUTPUT_IO.name, Phase.BACKWARD, OpKind.REDUCE_SCATTER, "shard-sum"),
+            },
+        ),
+        (
+            "tp2xpp2xm2",
+            {
+                (EMBEDDING_IO.name, Phase.FORWARD, OpKind.ALL_REDUCE, "sum"),
+                (OUTPUT_IO.name, Phase.BACKWARD, OpKind.ALL_REDUCE, "sum"),
+            },
+        ),
+        ("pp2xm4", set()),
+    ],
+)
 def test_the_vocabulary_parallel_embedding_and_head_need_their_exchanges(
-        text: str, expected: set[tuple[str, Phase, OpKind, str]]) -> None:
+    text: str, expected: set[tuple[str, Phase, OpKind, str]]
+) -> None:
     """tp splits the embedding's and the head's rows by vocabulary: the embedding's output and
     the head's input gradient are partial sums (Shoeybi et al. 2019, section 3); with sequence
     parallelism they are reduce-scattered and their shards gathered (Korthikanti et al. 2022,
     section 4.3)."""
     model, program = program_of(text)
-    sites = {(s.group.name, s.phase, s.kind, s.need) for s in required_sites(program, model)
-             if s.group is not LAYER_IO and s.axis is Axis.TP}
+    sites = {
+        (s.group.name, s.phase, s.kind, s.need)
+        for s in required_sites(program, model)
+        if s.group is not LAYER_IO and s.axis is Axis.TP
+    }
     assert sites == expected
     for group in (EMBEDDING_IO, OUTPUT_IO):
         without = program.with_ops(op for op in program.ops if op.group != group)
         rules = exchange_violations(text, without, model)
-        assert sorted(rules) == sorted(f"activation_exchange[A.{g}, tp, {ph.value}, {k.value}]"
-                                       for g, ph, k, _ in expected if g == group.name), (text, group)
+        assert sorted(rules) == sorted(
+            f"activation_exchange[A.{g}, tp, {ph.value}, {k.value}]" for g, ph, k, _ in expected if g == group.name
+        ), (text, group)
 
 
 def test_the_pipeline_without_its_backward_send_is_refuted() -> None:
     """The bug of the gloo runs: stages got no input gradient, so only the last one trained."""
     model, program = program_of("pp2xm4")
-    no_backward = program.with_ops(op for op in program.ops
-                                   if not (op.kind is OpKind.SEND_RECV and op.phase is Phase.BACKWARD))
+    no_backward = program.with_ops(
+        op for op in program.ops if not (op.kind is OpKind.SEND_RECV and op.phase is Phase.BACKWARD)
+    )
     verdict = decide(parse("pp2xm4"), no_backward, model)
     assert verdict.condition_status(Condition.GRADIENT_INTEGRITY) is Status.REFUTED
     (v,) = verdict.violations
@@ -118,13 +143,16 @@ def test_the_pipeline_without_its_backward_send_is_refuted() -> None:
     assert "input gradient" in v.explanation
 
 
-@pytest.mark.parametrize(("text", "kind", "refuted"), [
-    ("tp2", OpKind.ALL_REDUCE, True),  # the partial sums summed again: t times too large
-    ("tp4xsp", OpKind.REDUCE_SCATTER, True),  # the second sums other devices' freed slots
-    ("tp4xsp", OpKind.ALL_GATHER, False),  # gathering whole shards again changes nothing
-    ("ep2xdp2", OpKind.ALL_TO_ALL, True),  # the tokens are sent on again
-    ("pp2xm4", OpKind.SEND_RECV, False),  # sending the same value twice changes nothing
-])
+@pytest.mark.parametrize(
+    ("text", "kind", "refuted"),
+    [
+        ("tp2", OpKind.ALL_REDUCE, True),  # the partial sums summed again: t times too large
+        ("tp4xsp", OpKind.REDUCE_SCATTER, True),  # the second sums other devices' freed slots
+        ("tp4xsp", OpKind.ALL_GATHER, False),  # gathering whole shards again changes nothing
+        ("ep2xdp2", OpKind.ALL_TO_ALL, True),  # the tokens are sent on again
+        ("pp2xm4", OpKind.SEND_RECV, False),  # sending the same value twice changes nothing
+    ],
+)
 def test_a_duplicated_exchange(text: str, kind: OpKind, refuted: bool) -> None:
     model, program = program_of(text)
     ops = list(program.ops)
@@ -136,7 +164,9 @@ def test_a_duplicated_exchange(text: str, kind: OpKind, refuted: bool) -> None:
 @pytest.mark.parametrize("text", ["tp2", "tp4xsp", "cp2"])
 def test_averaging_partial_sums_is_refuted(text: str) -> None:
     model, program = program_of(text)
-    ops = [replace(op, reduce=Reduce.MEAN) if op.state is State.ACTIVATIONS and op.kind.is_reduction else op
-           for op in program.ops]
+    ops = [
+        replace(op, reduce=Reduce.MEAN) if op.state is State.ACTIVATIONS and op.kind.is_reduction else op
+        for op in program.ops
+    ]
     rules = exchange_violations(text, program.with_ops(ops), model)
     assert rules and all("backward" in r or "forward" in r for r in rules)

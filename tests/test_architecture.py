@@ -104,8 +104,10 @@ def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 
 
 def _line_counts() -> dict[str, int]:
-    return {path.relative_to(ROOT).as_posix(): len(path.read_text(encoding="utf-8").splitlines())
-            for path in _modules(ROOT, PACKAGES).values()}
+    return {
+        path.relative_to(ROOT).as_posix(): len(path.read_text(encoding="utf-8").splitlines())
+        for path in _modules(ROOT, PACKAGES).values()
+    }
 
 
 def _describe(component: frozenset[str], graph: dict[str, set[str]]) -> str:

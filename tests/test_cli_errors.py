@@ -57,15 +57,24 @@ BAD_INPUTS: list[tuple[list[str], str]] = [
 
 # A representative set runs as real processes (each pays the ~1 s sympy import); every case also
 # runs in-process through click's runner, which would surface a traceback as ``exception``.
-IN_SUBPROCESS = {"foo8", "zero4", "tp0xzero3", "zero3 --devices abc", "zero3 --params 7.5x9",
-                 "zero3 --params -5", "zero3 --params 1e999999999", "zero3 --params 7.5e9 --device-memory 80XB",
-                 "zero3 --no-such-option"}
+IN_SUBPROCESS = {
+    "foo8",
+    "zero4",
+    "tp0xzero3",
+    "zero3 --devices abc",
+    "zero3 --params 7.5x9",
+    "zero3 --params -5",
+    "zero3 --params 1e999999999",
+    "zero3 --params 7.5e9 --device-memory 80XB",
+    "zero3 --no-such-option",
+}
 IDS = [" ".join(a) or "''" for a, _ in BAD_INPUTS]
 
 
 def run(args: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "checker.cli", *args], capture_output=True, text=True,
-                          check=False, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "checker.cli", *args], capture_output=True, text=True, check=False, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +94,14 @@ def check_one_line(code: int, stdout: str, stderr: str, offending: str) -> None:
     assert stdout == ""
 
 
-@pytest.mark.parametrize(("args", "offending"), [c for c in BAD_INPUTS if " ".join(c[0]) in IN_SUBPROCESS],
-                         ids=[i for i in IDS if i in IN_SUBPROCESS])
-def test_bad_input_in_a_process(args: list[str], offending: str,
-                                processes: dict[str, subprocess.CompletedProcess[str]]) -> None:
+@pytest.mark.parametrize(
+    ("args", "offending"),
+    [c for c in BAD_INPUTS if " ".join(c[0]) in IN_SUBPROCESS],
+    ids=[i for i in IDS if i in IN_SUBPROCESS],
+)
+def test_bad_input_in_a_process(
+    args: list[str], offending: str, processes: dict[str, subprocess.CompletedProcess[str]]
+) -> None:
     done = processes[" ".join(args)]
     check_one_line(done.returncode, done.stdout, done.stderr, offending)
 

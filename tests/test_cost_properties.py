@@ -42,8 +42,9 @@ def total(comp: Composition, model: Model, precision: str) -> sp.Expr:
 
 @PROPERTY
 @given(compositions(), models(), precisions, st.data())
-def test_more_devices_on_an_axis_never_raise_per_device_memory(text: str, model: Model, precision: str,
-                                                               data: st.DataObject) -> None:
+def test_more_devices_on_an_axis_never_raise_per_device_memory(
+    text: str, model: Model, precision: str, data: st.DataObject
+) -> None:
     """Four real pipeline costs are excluded: under the interleaved schedule the in-flight factor
     1 + (p-1)/(p v) grows with p (Korthikanti et al. 2022, 4.2.3); GPipe going from one
     stage (plain accumulation, one micro-batch live) to several holds all m micro-batches;
@@ -53,12 +54,17 @@ def test_more_devices_on_an_axis_never_raise_per_device_memory(text: str, model:
     layers, which grows with p (Qi et al. 2024, section 2.1)."""
     comp = parse(text)
     gpipe_from_one = "gpipe" in comp.modifiers and comp.mesh().get(Axis.PP) == 1
-    one_f_one_b_grows = (isinstance(model, Transformer) and comp.options.schedule is Schedule.ONE_F_ONE_B
-                         and comp.options.micro_batches > comp.mesh().get(Axis.PP, 1))
+    one_f_one_b_grows = (
+        isinstance(model, Transformer)
+        and comp.options.schedule is Schedule.ONE_F_ONE_B
+        and comp.options.micro_batches > comp.mesh().get(Axis.PP, 1)
+    )
     zero_bubble = "zb" in comp.modifiers
-    axes = [s.axis for s in comp.strategies
-            if not (s.axis is Axis.PP and ("v2" in comp.modifiers or gpipe_from_one or one_f_one_b_grows
-                                           or zero_bubble))]
+    axes = [
+        s.axis
+        for s in comp.strategies
+        if not (s.axis is Axis.PP and ("v2" in comp.modifiers or gpipe_from_one or one_f_one_b_grows or zero_bubble))
+    ]
     axis = data.draw(st.sampled_from(axes))
     degree = comp.mesh()[axis]
     factor = data.draw(st.sampled_from([2, 3]))
@@ -78,8 +84,9 @@ def _group_bytes(pl: Placement, model: Model, precision: str, stage: Stage) -> d
 
 @PROPERTY
 @given(compositions(pipeline=False), models(), precisions, st.data())
-def test_devices_along_an_axis_hold_the_unsharded_state_between_them(text: str, model: Model, precision: str,
-                                                                    data: st.DataObject) -> None:
+def test_devices_along_an_axis_hold_the_unsharded_state_between_them(
+    text: str, model: Model, precision: str, data: st.DataObject
+) -> None:
     comp = parse(text)
     axis = data.draw(st.sampled_from([s.axis for s in comp.strategies]))
     d = comp.mesh()[axis]
@@ -98,8 +105,9 @@ def test_devices_along_an_axis_hold_the_unsharded_state_between_them(text: str, 
 
 @PROPERTY
 @given(transformers(), precisions, st.sampled_from([2, 3, 4, 8]), st.sampled_from(["dp2", "zero32", "tp2xzero12"]))
-def test_pipeline_stages_hold_the_whole_model_between_them(model: Transformer, precision: str, p: int,
-                                                           rest: str) -> None:
+def test_pipeline_stages_hold_the_whole_model_between_them(
+    model: Transformer, precision: str, p: int, rest: str
+) -> None:
     """first + (p-2) middle + last stages hold every parameter once (a tied embedding twice)."""
     comp = parse(f"{rest}xpp{p}")
     pl = comp.placement(model)
@@ -190,8 +198,19 @@ def test_divisible_sizes_give_integer_bytes(text: str, k: int, precision: str) -
 def test_a_third_of_a_shard_stays_rational() -> None:
     """Regression: ``sp.nsimplify`` turned 9850880/3 bytes (an MLP over 3 pipeline stages)
     into a product of irrational powers; costs now stay exact rationals."""
-    model = Transformer("r", layers=4, hidden=320, heads=8, kv_heads=1, vocab=8, seq=1, learned_positions=False,
-                        tied_embeddings=False, final_norm=False, ffn_kind=Ffn.SWIGLU)
+    model = Transformer(
+        "r",
+        layers=4,
+        hidden=320,
+        heads=8,
+        kv_heads=1,
+        vocab=8,
+        seq=1,
+        learned_positions=False,
+        tied_embeddings=False,
+        final_norm=False,
+        ffn_kind=Ffn.SWIGLU,
+    )
     a = analyze(parse("dp1xpp3xm16"), model, PRECISIONS["deepspeed"])
     mlp = dict(a.memory.parameters.by_group)[MLP]
     assert mlp == sp.Rational(model.group_elements()[MLP] * 2, 3)

@@ -78,8 +78,15 @@ def evaluate(case: Case) -> Outcome:
     if verdict.status is Status.REFUTED and matches:
         matches = all(simulate_program(case.program, case.model, steps=1, seed=s).matches for s in RERUN_SEEDS)
     costs = result.cost_mismatches if case.mutation == "derived" and result.matches else ()
-    return Outcome(case, verdict.status, matches, tuple(v.rule for v in verdict.violations),
-                   str(result.divergence), costs, time.perf_counter() - start)
+    return Outcome(
+        case,
+        verdict.status,
+        matches,
+        tuple(v.rule for v in verdict.violations),
+        str(result.divergence),
+        costs,
+        time.perf_counter() - start,
+    )
 
 
 @st.composite
@@ -125,9 +132,11 @@ def test_z3_and_the_simulator_agree_on_a_thousand_programs(summary_lines: list[s
     summary_lines.append(
         f"z3 vs simulator: {len(outcomes)} programs ({derived} derived, {len(outcomes) - derived} mutated), "
         f"{len(bad)} disagreements, {sum(1 for o in outcomes if o.status is Status.UNKNOWN)} unknown, "
-        f"{len(costs)} cost mismatches, {wall:.0f} s on {workers} workers")
-    summary_lines.append("  (derived?, verdict, simulator matches): " + ", ".join(
-        f"{k}: {v}" for k, v in sorted(tally.items())))
+        f"{len(costs)} cost mismatches, {wall:.0f} s on {workers} workers"
+    )
+    summary_lines.append(
+        "  (derived?, verdict, simulator matches): " + ", ".join(f"{k}: {v}" for k, v in sorted(tally.items()))
+    )
     assert len(outcomes) >= 1_000
     assert not bad, "\n".join(bad[:20])
     assert not costs, "\n".join(costs[:20])
@@ -151,9 +160,11 @@ def test_derived_programs_agree_and_cost_what_the_cost_model_says(case: Case) ->
 
 # --- idempotent and duplicated ops ---------------------------------------------------------
 
+
 def _program(text: str, tied: bool = False) -> tuple[Composition, ReferenceModel, StepProgram]:
     from checker._parse import parse
     from formal._simulator import reference_for
+
     composition = parse(text)
     model = reference_for(composition, ReferenceModel(tied=tied))
     transformer = model.transformer()
@@ -179,11 +190,14 @@ def _gradient_reduction(kind: OpKind, how: Reduce) -> object:
     return lambda op: op.kind is kind and op.state is State.GRADIENTS and op.reduce is how
 
 
-@pytest.mark.parametrize(("text", "kind", "how"), [
-    ("zero22", OpKind.REDUCE_SCATTER, Reduce.MEAN),  # the second one sums other devices' shards
-    ("tp2xspxdp2", OpKind.ALL_REDUCE, Reduce.SUM),  # sequence-parallel norm gradients, twice summed
-    ("pp2xdp2", OpKind.ALL_REDUCE, Reduce.SUM),  # the tied embedding, twice summed
-])
+@pytest.mark.parametrize(
+    ("text", "kind", "how"),
+    [
+        ("zero22", OpKind.REDUCE_SCATTER, Reduce.MEAN),  # the second one sums other devices' shards
+        ("tp2xspxdp2", OpKind.ALL_REDUCE, Reduce.SUM),  # sequence-parallel norm gradients, twice summed
+        ("pp2xdp2", OpKind.ALL_REDUCE, Reduce.SUM),  # the tied embedding, twice summed
+    ],
+)
 def test_a_reduction_done_twice_is_invalid_on_both_sides(text: str, kind: OpKind, how: Reduce) -> None:
     composition, model, program = _program(text, tied=True)
     twice = _duplicate(program, _gradient_reduction(kind, how))
@@ -201,30 +215,45 @@ def test_a_mean_all_reduce_done_twice_is_idempotent_on_both_sides() -> None:
 
 # --- quality: the generators find every typical violation (docs/semantics.md, "Correctness") ---
 
+
 def _on(case: Case, kind: OpKind, state: State, axis: Axis | None = None, group: str | None = None) -> bool:
     """The mutation changed an op of this kind and state on an axis of degree >= 2 (a real split)."""
     op = case.target
-    return (op is not None and op.kind is kind and op.state is state and case.degree(op.axis) >= 2
-            and (axis is None or op.axis is axis) and (group is None or op.group.name == group))
+    return (
+        op is not None
+        and op.kind is kind
+        and op.state is state
+        and case.degree(op.axis) >= 2
+        and (axis is None or op.axis is axis)
+        and (group is None or op.group.name == group)
+    )
 
 
 G_, P_ = State.GRADIENTS, State.PARAMETERS
 BROKEN = {
     "sequence parallel without reducing LayerNorm gradients across tp": lambda c: (
-        c.composition.options.sequence_parallel and c.kind == "drop"
-        and _on(c, OpKind.ALL_REDUCE, G_, Axis.TP, "norm")),
+        c.composition.options.sequence_parallel and c.kind == "drop" and _on(c, OpKind.ALL_REDUCE, G_, Axis.TP, "norm")
+    ),
     "tied embedding not summed across the first and last stage": lambda c: (
-        c.model.tied and c.kind == "drop" and _on(c, OpKind.ALL_REDUCE, G_, Axis.PP, "embedding")),
+        c.model.tied and c.kind == "drop" and _on(c, OpKind.ALL_REDUCE, G_, Axis.PP, "embedding")
+    ),
     "ZeRO-1 without the all-gather after the step": lambda c: (
-        getattr(c.composition.strategy_on(Axis.DP), "name", "") in ("zero1", "distopt") and c.kind == "skip_refresh"
-        and _on(c, OpKind.ALL_GATHER, P_, Axis.DP)),
+        getattr(c.composition.strategy_on(Axis.DP), "name", "") in ("zero1", "distopt")
+        and c.kind == "skip_refresh"
+        and _on(c, OpKind.ALL_GATHER, P_, Axis.DP)
+    ),
     "optimizer shards cut differently from gradient shards": lambda c: (
-        c.kind == "offset" and _on(c, OpKind.REDUCE_SCATTER, G_)),
+        c.kind == "offset" and _on(c, OpKind.REDUCE_SCATTER, G_)
+    ),
     "a gradient all-reduced twice": lambda c: (
-        c.kind == "duplicate" and _on(c, OpKind.ALL_REDUCE, G_) and c.target is not None
-        and c.target.reduce is Reduce.SUM),
+        c.kind == "duplicate"
+        and _on(c, OpKind.ALL_REDUCE, G_)
+        and c.target is not None
+        and c.target.reduce is Reduce.SUM
+    ),
     "a sharded parameter read in full without a gather": lambda c: (
-        c.kind == "skip_gather" and _on(c, OpKind.ALL_GATHER, P_, Axis.DP)),
+        c.kind == "skip_gather" and _on(c, OpKind.ALL_GATHER, P_, Axis.DP)
+    ),
     "averaging over dp twice": lambda c: c.kind == "rescale" and _on(c, OpKind.ALL_REDUCE, G_, Axis.DP),
 }
 
@@ -232,8 +261,7 @@ BROKEN = {
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_the_generators_find_each_broken_example(name: str) -> None:
     predicate = BROKEN[name]
-    found = find(cases(mutate=True), predicate,
-                 settings=settings(max_examples=10_000, database=None, derandomize=True))
+    found = find(cases(mutate=True), predicate, settings=settings(max_examples=10_000, database=None, derandomize=True))
     outcome = evaluate(found)
     assert outcome.status is Status.REFUTED, (name, str(found.composition), found.mutation)
     assert not outcome.matches, (name, str(found.composition), found.mutation)
@@ -250,6 +278,7 @@ FIXED_Z3_GAPS = [
 @pytest.mark.parametrize(("text", "change"), FIXED_Z3_GAPS)
 def test_once_disagreements_stay_agreed(text: str, change: str) -> None:
     from dataclasses import replace
+
     composition, model, program = _program(text)
     ops = list(program.ops)
     if change == "optimizer_offset":
@@ -289,10 +318,17 @@ def test_a_tied_embedding_reduce_scatter_along_pp_shards_between_the_two_ends(te
 def _reaxis_reduce_scatter(text: str, group: str, axis: Axis, tied: bool = False) -> Outcome:
     """The derived program with ``group``'s gradient reduce-scatter along dp moved onto ``axis``."""
     from dataclasses import replace
+
     composition, model, program = _program(text, tied=tied)
     ops = list(program.ops)
-    i = next(k for k, op in enumerate(ops) if op.kind is OpKind.REDUCE_SCATTER and op.state is State.GRADIENTS
-             and op.group.name == group and op.axis is Axis.DP)
+    i = next(
+        k
+        for k, op in enumerate(ops)
+        if op.kind is OpKind.REDUCE_SCATTER
+        and op.state is State.GRADIENTS
+        and op.group.name == group
+        and op.axis is Axis.DP
+    )
     ops[i] = replace(ops[i], axis=axis)
     what = f"reaxis {group}'s reduce-scatter onto {axis.value}"
     return evaluate(Case(composition, model, program.with_ops(ops), what))
@@ -302,6 +338,7 @@ def test_offloaded_parameters_held_through_backward_need_no_second_fetch() -> No
     # Was a z3 completeness gap (each axis's copy judged apart); fixed in formal/_smt.py: a copy
     # held through the backward along one axis is held on every axis.
     from dataclasses import replace
+
     composition, model, program = _program("fsdp-sgo2xdpr2xoffload-params")
     ops = list(program.ops)
     i = next(k for k, op in enumerate(ops) if op.kind is OpKind.HOST_TO_DEVICE and op.phase is Phase.BACKWARD)
@@ -324,11 +361,15 @@ def test_gradients_copied_to_the_host_before_their_reduction_are_wrong(text: str
     # Was a z3 soundness gap found by the thorough profile (the later reduction was counted for the
     # host optimizer); fixed in formal/_smt.py: the host copy is the device value at the transfer.
     from dataclasses import replace
+
     composition, model, program = _program(text)
     ops = list(program.ops)
     i = next(k for k, op in enumerate(ops) if op.kind is OpKind.DEVICE_TO_HOST and op.group.name == "attention")
-    j = next(k for k, op in enumerate(ops) if op.kind.is_reduction and op.state is State.GRADIENTS
-             and op.group.name == "attention")
+    j = next(
+        k
+        for k, op in enumerate(ops)
+        if op.kind.is_reduction and op.state is State.GRADIENTS and op.group.name == "attention"
+    )
     copy = ops.pop(i)
     if where == "backward":
         j = max(k for k, op in enumerate(ops) if op.phase is Phase.BACKWARD) + 1
@@ -357,6 +398,7 @@ def test_a_reduction_after_the_host_copy_does_not_reach_the_host() -> None:
     """The reduction is done before the copy and again after it: the host holds the right gradient
     (the device's twice-reduced one is never read), so both sides say valid."""
     from dataclasses import replace
+
     composition, model, program = _program("dp2xoffload")
     ops = list(program.ops)
     i = next(k for k, op in enumerate(ops) if op.kind is OpKind.DEVICE_TO_HOST and op.group.name == "attention")
@@ -390,6 +432,7 @@ def test_a_collective_along_an_axis_of_degree_one_is_the_identity(text: str) -> 
     """Moving a forward all-gather along a degree-1 axis anywhere changes nothing: both sides say valid
     (z3 used to write junk where the lone device held nothing, and refuted)."""
     from dataclasses import replace
+
     composition, model, program = _program(text)
     agreed = 0
     for i, op in enumerate(program.ops):

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from formal._exact import exact_fraction, exact_int
 from formal.errors import InexactError, PlacementError
 
-rationals = st.fractions(max_denominator=10**15) | st.builds(Fraction, st.integers(-10**30, 10**30),
-                                                             st.integers(1, 10**30))
+rationals = st.fractions(max_denominator=10**15) | st.builds(
+    Fraction, st.integers(-(10**30), 10**30), st.integers(1, 10**30)
+)
 
 
 @given(rationals)
@@ -32,7 +33,7 @@ def test_sympy_rationals_round_trip_exactly(value: Fraction) -> None:
     assert exact_fraction(as_sympy * 3 - as_sympy) == 2 * value
 
 
-@given(st.integers(-10**40, 10**40))
+@given(st.integers(-(10**40), 10**40))
 def test_integers_round_trip_exactly(value: int) -> None:
     assert exact_int(value) == value
     assert exact_int(sp.Integer(value)) == value
@@ -58,8 +59,10 @@ def test_floats_are_refused_not_rounded(value: float) -> None:
         exact_fraction(sp.Float(value))
 
 
-@pytest.mark.parametrize("value", [sp.Symbol("d_dp"), sp.sqrt(2), sp.Integer(1) / sp.Symbol("d"), sp.oo,
-                                   sp.nan, np.float64(0.5), True, "1/2", None])
+@pytest.mark.parametrize(
+    "value",
+    [sp.Symbol("d_dp"), sp.sqrt(2), sp.Integer(1) / sp.Symbol("d"), sp.oo, sp.nan, np.float64(0.5), True, "1/2", None],
+)
 def test_non_rationals_are_refused(value: object) -> None:
     with pytest.raises(InexactError):
         exact_fraction(value)

@@ -29,6 +29,7 @@ DENSE = PRESETS["llama2-7b"]  # 32 layers
 MOE = PRESETS["mixtral-8x7b"]  # 32 layers, 8 experts
 LLAMA3_405B = PRESETS["llama3-405b"]  # 126 layers: uneven on 4 or 16 pipeline stages
 
+
 @dataclass(frozen=True)
 class Ran:
     returncode: int
@@ -36,14 +37,26 @@ class Ran:
     stderr: str
 
 
-
 def _default_m(pp: int) -> int:
     return 4 * pp if pp > 1 else 1  # the composition language's default (checker/_parse.py)
 
 
-def _text(tp: int, data: str, dp: int, dpr: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, sp: bool = False,
-          m: int = 1, v: int = 1, gpipe: bool = False, offload: bool = False, offload_params: bool = False,
-          recompute: str = "") -> str:
+def _text(
+    tp: int,
+    data: str,
+    dp: int,
+    dpr: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    sp: bool = False,
+    m: int = 1,
+    v: int = 1,
+    gpipe: bool = False,
+    offload: bool = False,
+    offload_params: bool = False,
+    recompute: str = "",
+) -> str:
     """A composition in canonical order, written independently of the code under test."""
     terms = ([f"tp{tp}"] if tp > 1 else []) + [f"{data}{dp}"]
     terms += [f"{n}{d}" for n, d in (("dpr", dpr), ("pp", pp), ("cp", cp), ("ep", ep)) if d > 1]
@@ -82,9 +95,16 @@ def deepspeed_compositions(draw: st.DrawFn) -> tuple[str, Model]:
     pp = draw(degrees) if stage in ("dp", "zero1") else 1  # DeepSpeed pipelines take ZeRO 0 or 1
     tp = draw(degrees) if stage != "zero3" else 1  # AutoTP takes ZeRO 0, 1, 2
     offload = stage != "dp" and draw(st.booleans())
-    text = _text(tp, stage, draw(degrees), pp=pp, m=draw(st.integers(1, 16)), offload=offload,
-                 offload_params=stage == "zero3" and draw(st.booleans()),
-                 recompute="recompute" if pp > 1 and draw(st.booleans()) else "")
+    text = _text(
+        tp,
+        stage,
+        draw(degrees),
+        pp=pp,
+        m=draw(st.integers(1, 16)),
+        offload=offload,
+        offload_params=stage == "zero3" and draw(st.booleans()),
+        recompute="recompute" if pp > 1 and draw(st.booleans()) else "",
+    )
     return text, DENSE.with_micro_batch(draw(micro_batches))
 
 
@@ -97,20 +117,40 @@ def torchtitan_compositions(draw: st.DrawFn) -> tuple[str, Model]:
     v = draw(st.sampled_from([1, 2])) if pp > 1 else 1  # 32 layers split into pp x v stages
     offload = sharded and draw(st.booleans())
     dp = draw(st.sampled_from([2, 4]) if sharded else degrees)  # torchtitan: shard degree 1 disables FSDP
-    text = _text(tp, data, dp, dpr=draw(degrees) if sharded else 1, pp=pp, cp=cp, ep=ep, sp=tp > 1,
-                 m=draw(st.integers(1, 16)), v=v, gpipe=pp > 1 and v == 1 and draw(st.booleans()),
-                 offload=offload, offload_params=offload,
-                 recompute=draw(st.sampled_from(["", "recompute", "selective"])))
+    text = _text(
+        tp,
+        data,
+        dp,
+        dpr=draw(degrees) if sharded else 1,
+        pp=pp,
+        cp=cp,
+        ep=ep,
+        sp=tp > 1,
+        m=draw(st.integers(1, 16)),
+        v=v,
+        gpipe=pp > 1 and v == 1 and draw(st.booleans()),
+        offload=offload,
+        offload_params=offload,
+        recompute=draw(st.sampled_from(["", "recompute", "selective"])),
+    )
     return text, (MOE if ep > 1 else DENSE).with_micro_batch(draw(micro_batches))
 
 
 @st.composite
 def megatron_compositions(draw: st.DrawFn) -> tuple[str, Model]:
     tp, pp, cp, ep = draw(degrees), draw(degrees), draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
-    text = _text(tp, draw(st.sampled_from(["dp", "distopt"])), draw(degrees), pp=pp, cp=cp, ep=ep,
-                 sp=tp > 1 and draw(st.booleans()), m=draw(st.integers(1, 16)),
-                 v=draw(st.sampled_from([1, 2])) if pp > 1 else 1,
-                 recompute=draw(st.sampled_from(["", "recompute", "selective"])))
+    text = _text(
+        tp,
+        draw(st.sampled_from(["dp", "distopt"])),
+        draw(degrees),
+        pp=pp,
+        cp=cp,
+        ep=ep,
+        sp=tp > 1 and draw(st.booleans()),
+        m=draw(st.integers(1, 16)),
+        v=draw(st.sampled_from([1, 2])) if pp > 1 else 1,
+        recompute=draw(st.sampled_from(["", "recompute", "selective"])),
+    )
     return text, (MOE if ep > 1 else DENSE).with_micro_batch(draw(micro_batches))
 
 
@@ -153,13 +193,16 @@ def test_any_data_strategy_exports_to_its_placement_or_is_refused(data: str, tar
     assert imported.options == original.options
 
 
-@pytest.mark.parametrize(("text", "target", "why"), [
-    ("zero28", Target.TORCHTITAN, "ZeRO 1 or 2"),  # FSDP always shards parameters
-    ("fsdp-sgo8", Target.DEEPSPEED, "held through backward"),  # SHARD_GRAD_OP is not ZeRO-2
-    ("zero38", Target.MEGATRON, "ZeRO 2 or 3"),
-    ("zero28xpp4", Target.DEEPSPEED, "pipeline"),  # DeepSpeed refuses ZeRO-2/3 with PP
-    ("tp2xfsdp4", Target.TORCHTITAN, "sequence parallelism"),  # torchtitan's TP always has SP
-])
+@pytest.mark.parametrize(
+    ("text", "target", "why"),
+    [
+        ("zero28", Target.TORCHTITAN, "ZeRO 1 or 2"),  # FSDP always shards parameters
+        ("fsdp-sgo8", Target.DEEPSPEED, "held through backward"),  # SHARD_GRAD_OP is not ZeRO-2
+        ("zero38", Target.MEGATRON, "ZeRO 2 or 3"),
+        ("zero28xpp4", Target.DEEPSPEED, "pipeline"),  # DeepSpeed refuses ZeRO-2/3 with PP
+        ("tp2xfsdp4", Target.TORCHTITAN, "sequence parallelism"),  # torchtitan's TP always has SP
+    ],
+)
 def test_refusals_name_what_cannot_be_said(text: str, target: Target, why: str) -> None:
     with pytest.raises(ExportError, match=why):
         export(parse(text), DENSE, target)
@@ -212,8 +255,9 @@ def test_cli_export_and_convert() -> None:
     out = _cli("export", "tp2xfsdp8xpp4xsp", "--to", "torchtitan")
     assert out.returncode == 0, out.stderr
     assert tomllib.loads(out.stdout)["parallelism"]["tensor_parallel_degree"] == 2
-    out = _cli("export", "--from", "examples/configs/deepspeed_zero3_offload.json", "--devices", "16",
-               "--to", "torchtitan")
+    out = _cli(
+        "export", "--from", "examples/configs/deepspeed_zero3_offload.json", "--devices", "16", "--to", "torchtitan"
+    )
     assert out.returncode == 0, out.stderr
     parallelism = tomllib.loads(out.stdout)["parallelism"]
     assert parallelism["data_parallel_shard_degree"] == 16
@@ -224,6 +268,7 @@ def test_cli_export_and_convert() -> None:
 
 
 # --- every modifier: carried through export -> import, or refused by name ------------------
+
 
 def _meaning(text: str, model: Model) -> tuple[object, ...]:
     """What a composition means to the checker: its placement, the fullest stage's layers,
@@ -239,30 +284,58 @@ def _meaning(text: str, model: Model) -> tuple[object, ...]:
 
 T, D, M = Target.TORCHTITAN, Target.DEEPSPEED, Target.MEGATRON
 CARRIED = [  # (target, composition): each modifier on a base the target accepts (llama2-7b, 32 layers)
-    (T, "tp2xfsdp2xpp2xsp"), (T, "fsdp4xpp2xm4"), (T, "fsdp4xpp2xv2"), (T, "fsdp4xpp2xgpipe"),
-    (T, "fsdp4xpp2x1f1b"), (T, "fsdp4xpp2xuneven"), (T, "fsdp4xoffloadxoffload-params"),
-    (T, "fsdp4xpp2xrecompute"), (T, "fsdp4xpp2xselective"), (T, "fsdp4xpp2xflash"),
-    (D, "zero14xpp2xm4"), (D, "zero14xpp2x1f1b"), (D, "zero14xpp2xuneven"), (D, "zero14xoffload"),
-    (D, "zero34xoffloadxoffload-params"), (D, "zero14xpp2xrecompute"), (D, "zero316xhpz"),
-    (M, "tp2xdp2xpp2xsp"), (M, "dp2xpp2xm4"), (M, "dp2xpp2xv2"), (M, "dp2xpp2x1f1b"), (M, "dp2xpp2xuneven"),
-    (M, "dp2xpp2xrecompute"), (M, "dp2xpp2xselective"), (M, "dp2xpp2xflash"),
+    (T, "tp2xfsdp2xpp2xsp"),
+    (T, "fsdp4xpp2xm4"),
+    (T, "fsdp4xpp2xv2"),
+    (T, "fsdp4xpp2xgpipe"),
+    (T, "fsdp4xpp2x1f1b"),
+    (T, "fsdp4xpp2xuneven"),
+    (T, "fsdp4xoffloadxoffload-params"),
+    (T, "fsdp4xpp2xrecompute"),
+    (T, "fsdp4xpp2xselective"),
+    (T, "fsdp4xpp2xflash"),
+    (D, "zero14xpp2xm4"),
+    (D, "zero14xpp2x1f1b"),
+    (D, "zero14xpp2xuneven"),
+    (D, "zero14xoffload"),
+    (D, "zero34xoffloadxoffload-params"),
+    (D, "zero14xpp2xrecompute"),
+    (D, "zero316xhpz"),
+    (M, "tp2xdp2xpp2xsp"),
+    (M, "dp2xpp2xm4"),
+    (M, "dp2xpp2xv2"),
+    (M, "dp2xpp2x1f1b"),
+    (M, "dp2xpp2xuneven"),
+    (M, "dp2xpp2xrecompute"),
+    (M, "dp2xpp2xselective"),
+    (M, "dp2xpp2xflash"),
 ]
 REFUSED = [  # (target, composition, what the one-line refusal names)
-    (T, "fsdp4xoffload", "offload of only some states"), (T, "fsdp4xoffload-params", "offload of only some states"),
+    (T, "fsdp4xoffload", "offload of only some states"),
+    (T, "fsdp4xoffload-params", "offload of only some states"),
     (T, "fsdp4xsp", "sequence parallelism without tensor parallelism"),
-    (D, "tp2xzero14xsp", "sequence parallelism"), (D, "zero14xpp2xv2", "interleaved or GPipe"),
-    (D, "zero14xpp2xgpipe", "interleaved or GPipe"), (D, "zero14xoffload-params", "parameter offload below stage 3"),
-    (D, "zero14xpp2xselective", "selective recomputation"), (D, "zero14xpp2xflash", "selective recomputation"),
-    (M, "dp2xpp2xgpipe", "GPipe"), (M, "dp4xoffload", "offload"), (M, "dp4xoffload-params", "offload"),
+    (D, "tp2xzero14xsp", "sequence parallelism"),
+    (D, "zero14xpp2xv2", "interleaved or GPipe"),
+    (D, "zero14xpp2xgpipe", "interleaved or GPipe"),
+    (D, "zero14xoffload-params", "parameter offload below stage 3"),
+    (D, "zero14xpp2xselective", "selective recomputation"),
+    (D, "zero14xpp2xflash", "selective recomputation"),
+    (M, "dp2xpp2xgpipe", "GPipe"),
+    (M, "dp4xoffload", "offload"),
+    (M, "dp4xoffload-params", "offload"),
     (M, "dp4xsp", "sequence parallelism without tensor parallelism"),
-    (T, "fsdp4xpp2xzb", "ZB-H1"), (D, "zero14xpp2xzb", "zero-bubble"), (M, "dp2xpp2xzb", "zero-bubble"),
-    (T, "fsdp16xhpz", "hierarchical partitioning"), (M, "zero316xhpz", "hierarchical partitioning"),
+    (T, "fsdp4xpp2xzb", "ZB-H1"),
+    (D, "zero14xpp2xzb", "zero-bubble"),
+    (M, "dp2xpp2xzb", "zero-bubble"),
+    (T, "fsdp16xhpz", "hierarchical partitioning"),
+    (M, "zero316xhpz", "hierarchical partitioning"),
     (D, "zero216xhpz-dpr2", "hierarchical partitioning without ZeRO 3"),
 ]
 
 
 def test_the_table_covers_every_modifier() -> None:
     from checker._parse import MODIFIERS
+
     spelled = {t for _, c in CARRIED + [(r[0], r[1]) for r in REFUSED] for t in c.split("x")}
     for modifier in MODIFIERS:
         word = modifier.split("<")[0]
@@ -284,6 +357,7 @@ def test_every_modifier_the_target_cannot_say_is_refused_by_name(target: Target,
 
 # --- uneven pipeline stages: each framework is told the split the composition charges -------
 
+
 def _torchtitan_split(num_stages: int, num_layers: int, input_weight: int, output_weight: int) -> list[int]:
     """Transformer layers per stage as torchtitan's ``generate_llm_fqn_per_model_part``
     (torchtitan/distributed/pipeline_parallel.py) assigns them: the embedding and the output
@@ -299,8 +373,11 @@ def _torchtitan_split(num_stages: int, num_layers: int, input_weight: int, outpu
 def test_torchtitan_is_told_to_split_the_transformer_layers_alone() -> None:
     # torchtitan's defaults (1, 1) would put 9 of llama2-7b's 32 layers on one of 4 stages
     assert max(_torchtitan_split(4, 32, 1, 1)) == 9
-    for text, model, fullest in (("fsdp2xpp4", DENSE, 8), ("fsdp2xpp4xuneven", LLAMA3_405B, 32),
-                                 ("fsdp2xpp16xuneven", LLAMA3_405B, 8)):
+    for text, model, fullest in (
+        ("fsdp2xpp4", DENSE, 8),
+        ("fsdp2xpp4xuneven", LLAMA3_405B, 32),
+        ("fsdp2xpp16xuneven", LLAMA3_405B, 8),
+    ):
         par = tomllib.loads(export(parse(text), model, T).text)["parallelism"]
         weights = (par["pipeline_parallel_first_stage_less_layers"], par["pipeline_parallel_last_stage_less_layers"])
         assert isinstance(model, Transformer)
@@ -356,9 +433,12 @@ def test_deepspeed_names_the_split_it_cannot_write() -> None:
     assert any("uneven" in note and "32" in note for note in out.notes)  # ceil(126 / 4)
 
 
-@pytest.mark.xfail(strict=True, raises=(AssertionError, InputError),
-                   reason="checker/_importers.py does not read uneven stages back yet: torchtitan's own split of "
-                          "layers that do not divide, Megatron-LM's --decoder-first/last-pipeline-num-layers")
+@pytest.mark.xfail(
+    strict=True,
+    raises=(AssertionError, InputError),
+    reason="checker/_importers.py does not read uneven stages back yet: torchtitan's own split of "
+    "layers that do not divide, Megatron-LM's --decoder-first/last-pipeline-num-layers",
+)
 @pytest.mark.parametrize(("target", "text"), [(T, "fsdp2xpp4xuneven"), (M, "dp2xpp4xuneven")])
 def test_uneven_stages_survive_the_round_trip(target: Target, text: str) -> None:
     back = _round_trip(text, target, LLAMA3_405B)

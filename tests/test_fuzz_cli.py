@@ -41,8 +41,15 @@ from checker.cli import main
 from formal.errors import InputError
 
 # Cases per test, as multiples of the profile's max_examples (ci 100, thorough 2,000).
-SHARES: dict[str, int] = {"argvs": 9, "deepspeed": 3, "torchtitan": 3, "megatron": 3, "hf": 3, "strategies": 3,
-                          "outputs": 1}
+SHARES: dict[str, int] = {
+    "argvs": 9,
+    "deepspeed": 3,
+    "torchtitan": 3,
+    "megatron": 3,
+    "hf": 3,
+    "strategies": 3,
+    "outputs": 1,
+}
 TOTAL_CI, TOTAL_THOROUGH = 2_000, 50_000
 # Control characters that must never reach the terminal (newline and tab are layout).
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -85,7 +92,8 @@ def run_case(case: Case) -> Result:
             result = CliRunner().invoke(main, argv, color=True)
         shown = f"argv={argv!r}\nexit={result.exit_code}\nstdout={result.stdout[-2000:]!r}\nstderr={result.stderr!r}"
         assert result.exception is None or isinstance(result.exception, SystemExit), (
-            f"{shown}\nexception={result.exception!r}")
+            f"{shown}\nexception={result.exception!r}"
+        )
         assert result.exit_code in (0, 1, 2, 3), shown
         output = result.stdout + result.stderr
         assert "Traceback" not in output, shown
@@ -118,14 +126,22 @@ def fuzz(name: str, cases: st.SearchStrategy[Case], summary_lines: list[str]) ->
     one()
     seconds = time.perf_counter() - start
     count = sum(codes.values())
-    summary_lines.append(f"fuzz {name}: {count:,} cases in {seconds:.1f} s (exit codes "
-                         + ", ".join(f"{k}: {v}" for k, v in sorted(codes.items())) + ")")
+    summary_lines.append(
+        f"fuzz {name}: {count:,} cases in {seconds:.1f} s (exit codes "
+        + ", ".join(f"{k}: {v}" for k, v in sorted(codes.items()))
+        + ")"
+    )
     assert count >= budget(name)
 
 
 FUZZ_TESTS: dict[str, Callable[[], st.SearchStrategy[Case]]] = {
-    "argvs": hostile_argvs, "deepspeed": deepspeed_configs, "torchtitan": torchtitan_configs,
-    "megatron": megatron_scripts, "hf": hf_configs, "strategies": strategies_files, "outputs": output_cases,
+    "argvs": hostile_argvs,
+    "deepspeed": deepspeed_configs,
+    "torchtitan": torchtitan_configs,
+    "megatron": megatron_scripts,
+    "hf": hf_configs,
+    "strategies": strategies_files,
+    "outputs": output_cases,
 }
 
 
@@ -142,6 +158,7 @@ def test_the_budget_meets_the_profile() -> None:
 
 
 # --- the harness itself can fail ------------------------------------------------------------
+
 
 def test_the_harness_catches_a_half_written_file(monkeypatch: pytest.MonkeyPatch) -> None:
     """A writer that truncates in place (as the tool once did) is caught by ``run_case``."""

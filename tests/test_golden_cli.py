@@ -91,5 +91,6 @@ def test_json_explain_lists_every_obligation_with_its_core() -> None:
     result = run(["zero24", "--model", "gpt3-1.3b", "--json", "--explain"])
     verdict = json.loads(result.stdout)["verdict"]
     assert len(verdict["explain"]) == verdict["obligations"]
-    assert all(o["status"] == "proved" and o["core"] for o in verdict["explain"]
-               if o["obligation"] != "composition_rules")
+    assert all(
+        o["status"] == "proved" and o["core"] for o in verdict["explain"] if o["obligation"] != "composition_rules"
+    )

@@ -27,8 +27,15 @@ from checker.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "configs"
-TINY_HF: dict[str, Any] = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                           "max_position_embeddings": 128, "intermediate_size": 128, "vocab_size": 1000}
+TINY_HF: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 128,
+    "intermediate_size": 128,
+    "vocab_size": 1000,
+}
 HUGE = "1180591620717411303424"  # 2**70
 
 
@@ -65,23 +72,33 @@ def tt_with(extra: str, name: str = "torchtitan_llama3_8b.toml") -> str:
 
 # --- files that are not text, or not a configuration ----------------------------------------
 
-@pytest.mark.parametrize(("option", "name", "args"), [
-    ("--from", "ds.json", ()), ("--from", "tt.toml", ()), ("--from", "run.sh", ()),
-    ("--model", "config.json", ("dp2",)), ("--strategies", "user.toml", ("dp2", "--params", "1e9")),
-])
+
+@pytest.mark.parametrize(
+    ("option", "name", "args"),
+    [
+        ("--from", "ds.json", ()),
+        ("--from", "tt.toml", ()),
+        ("--from", "run.sh", ()),
+        ("--model", "config.json", ("dp2",)),
+        ("--strategies", "user.toml", ("dp2", "--params", "1e9")),
+    ],
+)
 def test_a_binary_file_is_not_text(tmp_path: Path, option: str, name: str, args: tuple[str, ...]) -> None:
     path = write(tmp_path, name, b"\xff\xfe\x00\x01binary\x80")
     one_line(invoke(*args, option, path), "not UTF-8", name)
 
 
-@pytest.mark.parametrize(("option", "name", "text", "args"), [
-    ("--from", "ds.json", "[" * 5000 + "]" * 5000, ()),  # beyond the parser's own recursion limit
-    ("--from", "ds.json", '{"zero_optimization": ' + '{"a": ' * 40 + "1" + "}" * 41, ()),  # within it
-    ("--model", "config.json", "[" * 100_000 + "]" * 100_000, ("dp2",)),
-    ("--from", "tt.toml", "a = " + "[" * 5000 + "]" * 5000, ()),
-    ("--from", "tt.toml", "[" + ".".join(["a"] * 60) + "]\n", ()),
-    ("--strategies", "user.toml", "a = " + "[" * 5000 + "]" * 5000, ("dp2", "--params", "1e9")),
-])
+@pytest.mark.parametrize(
+    ("option", "name", "text", "args"),
+    [
+        ("--from", "ds.json", "[" * 5000 + "]" * 5000, ()),  # beyond the parser's own recursion limit
+        ("--from", "ds.json", '{"zero_optimization": ' + '{"a": ' * 40 + "1" + "}" * 41, ()),  # within it
+        ("--model", "config.json", "[" * 100_000 + "]" * 100_000, ("dp2",)),
+        ("--from", "tt.toml", "a = " + "[" * 5000 + "]" * 5000, ()),
+        ("--from", "tt.toml", "[" + ".".join(["a"] * 60) + "]\n", ()),
+        ("--strategies", "user.toml", "a = " + "[" * 5000 + "]" * 5000, ("dp2", "--params", "1e9")),
+    ],
+)
 def test_deep_nesting_is_refused(tmp_path: Path, option: str, name: str, text: str, args: tuple[str, ...]) -> None:
     one_line(invoke(*args, option, write(tmp_path, name, text)), "nested too deeply")
 
@@ -96,17 +113,23 @@ def test_an_empty_file_says_nothing(tmp_path: Path, name: str) -> None:
     one_line(invoke("--from", write(tmp_path, name, "\n \n" if name.startswith("blank") else "")), "empty")
 
 
-@pytest.mark.parametrize(("name", "text", "fragment"), [
-    ("hello", "hello world\n", "no Megatron arguments"),
-    ("passwd", "root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n",
-     "no Megatron arguments"),
-    ("run.sh", "#!/bin/bash\necho starting\npython pretrain_gpt.py\n", "no Megatron arguments"),
-    ("ds.yaml", "train_batch_size: 8\nzero_optimization:\n  stage: 2\n", "YAML is not read"),
-    ("ds.yml", "zero_optimization: {stage: 3}\n", "YAML is not read"),
-    ("tt.ini", "[parallelism]\ntensor_parallel_degree = 2\n", "unknown kind of file"),
-    ("ds.json", "{}", "states nothing"),
-    ("tt.toml", "# only a comment\n", "states nothing"),
-])
+@pytest.mark.parametrize(
+    ("name", "text", "fragment"),
+    [
+        ("hello", "hello world\n", "no Megatron arguments"),
+        (
+            "passwd",
+            "root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n",
+            "no Megatron arguments",
+        ),
+        ("run.sh", "#!/bin/bash\necho starting\npython pretrain_gpt.py\n", "no Megatron arguments"),
+        ("ds.yaml", "train_batch_size: 8\nzero_optimization:\n  stage: 2\n", "YAML is not read"),
+        ("ds.yml", "zero_optimization: {stage: 3}\n", "YAML is not read"),
+        ("tt.ini", "[parallelism]\ntensor_parallel_degree = 2\n", "unknown kind of file"),
+        ("ds.json", "{}", "states nothing"),
+        ("tt.toml", "# only a comment\n", "states nothing"),
+    ],
+)
 def test_garbage_is_refused_not_read_as_an_empty_config(tmp_path: Path, name: str, text: str, fragment: str) -> None:
     """These used to come back dp64, PROVED, exit 0."""
     one_line(invoke("--from", write(tmp_path, name, text)), fragment)
@@ -131,10 +154,14 @@ def test_a_directory_is_not_read(tmp_path: Path) -> None:
     one_line(invoke("dp2", "--params", "1e9", "--strategies", str(folder)), "a directory")
 
 
-@pytest.mark.parametrize(("option", "name", "args"), [
-    ("--from", "fifo.json", ()), ("--model", "fifo.json", ("dp2",)),
-    ("--strategies", "fifo.toml", ("dp2", "--params", "1e9")),
-])
+@pytest.mark.parametrize(
+    ("option", "name", "args"),
+    [
+        ("--from", "fifo.json", ()),
+        ("--model", "fifo.json", ("dp2",)),
+        ("--strategies", "fifo.toml", ("dp2", "--params", "1e9")),
+    ],
+)
 def test_a_fifo_is_refused_without_blocking(tmp_path: Path, option: str, name: str, args: tuple[str, ...]) -> None:
     fifo = tmp_path / name
     os.mkfifo(fifo)
@@ -151,17 +178,21 @@ def test_a_fifo_is_refused_without_blocking(tmp_path: Path, option: str, name: s
 
 # --- values of the wrong type or size -------------------------------------------------------
 
-@pytest.mark.parametrize(("change", "fragments"), [
-    ({"head_dim": {}}, ("head_dim", "expected an integer")),
-    ({"head_dim": [16]}, ("head_dim",)),
-    ({"num_hidden_layers": "2"}, ("num_hidden_layers", "expected an integer")),
-    ({"num_hidden_layers": True}, ("num_hidden_layers",)),
-    ({"vocab_size": 1.5}, ("vocab_size",)),
-    ({"model_type": ["llama"]}, ("model_type", "expected a string")),
-    ({"_name_or_path": {"a": 1}}, ("_name_or_path", "expected a string")),
-    ({"num_key_value_heads": -2}, ("num_key_value_heads",)),
-    ({"max_position_embeddings": 10**12}, ("max_position_embeddings",)),
-])
+
+@pytest.mark.parametrize(
+    ("change", "fragments"),
+    [
+        ({"head_dim": {}}, ("head_dim", "expected an integer")),
+        ({"head_dim": [16]}, ("head_dim",)),
+        ({"num_hidden_layers": "2"}, ("num_hidden_layers", "expected an integer")),
+        ({"num_hidden_layers": True}, ("num_hidden_layers",)),
+        ({"vocab_size": 1.5}, ("vocab_size",)),
+        ({"model_type": ["llama"]}, ("model_type", "expected a string")),
+        ({"_name_or_path": {"a": 1}}, ("_name_or_path", "expected a string")),
+        ({"num_key_value_heads": -2}, ("num_key_value_heads",)),
+        ({"max_position_embeddings": 10**12}, ("max_position_embeddings",)),
+    ],
+)
 def test_hf_config_types(tmp_path: Path, change: dict[str, Any], fragments: tuple[str, ...]) -> None:
     path = write(tmp_path, "config.json", json.dumps(TINY_HF | change))
     one_line(invoke("dp2", "--model", path), *fragments)
@@ -174,12 +205,18 @@ def test_hf_numbers_beyond_any_arithmetic(tmp_path: Path, literal: str) -> None:
 
 
 def test_a_huge_toml_integer_is_refused(tmp_path: Path) -> None:
-    one_line(invoke("--from", write(tmp_path, "tt.toml", tt_with("tensor_parallel_degree = " + "9" * 400))),
-             "tensor_parallel_degree", "out of range")
-    one_line(invoke("--from", write(tmp_path, "big.toml", tt_with("tensor_parallel_degree = " + "9" * 5000))),
-             "not valid TOML")
-    one_line(invoke("--from", write(tmp_path, "nan.toml", tt_with("tensor_parallel_degree = nan"))),
-             "tensor_parallel_degree")
+    one_line(
+        invoke("--from", write(tmp_path, "tt.toml", tt_with("tensor_parallel_degree = " + "9" * 400))),
+        "tensor_parallel_degree",
+        "out of range",
+    )
+    one_line(
+        invoke("--from", write(tmp_path, "big.toml", tt_with("tensor_parallel_degree = " + "9" * 5000))),
+        "not valid TOML",
+    )
+    one_line(
+        invoke("--from", write(tmp_path, "nan.toml", tt_with("tensor_parallel_degree = nan"))), "tensor_parallel_degree"
+    )
 
 
 def test_markup_in_a_config_name_is_shown_as_text(tmp_path: Path) -> None:
@@ -210,19 +247,22 @@ def test_ansi_escapes_in_a_config_name_never_reach_the_terminal(tmp_path: Path) 
     assert "\\x1b[31mred" in invoke("dp2", "--model", path).stdout
 
 
-@pytest.mark.parametrize(("key", "value", "fragment"), [
-    ("zero_optimization", [], "zero_optimization=[]: expected an object"),
-    ("zero_optimization", {"stage": [3]}, "zero_optimization.stage"),
-    ("zero_optimization", {"stage": 3, "offload_optimizer": ["cpu"]}, "zero_optimization.offload_optimizer"),
-    ("zero_optimization", {"stage": 3, "offload_param": {"device": ["cpu"]}}, "offload_param.device"),
-    ("pipeline", [4], "pipeline"),
-    ("pipeline", {"stages": [4]}, "pipeline.stages"),
-    ("fp16", {"enabled": [True]}, "fp16.enabled"),
-    ("bf16", "yes", "bf16"),
-    ("tensor_parallel", {"autotp_size": {"a": 2}}, "tensor_parallel.autotp_size"),
-    ("train_batch_size", [256], "train_batch_size"),
-    ("train_batch_size", 10**9, "absurd"),  # dp = 1e9 / 8: more devices than any mesh
-])
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"),
+    [
+        ("zero_optimization", [], "zero_optimization=[]: expected an object"),
+        ("zero_optimization", {"stage": [3]}, "zero_optimization.stage"),
+        ("zero_optimization", {"stage": 3, "offload_optimizer": ["cpu"]}, "zero_optimization.offload_optimizer"),
+        ("zero_optimization", {"stage": 3, "offload_param": {"device": ["cpu"]}}, "offload_param.device"),
+        ("pipeline", [4], "pipeline"),
+        ("pipeline", {"stages": [4]}, "pipeline.stages"),
+        ("fp16", {"enabled": [True]}, "fp16.enabled"),
+        ("bf16", "yes", "bf16"),
+        ("tensor_parallel", {"autotp_size": {"a": 2}}, "tensor_parallel.autotp_size"),
+        ("train_batch_size", [256], "train_batch_size"),
+        ("train_batch_size", 10**9, "absurd"),  # dp = 1e9 / 8: more devices than any mesh
+    ],
+)
 def test_deepspeed_wrong_types(tmp_path: Path, key: str, value: Any, fragment: str) -> None:
     """A list where DeepSpeed expects a mapping used to end in "unhashable type: 'list'"."""
     doc = json.loads((CONFIGS / "deepspeed_zero2.json").read_text()) | {key: value}
@@ -231,15 +271,20 @@ def test_deepspeed_wrong_types(tmp_path: Path, key: str, value: Any, fragment: s
     one_line(invoke("--from", write(tmp_path, "ds.json", json.dumps(doc))), fragment)
 
 
-@pytest.mark.parametrize(("extra", "fragment"), [
-    ('pipeline_parallel_split_points = 3\npipeline_parallel_schedule = "Interleaved1F1B"',
-     "pipeline_parallel_split_points=3: expected a list of strings"),
-    ("pipeline_parallel_split_points = [1, 2]", "pipeline_parallel_split_points"),
-    ('tensor_parallel_degree = "8"', "tensor_parallel_degree"),
-    ("tensor_parallel_degree = 2000000", "absurd"),
-    ("pipeline_parallel_schedule = 3", "pipeline_parallel_schedule"),
-    ('enable_async_tensor_parallel = "yes"', "enable_async_tensor_parallel"),
-])
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (
+            'pipeline_parallel_split_points = 3\npipeline_parallel_schedule = "Interleaved1F1B"',
+            "pipeline_parallel_split_points=3: expected a list of strings",
+        ),
+        ("pipeline_parallel_split_points = [1, 2]", "pipeline_parallel_split_points"),
+        ('tensor_parallel_degree = "8"', "tensor_parallel_degree"),
+        ("tensor_parallel_degree = 2000000", "absurd"),
+        ("pipeline_parallel_schedule = 3", "pipeline_parallel_schedule"),
+        ('enable_async_tensor_parallel = "yes"', "enable_async_tensor_parallel"),
+    ],
+)
 def test_torchtitan_wrong_types(tmp_path: Path, extra: str, fragment: str) -> None:
     one_line(invoke("--from", write(tmp_path, "tt.toml", tt_with(extra)), "--devices", "8"), fragment)
 
@@ -250,6 +295,7 @@ def test_devices_zero_with_a_torchtitan_file() -> None:
 
 
 # --- numbers --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("digit", ["²", "٣", "８", "Ⅷ", "8.0", "1e3", "0x8", "+8", "8_0", "-8", "8 8"])
 def test_numbers_are_ascii_digits(tmp_path: Path, digit: str) -> None:
@@ -278,21 +324,24 @@ def test_an_empty_number_is_refused() -> None:
     one_line(invoke("sweep", "tp{}", "--values", ",", "--params", "1e9"), "--values")
 
 
-@pytest.mark.parametrize(("args", "fragment"), [
-    (("zero3", "--devices", HUGE), "--devices"),
-    (("zero3", "--micro-batch", "1" + "0" * 50), "--micro-batch"),
-    (("zero3", "--seq", "1" + "0" * 50), "--seq"),
-    (("plan", "--params", "1e9", "--micro-batch", HUGE), "--micro-batch"),
-    (("plan", "--params", "1e9", "--devices", HUGE), "--devices"),
-    (("plan", "--params", "1e9", "--global-batch", HUGE), "--global-batch"),
-    (("plan", "--params", "1e9", "--device-flops", "1e400"), "--device-flops"),
-    (("plan", "--params", "1e9", "--device-flops", "inf"), "--device-flops"),
-    (("explain", "zero2", "--degree", HUGE), "--degree"),
-    (("dp2", "--timeout-ms", HUGE), "--timeout-ms"),
-    (("sweep", "tp{}", "--values", HUGE, "--params", "1e9"), "--values"),
-    (("tp1000xpp1000xdp2",), "absurd"),  # every degree fine, their product two billion devices
-    (("x".join(["dp1"] * 40),), "terms"),
-])
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("zero3", "--devices", HUGE), "--devices"),
+        (("zero3", "--micro-batch", "1" + "0" * 50), "--micro-batch"),
+        (("zero3", "--seq", "1" + "0" * 50), "--seq"),
+        (("plan", "--params", "1e9", "--micro-batch", HUGE), "--micro-batch"),
+        (("plan", "--params", "1e9", "--devices", HUGE), "--devices"),
+        (("plan", "--params", "1e9", "--global-batch", HUGE), "--global-batch"),
+        (("plan", "--params", "1e9", "--device-flops", "1e400"), "--device-flops"),
+        (("plan", "--params", "1e9", "--device-flops", "inf"), "--device-flops"),
+        (("explain", "zero2", "--degree", HUGE), "--degree"),
+        (("dp2", "--timeout-ms", HUGE), "--timeout-ms"),
+        (("sweep", "tp{}", "--values", HUGE, "--params", "1e9"), "--values"),
+        (("tp1000xpp1000xdp2",), "absurd"),  # every degree fine, their product two billion devices
+        (("x".join(["dp1"] * 40),), "terms"),
+    ],
+)
 def test_numbers_beyond_every_bound(args: tuple[str, ...], fragment: str) -> None:
     """``zero3 --devices 2**70`` used to be proved on 1.18e21 devices."""
     one_line(invoke(*args), fragment)
@@ -333,27 +382,37 @@ def test_a_missing_config_json_is_named(tmp_path: Path) -> None:
 
 # --- output files ---------------------------------------------------------------------------
 
+
 def test_plan_csv_into_a_missing_directory_fails_before_planning(tmp_path: Path) -> None:
     """The whole plan used to be computed before the write failed with a traceback."""
     with mock.patch("checker._planner.plan", side_effect=AssertionError("planned anyway")):
-        one_line(invoke("plan", "--params", "1e9", "--devices", "8", "--csv", str(tmp_path / "no" / "p.csv")),
-                 "--csv", "no such directory")
+        one_line(
+            invoke("plan", "--params", "1e9", "--devices", "8", "--csv", str(tmp_path / "no" / "p.csv")),
+            "--csv",
+            "no such directory",
+        )
         one_line(invoke("plan", "--params", "1e9", "--devices", "8", "--csv", str(tmp_path)), "a directory")
 
 
 @pytest.mark.parametrize("option", ["--report", "--chart"])
 def test_outputs_into_a_missing_directory(tmp_path: Path, option: str) -> None:
     target = str(tmp_path / "no" / ("r.html" if option == "--report" else "c.svg"))
-    args = ("dp2", "--params", "1e9", "--report", target) if option == "--report" else (
-        "compare", "dp2", "zero22", "--params", "1e9", "--chart", target)
+    args = (
+        ("dp2", "--params", "1e9", "--report", target)
+        if option == "--report"
+        else ("compare", "dp2", "zero22", "--params", "1e9", "--chart", target)
+    )
     one_line(invoke(*args), option, "no such directory")
 
 
-@pytest.mark.parametrize("args", [
-    ("dp2", "--params", "1e9", "--report", "{out}"),
-    ("plan", "--params", "1e9", "--devices", "2", "--csv", "{out}"),
-    ("sweep", "tp{}", "--values", "1,2", "--params", "1e9", "--chart", "{out}.svg"),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("dp2", "--params", "1e9", "--report", "{out}"),
+        ("plan", "--params", "1e9", "--devices", "2", "--csv", "{out}"),
+        ("sweep", "tp{}", "--values", "1,2", "--params", "1e9", "--chart", "{out}.svg"),
+    ],
+)
 def test_a_write_that_fails_part_way_keeps_the_old_file(tmp_path: Path, args: tuple[str, ...]) -> None:
     """A failing --report write used to leave a truncated page in place of the previous one."""
     out = tmp_path / "out"
@@ -379,20 +438,35 @@ def test_a_report_replaces_the_old_one_whole(tmp_path: Path) -> None:
 
 # --- exit codes -----------------------------------------------------------------------------
 
+
 def _closed_pipe_run(*args: str) -> subprocess.CompletedProcess[str]:
     read, write_end = os.pipe()
     os.close(read)  # nobody reads: the first write meets a broken pipe
     try:
-        return subprocess.run([sys.executable, "-m", "checker.cli", *args], stdout=write_end,
-                              stderr=subprocess.PIPE, text=True, timeout=300, check=False, cwd=ROOT)
+        return subprocess.run(
+            [sys.executable, "-m", "checker.cli", *args],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+            check=False,
+            cwd=ROOT,
+        )
     finally:
         os.close(write_end)
 
 
-@pytest.mark.parametrize(("args", "code"), [
-    (("dp2", "--params", "1e9"), 0), (("tp3",), 1), (("dp2", "--params", "1e9", "--json"), 0),
-    (("explain", "--all"), 0), (("--help",), 0), (("zero4",), 2),
-])
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (("dp2", "--params", "1e9"), 0),
+        (("tp3",), 1),
+        (("dp2", "--params", "1e9", "--json"), 0),
+        (("explain", "--all"), 0),
+        (("--help",), 0),
+        (("zero4",), 2),
+    ],
+)
 def test_a_closed_pipe_keeps_the_verdicts_exit_code(args: tuple[str, ...], code: int) -> None:
     """``check-composition ... | head`` used to exit 1 ("invalid") when head stopped reading."""
     done = _closed_pipe_run(*args)
@@ -422,8 +496,9 @@ def test_an_internal_error_is_one_line_and_exit_4(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(command, "analyze", bug)
     result = invoke("dp2", "--params", "1e9")
     assert result.exit_code == 4
-    assert result.stderr == ("error: internal error: ZeroDivisionError: division by zero "
-                             "(run with --debug for the traceback)\n")
+    assert result.stderr == (
+        "error: internal error: ZeroDivisionError: division by zero (run with --debug for the traceback)\n"
+    )
     for args in (("--debug", "dp2", "--params", "1e9"), ("dp2", "--params", "1e9", "--debug")):
         raised = CliRunner().invoke(main, list(args))
         assert isinstance(raised.exception, ZeroDivisionError), raised.output

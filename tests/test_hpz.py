@@ -47,15 +47,20 @@ def _psi() -> int:
 
 # --- the composition language ------------------------------------------------------------------
 
-@pytest.mark.parametrize(("text", "devices", "node", "expected"), [
-    ("zero3xhpz", 16, 8, "zero38xhpz-dpr2"),
-    ("zero3xhpz", 64, 8, "zero38xhpz-dpr8"),
-    ("fsdp16xhpz", None, 8, "fsdp8xhpz-dpr2"),
-    ("fsdp16xhpz", None, 4, "fsdp4xhpz-dpr4"),
-    ("tp2xzero3xhpzxm4", 32, 8, "tp2xzero38xhpz-dpr2xm4"),
-])
-def test_hpz_splits_the_zero3_term_into_nodes_and_round_trips(text: str, devices: int | None, node: int,
-                                                              expected: str) -> None:
+
+@pytest.mark.parametrize(
+    ("text", "devices", "node", "expected"),
+    [
+        ("zero3xhpz", 16, 8, "zero38xhpz-dpr2"),
+        ("zero3xhpz", 64, 8, "zero38xhpz-dpr8"),
+        ("fsdp16xhpz", None, 8, "fsdp8xhpz-dpr2"),
+        ("fsdp16xhpz", None, 4, "fsdp4xhpz-dpr4"),
+        ("tp2xzero3xhpzxm4", 32, 8, "tp2xzero38xhpz-dpr2xm4"),
+    ],
+)
+def test_hpz_splits_the_zero3_term_into_nodes_and_round_trips(
+    text: str, devices: int | None, node: int, expected: str
+) -> None:
     c = parse(text, devices=devices, node_size=node)
     assert str(c) == expected
     assert parse(str(c)) == c
@@ -63,14 +68,17 @@ def test_hpz_splits_the_zero3_term_into_nodes_and_round_trips(text: str, devices
     assert c.mesh()[Axis.DP] * c.mesh()[Axis.DPR] == (devices or 16) // c.mesh().get(Axis.TP, 1)
 
 
-@pytest.mark.parametrize(("text", "devices", "node", "message"), [
-    ("zero3xhpz", 12, 8, "does not divide"),
-    ("fsdp16xhpz", None, 3, "does not divide"),
-    ("zero2xhpz", 16, 8, "needs a zero3 or fsdp term"),
-    ("zero3xhpzxhpz", 16, 8, "given twice"),
-    ("zero38xhpz2", None, 8, "takes no degree"),
-    ("zero38xdpr2xhpz", None, 8, "already uses the dpr axis"),
-])
+@pytest.mark.parametrize(
+    ("text", "devices", "node", "message"),
+    [
+        ("zero3xhpz", 12, 8, "does not divide"),
+        ("fsdp16xhpz", None, 3, "does not divide"),
+        ("zero2xhpz", 16, 8, "needs a zero3 or fsdp term"),
+        ("zero3xhpzxhpz", 16, 8, "given twice"),
+        ("zero38xhpz2", None, 8, "takes no degree"),
+        ("zero38xdpr2xhpz", None, 8, "already uses the dpr axis"),
+    ],
+)
 def test_hpz_refuses_what_it_cannot_split(text: str, devices: int | None, node: int, message: str) -> None:
     with pytest.raises(CompositionError, match=message):
         parse(text, devices=devices, node_size=node)
@@ -88,6 +96,7 @@ def test_after_the_forward_a_device_holds_the_secondary_partition() -> None:
 
 
 # --- verdicts ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("devices", [16, 64])
 def test_zero3_with_hpz_is_proved_on_gpt3(devices: int) -> None:
@@ -112,6 +121,7 @@ def test_hpz_without_the_backward_gather_within_the_node_is_refuted_with_a_reada
 
 # --- costs against the paper's formulas ----------------------------------------------------------
 
+
 def _two_level_zero3(k: int, n: int) -> Composition:
     """ZeRO-3 over N = k n devices seen as node x nodes: S* (not held) along both dp and dpr."""
     across = Strategy("zero3-dpr", Axis.DPR, n, zero(3).entries, frozenset())
@@ -120,8 +130,13 @@ def _two_level_zero3(k: int, n: int) -> Composition:
 
 def _bytes(c: Composition, state: State, phase: Phase, axis: Axis) -> sp.Expr:
     program = derive_program(c.placement(GPT), GPT)
-    return sp.Add(*(t.bytes for t in communication(program, DEFAULT_PRECISION)
-                    if t.state is state and t.phase == phase.value and t.axis is axis))
+    return sp.Add(
+        *(
+            t.bytes
+            for t in communication(program, DEFAULT_PRECISION)
+            if t.state is state and t.phase == phase.value and t.axis is axis
+        )
+    )
 
 
 @pytest.mark.parametrize(("devices", "k"), [(16, 8), (64, 8), (32, 4)])
@@ -148,20 +163,29 @@ def test_hpz_traffic_per_axis_follows_the_paper(devices: int, k: int) -> None:
     # cross-node traffic: 3M for ZeRO-3 on the same two-level mesh, 2M with hpZ (times (n-1)/n)
     two = _two_level_zero3(k, n)
     for c, gathers in ((two, 3), (hpz, 2)):
-        across = sum(_bytes(c, s, ph, Axis.DPR) for s, ph in ((P, Phase.FORWARD), (P, Phase.BACKWARD),
-                                                              (G, Phase.GRAD_SYNC)))
+        across = sum(
+            _bytes(c, s, ph, Axis.DPR) for s, ph in ((P, Phase.FORWARD), (P, Phase.BACKWARD), (G, Phase.GRAD_SYNC))
+        )
         assert across == gathers * ring[n] * psi * b
+
     # what hpZ changes is the backward gather alone: the rest of the program is ZeRO-3's
     def others(c: Composition) -> list[Op]:
-        return [op for op in derive_program(c.placement(GPT), GPT).ops
-                if op.kind.is_collective and not (op.phase is Phase.BACKWARD and op.state is P)]
+        return [
+            op
+            for op in derive_program(c.placement(GPT), GPT).ops
+            if op.kind.is_collective and not (op.phase is Phase.BACKWARD and op.state is P)
+        ]
+
     assert others(hpz) == others(two)
 
 
 def test_hpz_counts_every_collective_once_per_micro_batch() -> None:
     one, four = (parse(f"zero3xhpzx{m}", devices=16) for m in ("m1", "m4"))
-    for state, phase, axis in ((P, Phase.FORWARD, Axis.DPR), (P, Phase.BACKWARD, Axis.DP),
-                               (G, Phase.GRAD_SYNC, Axis.DPR)):
+    for state, phase, axis in (
+        (P, Phase.FORWARD, Axis.DPR),
+        (P, Phase.BACKWARD, Axis.DP),
+        (G, Phase.GRAD_SYNC, Axis.DPR),
+    ):
         assert _bytes(four, state, phase, axis) == 4 * _bytes(one, state, phase, axis)
 
 
@@ -185,6 +209,7 @@ def test_hpz_memory_is_zero3s_plus_the_secondary_partition(devices: int, k: int)
 
 
 # --- the simulator: it reads the placement -------------------------------------------------------
+
 
 def _small(text: str) -> tuple[Composition, ReferenceModel, StepProgram]:
     c = parse(text, node_size=2)
@@ -216,8 +241,9 @@ def _scatter_across(op: Op) -> bool:
     return op.kind is OpKind.REDUCE_SCATTER and op.axis is Axis.DPR
 
 
-@pytest.mark.parametrize(("pick", "axis"), [(_backward_gather, Axis.DP), (_forward_gather_across, Axis.DPR),
-                                            (_scatter_across, Axis.DPR)])
+@pytest.mark.parametrize(
+    ("pick", "axis"), [(_backward_gather, Axis.DP), (_forward_gather_across, Axis.DPR), (_scatter_across, Axis.DPR)]
+)
 def test_z3_and_the_simulator_agree_that_a_missing_collective_breaks_hpz(pick: object, axis: Axis) -> None:
     c, model, program = _small("zero38xhpz")
     broken = _without(program, pick)
@@ -241,37 +267,50 @@ def test_the_gathers_may_run_across_nodes_first() -> None:
 
 # --- DeepSpeed: zero_optimization.zero_hpz_partition_size -----------------------------------------
 
+
 def _deepspeed(node: object, stage: int = 3, batch: int | None = 16) -> dict[str, object]:
-    doc: dict[str, object] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-                              "zero_optimization": {"stage": stage, "zero_hpz_partition_size": node}}
+    doc: dict[str, object] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage, "zero_hpz_partition_size": node},
+    }
     if batch is not None:
         doc["train_batch_size"] = batch
     return doc
 
 
-@pytest.mark.parametrize(("node", "batch", "devices", "dp", "expected"), [
-    (8, 16, None, 16, "zero38xhpz-dpr2"),  # dp = 16 / (micro 1 x gas 1): two nodes of 8
-    (4, 64, None, 64, "zero34xhpz-dpr16"),
-    (8, None, 32, 32, "zero38xhpz-dpr4"),  # dp from --devices
-    (1, 16, None, 16, "zero316"),  # DeepSpeed's default: no secondary partition
-    (0, 16, None, 16, "zero316"),
-])
-def test_deepspeed_hpz_partition_size_is_the_node(node: int, batch: int | None, devices: int | None, dp: int,
-                                                    expected: str) -> None:
+@pytest.mark.parametrize(
+    ("node", "batch", "devices", "dp", "expected"),
+    [
+        (8, 16, None, 16, "zero38xhpz-dpr2"),  # dp = 16 / (micro 1 x gas 1): two nodes of 8
+        (4, 64, None, 64, "zero34xhpz-dpr16"),
+        (8, None, 32, 32, "zero38xhpz-dpr4"),  # dp from --devices
+        (1, 16, None, 16, "zero316"),  # DeepSpeed's default: no secondary partition
+        (0, 16, None, 16, "zero316"),
+    ],
+)
+def test_deepspeed_hpz_partition_size_is_the_node(
+    node: int, batch: int | None, devices: int | None, dp: int, expected: str
+) -> None:
     from checker._importers import import_deepspeed
+
     imported = import_deepspeed(_deepspeed(node, batch=batch), devices=devices)
     assert imported.composition == expected
     if node > 1:
         assert parse(imported.composition) == parse("zero3xhpz", devices=dp, node_size=node)
 
 
-@pytest.mark.parametrize(("config", "message"), [
-    (_deepspeed(8, stage=2), "needs stage 3"),
-    (_deepspeed(8, batch=12), "does not divide the data-parallel degree 12"),
-    (_deepspeed(-1), "expected a positive integer"),
-])
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (_deepspeed(8, stage=2), "needs stage 3"),
+        (_deepspeed(8, batch=12), "does not divide the data-parallel degree 12"),
+        (_deepspeed(-1), "expected a positive integer"),
+    ],
+)
 def test_deepspeed_hpz_that_cannot_be_mapped_is_one_error(config: dict[str, object], message: str) -> None:
     from checker._importers import ConfigError, import_deepspeed
+
     with pytest.raises(ConfigError, match=message):
         import_deepspeed(config, devices=None)
 
@@ -281,6 +320,7 @@ def test_deepspeed_round_trip_keeps_the_node_size() -> None:
 
     from checker._exporters import Target, export
     from checker._importers import import_deepspeed
+
     c = parse("zero3xhpz", devices=32, node_size=4)
     doc = json.loads(export(c, GPT, Target.DEEPSPEED).text)
     assert doc["zero_optimization"]["zero_hpz_partition_size"] == 4

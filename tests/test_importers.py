@@ -32,18 +32,22 @@ CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
 # gradient_accumulation_steps micro-batches; torchtitan world = dp_replicate x dp_shard x cp x tp x pp,
 # reshard_after_forward "default" = not pp; Megatron dp = world / (tp x pp x cp), micro-batches =
 # global / (micro x dp), chunks = layers / (pp x layers-per-virtual-stage).
-@pytest.mark.parametrize(("name", "devices", "composition", "world", "micro", "model"), [
-    ("deepspeed_zero2.json", 32, "zero232xm2", 32, 4, None),  # 256 = 4 x 2 x 32
-    ("deepspeed_zero3_offload.json", 16, "zero316xm8xoffloadxoffload-params", 16, 1, None),
-    ("deepspeed_pipeline.json", None, "zero116xpp4xrecompute", 64, 2, None),  # 512 = 2 x 16 x 16; m16 = 4p
-    ("torchtitan_llama3_8b.toml", 8, "fsdp8xselective", 8, 1, "llama3-8b"),
-    ("torchtitan_llama3_70b.toml", 64, "tp8xfsdp8xspxrecompute", 64, 8, "llama3-70b"),
-    ("torchtitan_llama3_405b_3d.toml", 384, "tp8xfsdp-sgo4xdpr2xpp6xspxm16xv3xrecompute", 384, 1, "llama3-405b"),
-    ("megatron_gpt3_175b.sh", None, "tp8xdistopt8xpp16xspxm192xv2xselective", 1024, 1, "gpt3-175b"),
-    ("megatron_mixtral_8x7b.sh", None, "distopt2xpp4xep8xrecompute", 64, 1, "mixtral-8x7b"),
-])
-def test_example_configs_import(name: str, devices: int | None, composition: str, world: int, micro: int,
-                                model: str | None) -> None:
+@pytest.mark.parametrize(
+    ("name", "devices", "composition", "world", "micro", "model"),
+    [
+        ("deepspeed_zero2.json", 32, "zero232xm2", 32, 4, None),  # 256 = 4 x 2 x 32
+        ("deepspeed_zero3_offload.json", 16, "zero316xm8xoffloadxoffload-params", 16, 1, None),
+        ("deepspeed_pipeline.json", None, "zero116xpp4xrecompute", 64, 2, None),  # 512 = 2 x 16 x 16; m16 = 4p
+        ("torchtitan_llama3_8b.toml", 8, "fsdp8xselective", 8, 1, "llama3-8b"),
+        ("torchtitan_llama3_70b.toml", 64, "tp8xfsdp8xspxrecompute", 64, 8, "llama3-70b"),
+        ("torchtitan_llama3_405b_3d.toml", 384, "tp8xfsdp-sgo4xdpr2xpp6xspxm16xv3xrecompute", 384, 1, "llama3-405b"),
+        ("megatron_gpt3_175b.sh", None, "tp8xdistopt8xpp16xspxm192xv2xselective", 1024, 1, "gpt3-175b"),
+        ("megatron_mixtral_8x7b.sh", None, "distopt2xpp4xep8xrecompute", 64, 1, "mixtral-8x7b"),
+    ],
+)
+def test_example_configs_import(
+    name: str, devices: int | None, composition: str, world: int, micro: int, model: str | None
+) -> None:
     imported = load_config(CONFIGS / name, devices=devices)
     assert imported.composition == composition
     assert imported.devices == world
@@ -52,9 +56,16 @@ def test_example_configs_import(name: str, devices: int | None, composition: str
 
 
 def test_every_example_config_is_tested() -> None:
-    tested = {"deepspeed_zero2.json", "deepspeed_zero3_offload.json", "deepspeed_pipeline.json",
-              "torchtitan_llama3_8b.toml", "torchtitan_llama3_70b.toml", "torchtitan_llama3_405b_3d.toml",
-              "megatron_gpt3_175b.sh", "megatron_mixtral_8x7b.sh"}
+    tested = {
+        "deepspeed_zero2.json",
+        "deepspeed_zero3_offload.json",
+        "deepspeed_pipeline.json",
+        "torchtitan_llama3_8b.toml",
+        "torchtitan_llama3_70b.toml",
+        "torchtitan_llama3_405b_3d.toml",
+        "megatron_gpt3_175b.sh",
+        "megatron_mixtral_8x7b.sh",
+    }
     assert {p.name for p in CONFIGS.iterdir()} == tested
 
 
@@ -91,16 +102,23 @@ def _set(doc: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
     return doc
 
 
-@pytest.mark.parametrize(("doc", "devices", "message"), [
-    (_set(_ds(), "zero_optimisation", {"stage": 2}), 32, "did you mean zero_optimization"),
-    (_set(_ds(), "zero_optimization.stage", 4), 32, "stage must be 0, 1, 2 or 3"),
-    (_set(_ds(), "zero_optimization.offload_param", {"device": "cpu"}), 32, "offload_param is valid only with stage 3"),
-    (_set(_ds(), "zero_optimization.overlap_com", True), 32, "zero_optimization.overlap_com"),
-    (_set(_set(_ds(), "pipeline", {"stages": 4}), "train_batch_size", 64), 32, "supports ZeRO stage 0 or 1"),
-    (_set(_ds(), "fp16", {"enabled": True}), 32, "both on"),
-    (_ds(), 64, "train_batch_size 256 != micro(4) x gas(2) x dp(64)"),
-    (_set(_ds(), "tensor_parallel", {"autotp_size": 2}), 64, "tensor_parallel"),  # fine with stage 2...
-])
+@pytest.mark.parametrize(
+    ("doc", "devices", "message"),
+    [
+        (_set(_ds(), "zero_optimisation", {"stage": 2}), 32, "did you mean zero_optimization"),
+        (_set(_ds(), "zero_optimization.stage", 4), 32, "stage must be 0, 1, 2 or 3"),
+        (
+            _set(_ds(), "zero_optimization.offload_param", {"device": "cpu"}),
+            32,
+            "offload_param is valid only with stage 3",
+        ),
+        (_set(_ds(), "zero_optimization.overlap_com", True), 32, "zero_optimization.overlap_com"),
+        (_set(_set(_ds(), "pipeline", {"stages": 4}), "train_batch_size", 64), 32, "supports ZeRO stage 0 or 1"),
+        (_set(_ds(), "fp16", {"enabled": True}), 32, "both on"),
+        (_ds(), 64, "train_batch_size 256 != micro(4) x gas(2) x dp(64)"),
+        (_set(_ds(), "tensor_parallel", {"autotp_size": 2}), 64, "tensor_parallel"),  # fine with stage 2...
+    ],
+)
 def test_deepspeed_bad_configs(doc: dict[str, Any], devices: int, message: str) -> None:
     if message == "tensor_parallel":  # ...but contradicts stage 3
         assert import_deepspeed(doc, devices=64).composition == "tp2xzero232xm2"  # 256 = 4 x 2 x 32
@@ -110,31 +128,37 @@ def test_deepspeed_bad_configs(doc: dict[str, Any], devices: int, message: str) 
         import_deepspeed(doc, devices=devices)
 
 
-@pytest.mark.parametrize(("doc", "devices", "message"), [
-    (_set(_tt(), "parallelism.tensor_parallel_degre", 8), 64, "did you mean parallelism.tensor_parallel_degree"),
-    (_set(_tt(), "parallelism.fsdp_reshard_after_forward", "sometimes"), 64, "default, always or never"),
-    (_set(_tt(), "parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"), 64, "not mapped"),
-    (_set(_tt(), "parallelism.data_parallel_shard_degree", 4), 64, "= 32 != --devices 64"),
-    (_set(_tt(), "activation_checkpoint.mode", "sometimes"), 64, "activation_checkpoint.mode"),
-    (_set(_tt(), "trainin", {"steps": 1}), 64, "did you mean \\[training"),
-    (_set(_tt(), "parallelism.expert_parallel_degree", 3), 64, "must divide data_parallel_shard_degree"),
-])
+@pytest.mark.parametrize(
+    ("doc", "devices", "message"),
+    [
+        (_set(_tt(), "parallelism.tensor_parallel_degre", 8), 64, "did you mean parallelism.tensor_parallel_degree"),
+        (_set(_tt(), "parallelism.fsdp_reshard_after_forward", "sometimes"), 64, "default, always or never"),
+        (_set(_tt(), "parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"), 64, "not mapped"),
+        (_set(_tt(), "parallelism.data_parallel_shard_degree", 4), 64, "= 32 != --devices 64"),
+        (_set(_tt(), "activation_checkpoint.mode", "sometimes"), 64, "activation_checkpoint.mode"),
+        (_set(_tt(), "trainin", {"steps": 1}), 64, "did you mean \\[training"),
+        (_set(_tt(), "parallelism.expert_parallel_degree", 3), 64, "must divide data_parallel_shard_degree"),
+    ],
+)
 def test_torchtitan_bad_configs(doc: dict[str, Any], devices: int, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         import_torchtitan(doc, devices=devices)
 
 
-@pytest.mark.parametrize(("args", "devices", "message"), [
-    ("--tensor-model-parallel-size 2 --tensor-parallel 4", 8, "unknown argument --tensor-parallel"),
-    ("--tensor-model-parallel-size $TP", 8, "expand shell variables"),
-    ("--sequence-parallel", 8, "needs --tensor-model-parallel-size > 1"),
-    ("--expert-model-parallel-size 3", 8, "must divide the data-parallel size 8"),
-    ("--micro-batch-size 2 --global-batch-size 100", 8, "--global-batch-size 100 is not divisible"),
-    ("--recompute-granularity full", 8, "--recompute-method uniform or block"),
-    ("--recompute-activations --recompute-granularity full --recompute-method uniform", 8, "contradicts"),
-    ("--use-torch-fsdp2", 8, "fsdp"),
-    ("--num-layers 33 --hidden-size 4096 --num-attention-heads 32", 8, "contradicts --model llama2-7b"),
-])
+@pytest.mark.parametrize(
+    ("args", "devices", "message"),
+    [
+        ("--tensor-model-parallel-size 2 --tensor-parallel 4", 8, "unknown argument --tensor-parallel"),
+        ("--tensor-model-parallel-size $TP", 8, "expand shell variables"),
+        ("--sequence-parallel", 8, "needs --tensor-model-parallel-size > 1"),
+        ("--expert-model-parallel-size 3", 8, "must divide the data-parallel size 8"),
+        ("--micro-batch-size 2 --global-batch-size 100", 8, "--global-batch-size 100 is not divisible"),
+        ("--recompute-granularity full", 8, "--recompute-method uniform or block"),
+        ("--recompute-activations --recompute-granularity full --recompute-method uniform", 8, "contradicts"),
+        ("--use-torch-fsdp2", 8, "fsdp"),
+        ("--num-layers 33 --hidden-size 4096 --num-attention-heads 32", 8, "contradicts --model llama2-7b"),
+    ],
+)
 def test_megatron_bad_arguments(args: str, devices: int, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         import_megatron(megatron_tokens(args), devices=devices, model=PRESETS["llama2-7b"])

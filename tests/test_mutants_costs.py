@@ -63,8 +63,9 @@ def test_expert_parallelism_does_not_split_a_devices_activations() -> None:
     # the all-to-alls only move its tokens to the experts' devices and back (Lepikhin et al.
     # 2020, GShard; DeepSpeed-MoE), so a device keeps what a dp rank keeps.
     for degree in (2, 4):
-        assert (activation_memory(parse(f"ep{degree}").placement(MOE), MOE, ZERO)
-                == activation_memory(parse(f"dp{degree}").placement(MOE), MOE, ZERO))
+        assert activation_memory(parse(f"ep{degree}").placement(MOE), MOE, ZERO) == activation_memory(
+            parse(f"dp{degree}").placement(MOE), MOE, ZERO
+        )
 
 
 def test_expert_gradients_need_no_reduce_scatter_bucket() -> None:
@@ -85,8 +86,11 @@ def test_the_tied_embedding_gradient_is_summed_between_the_first_and_last_stage(
     program = derive_program(parse("pp4").placement(model), model)
     gradient_bytes = model.vocab * model.hidden * 2
     for stage, expected in ((Stage.FIRST, gradient_bytes), (Stage.MIDDLE, 0), (Stage.LAST, gradient_bytes)):
-        traffic = [t for t in communication(program, ZERO, stage)
-                   if t.state is State.GRADIENTS and t.group == EMBEDDING and t.axis is Axis.PP]
+        traffic = [
+            t
+            for t in communication(program, ZERO, stage)
+            if t.state is State.GRADIENTS and t.group == EMBEDDING and t.axis is Axis.PP
+        ]
         assert sum(int(t.bytes) for t in traffic) == expected, stage
         assert all(t.participants == 2 for t in traffic)
 

@@ -75,17 +75,20 @@ def test_cli_on_arbitrary_strategy_files(text: str) -> None:
         assert one_error_line(result.stderr)
 
 
-@pytest.mark.parametrize(("text", "fragment"), [
-    ("[strategies.mine]\naxis='dp'\nP='Q'\n", "strategies.mine.P: 'Q' is not a mode"),
-    ("[strategies.mine]\naxis='qq'\nP='R'\n", "strategies.mine.axis: 'qq' is not an axis"),
-    ("[strategies.mix]\naxis='dp'\nP='R'\n", "without 'x'"),
-    ("[strategies.zero1]\naxis='dp'\nP='R'\n", "already a library strategy"),
-    ("[strategies.mine]\naxis='dp'\nO='R@1'\n", "@offset applies to sharded states"),
-    ("[[program]]\nop='all_reduce'\n", "program[1]: a all_reduce needs axis"),
-    ("[[program]]\nop='scale'\naxis='dp'\nscale='zero'\n", "program[1].scale"),
-    ("a = [\n", "not valid TOML"),
-    ("", "defines no [strategies.NAME] and no [[program]]"),
-])
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("[strategies.mine]\naxis='dp'\nP='Q'\n", "strategies.mine.P: 'Q' is not a mode"),
+        ("[strategies.mine]\naxis='qq'\nP='R'\n", "strategies.mine.axis: 'qq' is not an axis"),
+        ("[strategies.mix]\naxis='dp'\nP='R'\n", "without 'x'"),
+        ("[strategies.zero1]\naxis='dp'\nP='R'\n", "already a library strategy"),
+        ("[strategies.mine]\naxis='dp'\nO='R@1'\n", "@offset applies to sharded states"),
+        ("[[program]]\nop='all_reduce'\n", "program[1]: a all_reduce needs axis"),
+        ("[[program]]\nop='scale'\naxis='dp'\nscale='zero'\n", "program[1].scale"),
+        ("a = [\n", "not valid TOML"),
+        ("", "defines no [strategies.NAME] and no [[program]]"),
+    ],
+)
 def test_loader_names_what_is_wrong(text: str, fragment: str) -> None:
     with pytest.raises(StrategyFileError) as info:
         loads(text, "user.toml")
@@ -120,5 +123,3 @@ def test_unknown_exits_3(z3_gives_up: None) -> None:
     result = CliRunner().invoke(main, ["check", "dp2"])
     assert result.exit_code == 3
     assert "not proved" in result.stdout
-
-

@@ -60,10 +60,24 @@ PUBLISHED_SPACE = Space(
     offload=(Offload.NONE,),
 )
 
-MEGATRON_1T = Transformer("megatron-1t", layers=128, hidden=25600, heads=160, vocab=51200, seq=2048,
-                          source="Narayanan et al. 2021, Table 1 (1008.0B row)")
-MEGATRON_145B = Transformer("megatron-145.6b", layers=80, hidden=12288, heads=96, vocab=51200, seq=2048,
-                            source="Narayanan et al. 2021, Table 1 (145.6B row)")
+MEGATRON_1T = Transformer(
+    "megatron-1t",
+    layers=128,
+    hidden=25600,
+    heads=160,
+    vocab=51200,
+    seq=2048,
+    source="Narayanan et al. 2021, Table 1 (1008.0B row)",
+)
+MEGATRON_145B = Transformer(
+    "megatron-145.6b",
+    layers=80,
+    hidden=12288,
+    heads=96,
+    vocab=51200,
+    seq=2048,
+    source="Narayanan et al. 2021, Table 1 (145.6B row)",
+)
 
 
 def _decide_or_skip() -> object:
@@ -73,8 +87,9 @@ def _decide_or_skip() -> object:
     return decide
 
 
-def _published(model: Transformer, devices: int, batch: int, text: str, flops: float,
-               uneven: bool = False, top: int = 1) -> None:
+def _published(
+    model: Transformer, devices: int, batch: int, text: str, flops: float, uneven: bool = False, top: int = 1
+) -> None:
     """The published layout fits, passes the rules, is among the candidates and z3 proves it.
 
     With uneven stages allowed (Llama 3: 126 layers on 16 stages) the candidate carries the
@@ -82,8 +97,13 @@ def _published(model: Transformer, devices: int, batch: int, text: str, flops: f
     and the fullest stage is charged ceil(126/16) = 8 layers.
     """
     decide = _decide_or_skip()
-    result = plan(model, Cluster(devices, 80 * GB, device_flops=flops), Workload(batch, (1,), uneven),
-                  space=PUBLISHED_SPACE, top=top)
+    result = plan(
+        model,
+        Cluster(devices, 80 * GB, device_flops=flops),
+        Workload(batch, (1,), uneven),
+        space=PUBLISHED_SPACE,
+        top=top,
+    )
     composition = parse(text)
     found = result.locate(composition, micro_batch=1)
     assert found is not None, f"{text} is not among the {result.feasible} feasible candidates"
@@ -121,8 +141,14 @@ def test_gpt3_175b_on_1536_gpus() -> None:
 
 def test_llama3_405b_on_16k_gpus() -> None:
     # Dubey et al. 2024 Table 4: TP 8, CP 1, PP 16, DP 128; 16 sequences of 8192 per DP rank.
-    _published(cast(Transformer, PRESETS["llama3-405b"]), 16384, 128 * 16,
-               "tp8xfsdp-sgo128xpp16xspxunevenxm16xrecompute", H100_FLOPS, uneven=True)
+    _published(
+        cast(Transformer, PRESETS["llama3-405b"]),
+        16384,
+        128 * 16,
+        "tp8xfsdp-sgo128xpp16xspxunevenxm16xrecompute",
+        H100_FLOPS,
+        uneven=True,
+    )
 
 
 def test_llama3_405b_long_context() -> None:
@@ -177,8 +203,12 @@ def test_vectorized_costs_equal_exact_costs() -> None:
 
 
 def test_family_round_trip() -> None:
-    for text in ("tp8xzero116xpp4xspxv2xm32xselective", "hsdp8xdpr4xm2", "tp4xcp2xzero38xm4xrecomputexoffload",
-                 "tp2xfsdp-sgo4xpp2xgpipexm8"):
+    for text in (
+        "tp8xzero116xpp4xspxv2xm32xselective",
+        "hsdp8xdpr4xm2",
+        "tp4xcp2xzero38xm4xrecomputexoffload",
+        "tp2xfsdp-sgo4xpp2xgpipexm8",
+    ):
         comp = parse(text)
         family, degrees = family_of(comp)
         assert family.text(degrees, comp.options.micro_batches) == text
@@ -225,9 +255,20 @@ def test_rank_by_communication_orders_by_bytes() -> None:
 def test_step_time_counts_the_bubble() -> None:
     model = PRESETS["llama2-7b"]
     family = Family(DataParallel.DP, Offload.NONE, Pipeline(Schedule.ONE_F_ONE_B), False, Recompute.FULL)
-    result = plan(model, Cluster(64, 80 * GB), Workload(256, (1,)), decide=None,
-                  space=Space(data=(DataParallel.DP,), pipelines=(family.pipeline,), sequence_parallel=(False,),
-                              recompute=(Recompute.FULL,), offload=(Offload.NONE,), pins=((Axis.TP, 1),)))
+    result = plan(
+        model,
+        Cluster(64, 80 * GB),
+        Workload(256, (1,)),
+        decide=None,
+        space=Space(
+            data=(DataParallel.DP,),
+            pipelines=(family.pipeline,),
+            sequence_parallel=(False,),
+            recompute=(Recompute.FULL,),
+            offload=(Offload.NONE,),
+            pins=((Axis.TP, 1),),
+        ),
+    )
     for row in result.order[:20]:
         c = result.candidate(int(row))
         p, m = c.degrees[AXES.index(Axis.PP)], c.micro_batches
@@ -236,8 +277,9 @@ def test_step_time_counts_the_bubble() -> None:
 
 def test_cli_plan_llama3_70b_on_512() -> None:
     _decide_or_skip()
-    out = CliRunner().invoke(main, ["plan", "--model", "llama3-70b", "--devices", "512", "--device-memory", "80GB",
-                                    "--top", "2", "--json"])
+    out = CliRunner().invoke(
+        main, ["plan", "--model", "llama3-70b", "--devices", "512", "--device-memory", "80GB", "--top", "2", "--json"]
+    )
     assert out.exit_code == 0, out.output
     doc = json.loads(out.stdout)
     assert doc["schema"] == "placement-semantics/plan/1"

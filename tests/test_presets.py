@@ -76,21 +76,46 @@ def test_every_transformer_preset_cites_a_source() -> None:
 
 # The published config.json of meta-llama/Llama-2-7b-hf (architecture keys).
 LLAMA2_7B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 4096,
-    "intermediate_size": 11008, "max_position_embeddings": 4096, "num_attention_heads": 32,
-    "num_hidden_layers": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
-    "vocab_size": 32000, "torch_dtype": "float16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "max_position_embeddings": 4096,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 32,
+    "rms_norm_eps": 1e-05,
+    "tie_word_embeddings": False,
+    "vocab_size": 32000,
+    "torch_dtype": "float16",
 }
 # mistralai/Mixtral-8x7B-v0.1 config.json.
 MIXTRAL = {
-    "model_type": "mixtral", "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
-    "max_position_embeddings": 32768, "num_attention_heads": 32, "num_experts_per_tok": 2,
-    "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "tie_word_embeddings": False,
+    "model_type": "mixtral",
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "num_attention_heads": 32,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "tie_word_embeddings": False,
     "vocab_size": 32000,
 }
 # openai-community/gpt2 config.json: 124,439,808 parameters (the widely quoted exact "124M").
-GPT2 = {"model_type": "gpt2", "n_embd": 768, "n_head": 12, "n_layer": 12, "n_positions": 1024,
-        "vocab_size": 50257, "n_inner": None, "activation_function": "gelu_new"}
+GPT2 = {
+    "model_type": "gpt2",
+    "n_embd": 768,
+    "n_head": 12,
+    "n_layer": 12,
+    "n_positions": 1024,
+    "vocab_size": 50257,
+    "n_inner": None,
+    "activation_function": "gelu_new",
+}
 
 
 def _write(tmp_path: Path, doc: dict[str, object], name: str = "config.json") -> Path:
@@ -114,16 +139,19 @@ def test_hf_gpt2_config_counts_124m(tmp_path: Path) -> None:
     assert load_hf_config(_write(tmp_path, GPT2)).parameter_count() == 124_439_808
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"num_hidden_layers": None}, "num_hidden_layers"),
-    ({"model_type": "bert"}, "not supported"),
-    ({"hidden_size": 4096, "n_embd": 2048}, "contradictory"),
-    ({"head_dim": 64}, "head_dim=64"),
-    ({"num_key_value_heads": 5}, "kv_heads=5"),
-    ({"vocab_size": "32000"}, "vocab_size"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"num_experts_per_tok": 2}, "num_local_experts"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_hidden_layers": None}, "num_hidden_layers"),
+        ({"model_type": "bert"}, "not supported"),
+        ({"hidden_size": 4096, "n_embd": 2048}, "contradictory"),
+        ({"head_dim": 64}, "head_dim=64"),
+        ({"num_key_value_heads": 5}, "kv_heads=5"),
+        ({"vocab_size": "32000"}, "vocab_size"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"num_experts_per_tok": 2}, "num_local_experts"),
+    ],
+)
 def test_hf_bad_configs_name_the_key(tmp_path: Path, change: dict[str, object], message: str) -> None:
     doc = {**LLAMA2_7B, **change}
     doc = {k: v for k, v in doc.items() if v is not None}
@@ -140,13 +168,23 @@ def test_hf_not_json_is_one_clear_line(tmp_path: Path) -> None:
 
 def test_cli_reads_hf_config_and_reports_bad_ones(tmp_path: Path) -> None:
     good = _write(tmp_path, MIXTRAL)
-    out = subprocess.run([sys.executable, "-m", "checker.cli", "tp2xzero3xep4", "--devices", "64", "--model",
-                          str(good), "--json"], capture_output=True, text=True, check=False, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "checker.cli", "tp2xzero3xep4", "--devices", "64", "--model", str(good), "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["model"]["parameters"] == PRESETS["mixtral-8x7b"].parameter_count()
     bad = _write(tmp_path, {**MIXTRAL, "num_experts_per_tok": 9}, "bad.json")
-    out = subprocess.run([sys.executable, "-m", "checker.cli", "zero3", "--model", str(bad)],
-                         capture_output=True, text=True, check=False, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "checker.cli", "zero3", "--model", str(bad)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert out.returncode == 2
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert "num_experts_per_tok=9" in out.stderr

@@ -34,17 +34,31 @@ def test_deleting_one_condition_refutes_the_step(mesh: tuple[MeshAxis, ...], con
 def test_every_condition_kind_is_exercised() -> None:
     kinds = {name.split("[")[0] for _, name in CASES}
     assert kinds == {
-        "grad_reduced_once", "grad_not_reduced", "grad_normalised", "gather_before_forward",
-        "gather_before_backward", "kv_exchanged", "aligned_gradients", "aligned_parameters",
-        "aligned_refresh", "refreshed", "fetch_before_forward", "fetch_before_backward",
+        "grad_reduced_once",
+        "grad_not_reduced",
+        "grad_normalised",
+        "gather_before_forward",
+        "gather_before_backward",
+        "kv_exchanged",
+        "aligned_gradients",
+        "aligned_parameters",
+        "aligned_refresh",
+        "refreshed",
+        "fetch_before_forward",
+        "fetch_before_backward",
     }
 
 
 def test_python_m_proofs_exits_zero_and_reports_rows() -> None:
     # The fast families here (the full run is CI's ``python -m proofs`` step).
     for family in ("necessity.", "costs.", "sufficiency.normalisation"):
-        done = subprocess.run([sys.executable, "-m", "proofs", "--json", "--jobs", "1", "--only", family],
-                              capture_output=True, text=True, timeout=600, check=False)
+        done = subprocess.run(
+            [sys.executable, "-m", "proofs", "--json", "--jobs", "1", "--only", family],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         report = json.loads(done.stdout)
         assert report["total"] > 0 and report["proved"] == report["total"]

@@ -31,8 +31,9 @@ CASES = {case["id"]: case for case in PUBLISHED["cases"]}
 GB = Decimal(10**9)  # the ZeRO paper's GB
 
 
-def analysis(composition: str, model: Transformer | ParameterCount, precision: str = "zero",
-             devices: int | None = None) -> Analysis:
+def analysis(
+    composition: str, model: Transformer | ParameterCount, precision: str = "zero", devices: int | None = None
+) -> Analysis:
     return analyze(parse(composition, devices=devices), model, PRECISIONS[precision])
 
 
@@ -52,6 +53,7 @@ def decimal(value: Fraction) -> Decimal:
 
 
 # --- the seed abstract and introduction (shared/data/published-examples.json) -------------------
+
 
 def test_abstract_zero3_uses_8x_less_memory_at_1_5x_the_communication() -> None:
     case = CASES["abstract-zero3-vs-dp"]
@@ -99,16 +101,28 @@ def test_zero_communication_in_psi_units() -> None:
 # e.g. 4187.5 -> 4187 and 2218.75 -> 2218.
 ZERO_TABLE1: dict[int, dict[int, tuple[str, str, str]]] = {
     7_500_000_000: {
-        1: ("120", "120", "120"), 4: ("52.5", "41.3", "30"), 16: ("35.6", "21.6", "7.5"),
-        64: ("31.4", "16.6", "1.88"), 256: ("30.4", "15.4", "0.47"), 1024: ("30.1", "15.1", "0.12"),
+        1: ("120", "120", "120"),
+        4: ("52.5", "41.3", "30"),
+        16: ("35.6", "21.6", "7.5"),
+        64: ("31.4", "16.6", "1.88"),
+        256: ("30.4", "15.4", "0.47"),
+        1024: ("30.1", "15.1", "0.12"),
     },
     128_000_000_000: {
-        1: ("2048", "2048", "2048"), 4: ("896", "704", "512"), 16: ("608", "368", "128"),
-        64: ("536", "284", "32"), 256: ("518", "263", "8"), 1024: ("513", "257", "2"),
+        1: ("2048", "2048", "2048"),
+        4: ("896", "704", "512"),
+        16: ("608", "368", "128"),
+        64: ("536", "284", "32"),
+        256: ("518", "263", "8"),
+        1024: ("513", "257", "2"),
     },
     1_000_000_000_000: {
-        1: ("16000", "16000", "16000"), 4: ("7000", "5500", "4000"), 16: ("4750", "2875", "1000"),
-        64: ("4187", "2218", "250"), 256: ("4046", "2054", "62.5"), 1024: ("4011", "2013", "15.6"),
+        1: ("16000", "16000", "16000"),
+        4: ("7000", "5500", "4000"),
+        16: ("4750", "2875", "1000"),
+        64: ("4187", "2218", "250"),
+        256: ("4046", "2054", "62.5"),
+        1024: ("4011", "2013", "15.6"),
     },
 }
 
@@ -154,9 +168,16 @@ def test_zero_table2_largest_model_in_32gb() -> None:
 # billions, one decimal; V = 51200, s = 2048; counted with 12 l h^2 (1 + 13/(12h) + (V+s)/(12lh))
 # (section 5.1), which omits the final LayerNorm.
 PTDP_TABLE1 = [
-    (24, 2304, 24, "1.7"), (32, 3072, 30, "3.6"), (32, 4096, 36, "7.5"), (48, 6144, 40, "18.4"),
-    (64, 8192, 48, "39.1"), (80, 10240, 60, "76.1"), (96, 12288, 80, "145.6"), (128, 16384, 96, "310.1"),
-    (128, 20480, 105, "529.6"), (160, 25600, 128, "1008.0"),
+    (24, 2304, 24, "1.7"),
+    (32, 3072, 30, "3.6"),
+    (32, 4096, 36, "7.5"),
+    (48, 6144, 40, "18.4"),
+    (64, 8192, 48, "39.1"),
+    (80, 10240, 60, "76.1"),
+    (96, 12288, 80, "145.6"),
+    (128, 16384, 96, "310.1"),
+    (128, 20480, 105, "529.6"),
+    (160, 25600, 128, "1008.0"),
 ]
 
 
@@ -193,8 +214,15 @@ def test_megatron_distributed_optimizer_bytes_per_parameter(precision: str) -> N
 
 # --- DeepSpeed's estimators (deepspeed/runtime/zero/stage3.py and stage_1_and_2.py) -----------
 
-def deepspeed_zero3_estimate(total_params: int, largest_layer_params: int, gpus_per_node: int, nodes: int,
-                             cpu_offload: bool, cpu_offload_params: bool) -> tuple[Fraction, Fraction]:
+
+def deepspeed_zero3_estimate(
+    total_params: int,
+    largest_layer_params: int,
+    gpus_per_node: int,
+    nodes: int,
+    cpu_offload: bool,
+    cpu_offload_params: bool,
+) -> tuple[Fraction, Fraction]:
     """``estimate_zero3_model_states_mem_needs`` (zero_init=True), before its
     ``additional_buffer_factor`` and ``int()``: (CPU bytes per node, GPU bytes per device)."""
     total_gpus = nodes * gpus_per_node
@@ -204,12 +232,14 @@ def deepspeed_zero3_estimate(total_params: int, largest_layer_params: int, gpus_
         if cpu_offload_params:
             return total_params * 18 * gpus_factor, Fraction(largest_layer_memory)
         return total_params * 16 * gpus_factor, largest_layer_memory + Fraction(2 * total_params, total_gpus)
-    return Fraction(largest_layer_params * 4 * gpus_per_node), largest_layer_memory + Fraction(18 * total_params,
-                                                                                                total_gpus)
+    return Fraction(largest_layer_params * 4 * gpus_per_node), largest_layer_memory + Fraction(
+        18 * total_params, total_gpus
+    )
 
 
-def deepspeed_zero2_estimate(total_params: int, gpus_per_node: int, nodes: int,
-                             cpu_offload: bool) -> tuple[Fraction, Fraction]:
+def deepspeed_zero2_estimate(
+    total_params: int, gpus_per_node: int, nodes: int, cpu_offload: bool
+) -> tuple[Fraction, Fraction]:
     """``estimate_zero2_model_states_mem_needs`` before ``additional_buffer_factor`` and ``int()``."""
     total_gpus = nodes * gpus_per_node
     if cpu_offload:
@@ -228,8 +258,10 @@ def _host_bytes(a: Analysis) -> Fraction:
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 4, 8])
-@pytest.mark.parametrize(("modifiers", "offload", "offload_params"),
-                         [("", False, False), ("xoffload", True, False), ("xoffloadxoffload-params", True, True)])
+@pytest.mark.parametrize(
+    ("modifiers", "offload", "offload_params"),
+    [("", False, False), ("xoffload", True, False), ("xoffloadxoffload-params", True, True)],
+)
 def test_deepspeed_zero3_estimator(gpus: int, modifiers: str, offload: bool, offload_params: bool) -> None:
     """GPT-3 XL: its word embedding (V h) is the largest module DeepSpeed's ``model_to_params``
     finds and also our largest gather unit, so both count 4 bytes (fp16 gather + fp16 gradient
@@ -264,11 +296,18 @@ def test_deepspeed_zero2_estimator(gpus: int) -> None:
 
 SYMS = {name: sp.Symbol(name, positive=True) for name in ("s", "b", "h", "a", "t")}
 KORTHIKANTI_SIZES = [  # (layers, hidden, heads, seq, micro_batch, t)
-    (2, 64, 4, 32, 1, 2), (4, 128, 8, 64, 2, 4), (3, 96, 6, 48, 3, 2), (1, 256, 16, 128, 4, 8),
+    (2, 64, 4, 32, 1, 2),
+    (4, 128, 8, 64, 2, 4),
+    (3, 96, 6, 48, 3, 2),
+    (1, 256, 16, 128, 4, 8),
 ]
 KORTHIKANTI_CASES = {  # formula key -> composition (t substituted)
-    "none": "dp1", "tp": "tp{t}", "tp_sp": "tp{t}xsp", "tp_selective": "tp{t}xselective",
-    "tp_sp_selective": "tp{t}xspxselective", "full_recompute": "dp1xrecompute",
+    "none": "dp1",
+    "tp": "tp{t}",
+    "tp_sp": "tp{t}xsp",
+    "tp_selective": "tp{t}xselective",
+    "tp_sp_selective": "tp{t}xspxselective",
+    "full_recompute": "dp1xrecompute",
 }
 
 
@@ -299,8 +338,15 @@ def test_korthikanti_table2_activation_formulas(key: str) -> None:
         model = Transformer("k", layers=layers, hidden=hidden, heads=heads, vocab=1000, seq=seq, micro_batch=micro)
         pl = parse(KORTHIKANTI_CASES[key].format(t=t)).placement(model)
         ours = activation_memory(pl, model, PRECISIONS["zero"])
-        values = {SYMS["s"]: seq, SYMS["b"]: micro, SYMS["h"]: hidden, SYMS["a"]: heads, SYMS["t"]: t,
-                  IO_SYMS["L"]: layers, IO_SYMS["v"]: 1000}
+        values = {
+            SYMS["s"]: seq,
+            SYMS["b"]: micro,
+            SYMS["h"]: hidden,
+            SYMS["a"]: heads,
+            SYMS["t"]: t,
+            IO_SYMS["L"]: layers,
+            IO_SYMS["v"]: 1000,
+        }
         io_values = values if "{t}" in KORTHIKANTI_CASES[key] else {**values, SYMS["t"]: 1}  # no tp axis
         assert ours == layers * formula.subs(values) + korthikanti_io_bytes(key, io_values), (key, layers, hidden)
 
@@ -311,8 +357,15 @@ def test_korthikanti_first_stage_holds_p_micro_batches() -> None:
     1 + (p-1)/(p v). Section 4.3: it also keeps p micro-batches of the input embeddings' dropout
     mask, sbhp/t, and none of the output layer's activations (the delta_{p=1} term)."""
     model = Transformer("k", layers=8, hidden=64, heads=4, vocab=1000, seq=32)
-    values = {SYMS["s"]: 32, SYMS["b"]: 1, SYMS["h"]: 64, SYMS["a"]: 4, SYMS["t"]: 1,
-              IO_SYMS["L"]: 8, IO_SYMS["v"]: 1000}
+    values = {
+        SYMS["s"]: 32,
+        SYMS["b"]: 1,
+        SYMS["h"]: 64,
+        SYMS["a"]: 4,
+        SYMS["t"]: 1,
+        IO_SYMS["L"]: 8,
+        IO_SYMS["v"]: 1000,
+    }
     layers_one = 8 * sp.sympify(CASES["korthikanti-activations"]["formulas"]["none"], locals=SYMS).subs(values)
     for p, m in ((2, 8), (4, 8), (4, 2)):
         live = min(p, m)  # micro-batches in flight; the paper's p when m >= p
@@ -328,8 +381,15 @@ def test_korthikanti_output_layer_lives_on_the_last_stage() -> None:
     """Section 4.3's output layer (final norm and head inputs 4sbh, fp32 logits 4sbv), on the
     last stage only, once per micro-batch it holds: 1 under 1F1B, m under GPipe."""
     model = Transformer("k", layers=8, hidden=64, heads=4, vocab=1000, seq=32)
-    values = {SYMS["s"]: 32, SYMS["b"]: 1, SYMS["h"]: 64, SYMS["a"]: 4, SYMS["t"]: 1,
-              IO_SYMS["L"]: 8, IO_SYMS["v"]: 1000}
+    values = {
+        SYMS["s"]: 32,
+        SYMS["b"]: 1,
+        SYMS["h"]: 64,
+        SYMS["a"]: 4,
+        SYMS["t"]: 1,
+        IO_SYMS["L"]: 8,
+        IO_SYMS["v"]: 1000,
+    }
     layers_one = 8 * sp.sympify(CASES["korthikanti-activations"]["formulas"]["none"], locals=SYMS).subs(values)
     output = korthikanti_io_bytes("none", values, p=0, output=True)
     assert output == 4 * 32 * 64 * (1 + sp.Rational(1000, 64))  # 4sbh(1 + v/h), t = 1
@@ -340,6 +400,7 @@ def test_korthikanti_output_layer_lives_on_the_last_stage() -> None:
 
 # --- PTD-P (Narayanan et al. 2021): bubble and communication ----------------------------------
 
+
 def test_ptdp_bubble_fractions() -> None:
     formulas = CASES["ptdp-bubble"]["formulas"]
     p_, m_, v_ = sp.symbols("p m v", positive=True)
@@ -348,8 +409,7 @@ def test_ptdp_bubble_fractions() -> None:
     for p, m, v in ((2, 4, 2), (4, 16, 2), (8, 32, 4), (4, 8, 3)):
         model = Transformer("k", layers=24, hidden=64, heads=4, vocab=1000, seq=32)
         assert bubble_fraction(parse(f"pp{p}xm{m}").placement(model)) == one_f_one_b.subs({p_: p, m_: m})
-        assert bubble_fraction(parse(f"pp{p}xm{m}xv{v}").placement(model)) == interleaved.subs(
-            {p_: p, m_: m, v_: v})
+        assert bubble_fraction(parse(f"pp{p}xm{m}xv{v}").placement(model)) == interleaved.subs({p_: p, m_: m, v_: v})
 
 
 def test_ptdp_tensor_and_pipeline_communication() -> None:
@@ -375,8 +435,11 @@ def test_ptdp_tensor_and_pipeline_communication() -> None:
     for comp in (f"tp{t}xpp{p}xm{m}", f"tp{t}xspxpp{p}xm{m}"):
         program = analysis(comp, model).program
         for stage, vocab_group in ((Stage.FIRST, EMBEDDING_IO), (Stage.LAST, OUTPUT_IO)):
-            tp = [x for x in communication(program, precision, stage)
-                  if x.axis is Axis.TP and x.state is State.ACTIVATIONS]
+            tp = [
+                x
+                for x in communication(program, precision, stage)
+                if x.axis is Axis.TP and x.state is State.ACTIVATIONS
+            ]
             layers = [x for x in tp if x.group is LAYER_IO]
             vocab = [x for x in tp if x.group is not LAYER_IO]
             assert {x.group for x in vocab} == {vocab_group}, (comp, stage)
@@ -400,8 +463,9 @@ def test_ptdp_tensor_and_pipeline_communication() -> None:
 def test_a_middle_stage_sends_both_ways_and_the_busiest_stage_is_reported() -> None:
     """pp4: the first and last stage are an end of one boundary, a middle stage of two, so it
     moves twice the activations; the report gives the stage whose device sends the most."""
-    model = Transformer("k", layers=8, hidden=64, heads=4, vocab=1024, seq=32, micro_batch=2,
-                        tied_embeddings=False)  # no embedding all-reduce between the ends
+    model = Transformer(
+        "k", layers=8, hidden=64, heads=4, vocab=1024, seq=32, micro_batch=2, tied_embeddings=False
+    )  # no embedding all-reduce between the ends
     bsh, m = 2 * 32 * 64, 8
     a = analysis(f"pp4xm{m}", model)
     precision = PRECISIONS["zero"]
@@ -414,14 +478,17 @@ def test_a_middle_stage_sends_both_ways_and_the_busiest_stage_is_reported() -> N
 # --- the issue's CLI acceptance: check-composition ... --params 7.5e9 --json -------------------
 
 CLI_EXPECTED = {  # model-state bytes per device / Psi at N = 8, and Psi units (ZeRO paper)
-    "dp": (Fraction(16), 2), "zero1": (4 + Fraction(12, 8), 2), "zero2": (2 + Fraction(14, 8), 2),
+    "dp": (Fraction(16), 2),
+    "zero1": (4 + Fraction(12, 8), 2),
+    "zero2": (2 + Fraction(14, 8), 2),
     "zero3": (Fraction(16, 8), 3),
 }
 
 
 def run_cli(*args: str) -> dict[str, object]:
-    done = subprocess.run([sys.executable, "-m", "checker.cli", *args], capture_output=True, text=True,
-                          check=False, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "checker.cli", *args], capture_output=True, text=True, check=False, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     assert isinstance(doc, dict)
@@ -443,4 +510,5 @@ def test_cli_zero_stages_at_8_devices() -> None:
     dp, z3 = cast(dict[str, Any], docs["dp"]), cast(dict[str, Any], docs["zero3"])
     assert Fraction(dp["memory"]["per_device"]["model_states"], z3["memory"]["per_device"]["model_states"]) == 8
     assert Fraction(z3["communication"]["model_state_psi_units"]) / Fraction(
-        dp["communication"]["model_state_psi_units"]) == Fraction(3, 2)
+        dp["communication"]["model_state_psi_units"]
+    ) == Fraction(3, 2)

@@ -26,12 +26,12 @@ from formal._verdict import Condition, Obligation, Status, Verdict, Violation
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
+
 @dataclass(frozen=True)
 class Ran:
     returncode: int
     stdout: str
     stderr: str
-
 
 
 def _cli(*args: str) -> Ran:
@@ -43,6 +43,7 @@ def _cli(*args: str) -> Ran:
 
 
 # --- explain ------------------------------------------------------------------------------
+
 
 def test_model_state_formulas_match_semantics_table() -> None:
     """docs/semantics.md, "Costs": DP 16Psi, ZeRO-1 4Psi + 12Psi/N, ZeRO-2 2Psi + 14Psi/N, ZeRO-3 16Psi/N."""
@@ -76,11 +77,25 @@ def test_cli_explain_zero2_json_and_all_csv() -> None:
 
 # --- compare and sweep --------------------------------------------------------------------
 
+
 def test_compare_reproduces_abstract_ratios(tmp_path: Path) -> None:
     """Seed abstract: ZeRO-3 holds 8x less model state than DP at N = 8, for 1.5x the traffic."""
     chart = tmp_path / "compare.png"
-    out = _cli("compare", "dp8", "zero1", "zero2", "zero3", "fsdp8", "--params", "7.5e9", "--devices", "8",
-               "--json", "--chart", str(chart))
+    out = _cli(
+        "compare",
+        "dp8",
+        "zero1",
+        "zero2",
+        "zero3",
+        "fsdp8",
+        "--params",
+        "7.5e9",
+        "--devices",
+        "8",
+        "--json",
+        "--chart",
+        str(chart),
+    )
     assert out.returncode == 0, out.stderr
     rows = {r["composition"]: r for r in json.loads(out.stdout)}
     dp, z3 = rows["dp8"], rows["zero3"]
@@ -109,14 +124,24 @@ def test_sweep_varies_one_degree(tmp_path: Path) -> None:
 
 # --- HTML report --------------------------------------------------------------------------
 
+
 def _doc_with_verdict() -> dict[str, object]:
     analysis = analyze(parse("tp2xzero3xpp4xsp", devices=64), PRESETS["llama2-7b"], DEFAULT_PRECISION, 80 * 10**9)
     doc = to_json(analysis)
     verdict = Verdict(
         obligations=(Obligation("gradient_integrity", Condition.GRADIENT_INTEGRITY, Status.REFUTED),),
-        violations=(Violation("reduction_closure[G.norm, tp]", Condition.GRADIENT_INTEGRITY, "G", "norm", "tp",
-                              "LayerNorm gradients not reduced across tp under sequence parallelism",
-                              {"tp": 2}),))
+        violations=(
+            Violation(
+                "reduction_closure[G.norm, tp]",
+                Condition.GRADIENT_INTEGRITY,
+                "G",
+                "norm",
+                "tp",
+                "LayerNorm gradients not reduced across tp under sequence parallelism",
+                {"tp": 2},
+            ),
+        ),
+    )
     doc["verdict"] = verdict.as_json()
     return doc
 
@@ -152,11 +177,20 @@ def test_headless_chromium_renders_chart_and_verdict(tmp_path: Path) -> None:
     profile.mkdir()
     browser = _chromium()
     assert browser is not None
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={profile}"]
-    dom = subprocess.run([browser, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True,
-                         timeout=60, check=False)
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+    ]
+    dom = subprocess.run(
+        [browser, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=60, check=False
+    )
     assert dom.returncode == 0, dom.stderr[-2000:]
     html = dom.stdout
     assert 'id="verdict-status"' in html and "refuted" in html
@@ -166,8 +200,12 @@ def test_headless_chromium_renders_chart_and_verdict(tmp_path: Path) -> None:
     assert len(marker) == 2, "the chart's render marker is missing"
     assert int(marker[1].split('"', 1)[0]) > 100
     shot = tmp_path / "shot.png"
-    subprocess.run([browser, *flags, f"--screenshot={shot}", "--window-size=1200,1600", page.as_uri()],
-                   capture_output=True, timeout=60, check=False)
+    subprocess.run(
+        [browser, *flags, f"--screenshot={shot}", "--window-size=1200,1600", page.as_uri()],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     assert shot.read_bytes().startswith(PNG_MAGIC)
 
 
@@ -181,6 +219,7 @@ def test_check_csv_carries_the_report_rows_exactly() -> None:
     from click.testing import CliRunner
 
     from checker.cli import main as cli_main
+
     runner = CliRunner()
     args = ["check", "tp2xzero3xpp4", "--devices", "64"]
     as_json = json_module.loads(runner.invoke(cli_main, [*args, "--json"]).output)
@@ -201,6 +240,7 @@ def test_check_csv_and_json_together_is_a_usage_error() -> None:
     from click.testing import CliRunner
 
     from checker.cli import main as cli_main
+
     out = CliRunner().invoke(cli_main, ["check", "dp8", "--csv", "--json"])
     assert out.exit_code == 2
     assert "choose one" in out.output

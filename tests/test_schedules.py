@@ -32,9 +32,14 @@ def test_no_consumer_matches_on_a_schedule_name() -> None:
     """Outside the schedules' own module, a schedule is constructed or passed on, never compared
     with a name: no ``is Schedule.X``, ``== Schedule.X`` or ``case Schedule.X``."""
     compare = re.compile(r"(\bis\b|\bis not\b|==|!=|\bcase\b)\s+Schedule\.")
-    offenders = [f"{path.relative_to(ROOT)}:{n}" for folder in ("formal", "checker")
-                 for path in sorted((ROOT / folder).rglob("*.py")) if path.name != "_schedules.py"
-                 for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if compare.search(line)]
+    offenders = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for folder in ("formal", "checker")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if path.name != "_schedules.py"
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if compare.search(line)
+    ]
     assert offenders == []
 
 

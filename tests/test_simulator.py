@@ -65,8 +65,7 @@ def test_field_arithmetic_is_exact_rational_arithmetic() -> None:
     _, g_float = loss_and_gradients(model, p_int, batch_f, FLOAT)
     _, g_field = loss_and_gradients(model, p_field, batch_z, FIELD)
     for g in model.groups():
-        expected = [Fraction(x).numerator % PRIME * pow(Fraction(x).denominator, -1, PRIME) % PRIME
-                    for x in g_float[g]]
+        expected = [Fraction(x).numerator % PRIME * pow(Fraction(x).denominator, -1, PRIME) % PRIME for x in g_float[g]]
         assert list(g_field[g]) == expected
 
 
@@ -77,10 +76,32 @@ def test_single_device_training_moves_the_parameters() -> None:
     assert any((records[0].parameters[g] != records[2].parameters[g]).any() for g in model.groups())
 
 
-LIBRARY_CASES = ["dp2", "zero12", "zero22", "zero32", "fsdp2", "fsdp-sgo2", "distopt2", "hsdp2xdpr2", "tp2", "pp2",
-                 "cp2", "tp2xsp", "tp2xzero32xpp2", "tp2xspxcp2xpp2", "pp2xv2xm2", "pp2xgpipexm4", "zero22xm2",
-                 "dp2xoffload", "zero32xoffload-params", "zero12xoffload", "tp2xrecompute", "cp2xrecompute",
-                 "tp2xspxselective", "tp2xpp2xzero12xm2"]
+LIBRARY_CASES = [
+    "dp2",
+    "zero12",
+    "zero22",
+    "zero32",
+    "fsdp2",
+    "fsdp-sgo2",
+    "distopt2",
+    "hsdp2xdpr2",
+    "tp2",
+    "pp2",
+    "cp2",
+    "tp2xsp",
+    "tp2xzero32xpp2",
+    "tp2xspxcp2xpp2",
+    "pp2xv2xm2",
+    "pp2xgpipexm4",
+    "zero22xm2",
+    "dp2xoffload",
+    "zero32xoffload-params",
+    "zero12xoffload",
+    "tp2xrecompute",
+    "cp2xrecompute",
+    "tp2xspxselective",
+    "tp2xpp2xzero12xm2",
+]
 
 
 @pytest.mark.parametrize("text", LIBRARY_CASES)
@@ -98,8 +119,9 @@ def test_library_compositions_train_like_one_device_and_cost_what_the_model_says
 def test_float64_dyadic_training_matches(kind: OptimizerKind) -> None:
     """float64, within FLOAT_TOLERANCE (relative)."""
     composition = parse("tp2xzero22xm2")
-    result = simulate(composition, reference_for(composition), arithmetic=Arithmetic.FLOAT64,
-                      optimizer=Optimizer(kind), steps=2)
+    result = simulate(
+        composition, reference_for(composition), arithmetic=Arithmetic.FLOAT64, optimizer=Optimizer(kind), steps=2
+    )
     assert result.matches, str(result.divergence)
 
 
@@ -112,8 +134,11 @@ def test_adam_matches_within_tolerance_and_still_sees_a_doubled_gradient() -> No
     assert simulate(composition, model, arithmetic=Arithmetic.FLOAT64, optimizer=adam).matches
     program = _derived(composition, model)
     ops = list(program.ops)
-    i = next(k for k, op in enumerate(ops) if op.kind is OpKind.ALL_REDUCE and op.axis is Axis.TP
-             and op.state is State.GRADIENTS)
+    i = next(
+        k
+        for k, op in enumerate(ops)
+        if op.kind is OpKind.ALL_REDUCE and op.axis is Axis.TP and op.state is State.GRADIENTS
+    )
     ops.insert(i, ops[i])
     result = simulate_program(program.with_ops(ops), model, arithmetic=Arithmetic.FLOAT64, optimizer=adam)
     assert not result.matches and result.divergence is not None
@@ -161,41 +186,51 @@ def _act(kind: OpKind, axis: Axis, phase: Phase) -> object:
     return lambda op: op.state is State.ACTIVATIONS and op.kind is kind and op.axis is axis and op.phase is phase
 
 
-@pytest.mark.parametrize(("text", "kind", "axis", "phase", "change", "matches"), [
-    ("tp2", OpKind.ALL_REDUCE, Axis.TP, Phase.FORWARD, "drop", False),  # row-parallel partial sums left
-    ("tp2", OpKind.ALL_REDUCE, Axis.TP, Phase.BACKWARD, "drop", False),
-    ("tp2", OpKind.ALL_REDUCE, Axis.TP, Phase.FORWARD, "duplicate", False),  # summed twice
-    ("tp2", OpKind.ALL_REDUCE, Axis.TP, Phase.FORWARD, "mean", False),
-    ("tp2xsp", OpKind.ALL_GATHER, Axis.TP, Phase.FORWARD, "duplicate", True),  # idempotent
-    ("tp2xsp", OpKind.ALL_GATHER, Axis.TP, Phase.FORWARD, "drop", False),
-    ("cp2", OpKind.ALL_GATHER, Axis.CP, Phase.FORWARD, "drop", False),  # keys/values of earlier chunks
-    ("cp2", OpKind.REDUCE_SCATTER, Axis.CP, Phase.BACKWARD, "drop", False),
-    ("pp2", OpKind.SEND_RECV, Axis.PP, Phase.FORWARD, "drop", False),
-    ("pp2", OpKind.SEND_RECV, Axis.PP, Phase.BACKWARD, "drop", False),
-    ("pp2", OpKind.SEND_RECV, Axis.PP, Phase.FORWARD, "duplicate", True),
-])
-def test_activation_collectives_are_executed_as_the_program_says(text: str, kind: OpKind, axis: Axis, phase: Phase,
-                                                                 change: str, matches: bool) -> None:
+@pytest.mark.parametrize(
+    ("text", "kind", "axis", "phase", "change", "matches"),
+    [
+        ("tp2", OpKind.ALL_REDUCE, Axis.TP, Phase.FORWARD, "drop", False),  # row-parallel partial sums left
+        ("tp2", OpKind.ALL_REDUCE, Axis.TP, Phase.BACKWARD, "drop", False),
+        ("tp2", OpKind.ALL_REDUCE, Axis.TP, Phase.FORWARD, "duplicate", False),  # summed twice
+        ("tp2", OpKind.ALL_REDUCE, Axis.TP, Phase.FORWARD, "mean", False),
+        ("tp2xsp", OpKind.ALL_GATHER, Axis.TP, Phase.FORWARD, "duplicate", True),  # idempotent
+        ("tp2xsp", OpKind.ALL_GATHER, Axis.TP, Phase.FORWARD, "drop", False),
+        ("cp2", OpKind.ALL_GATHER, Axis.CP, Phase.FORWARD, "drop", False),  # keys/values of earlier chunks
+        ("cp2", OpKind.REDUCE_SCATTER, Axis.CP, Phase.BACKWARD, "drop", False),
+        ("pp2", OpKind.SEND_RECV, Axis.PP, Phase.FORWARD, "drop", False),
+        ("pp2", OpKind.SEND_RECV, Axis.PP, Phase.BACKWARD, "drop", False),
+        ("pp2", OpKind.SEND_RECV, Axis.PP, Phase.FORWARD, "duplicate", True),
+    ],
+)
+def test_activation_collectives_are_executed_as_the_program_says(
+    text: str, kind: OpKind, axis: Axis, phase: Phase, change: str, matches: bool
+) -> None:
     assert _mutate_activation(text, _act(kind, axis, phase), change) is matches
 
 
-@pytest.mark.parametrize(("text", "group", "kind", "phase", "change", "matches"), [
-    ("tp2", EMBEDDING_IO, OpKind.ALL_REDUCE, Phase.FORWARD, "drop", False),  # each rank's rows only
-    ("tp2", EMBEDDING_IO, OpKind.ALL_REDUCE, Phase.FORWARD, "duplicate", False),
-    ("tp2", OUTPUT_IO, OpKind.ALL_REDUCE, Phase.BACKWARD, "drop", False),  # head input gradient partial
-    ("tp2", OUTPUT_IO, OpKind.ALL_REDUCE, Phase.BACKWARD, "mean", False),
-    ("tp2xsp", EMBEDDING_IO, OpKind.REDUCE_SCATTER, Phase.FORWARD, "drop", False),
-    ("tp2xsp", EMBEDDING_IO, OpKind.ALL_GATHER, Phase.BACKWARD, "drop", False),
-    ("tp2xsp", OUTPUT_IO, OpKind.ALL_GATHER, Phase.FORWARD, "drop", False),
-    ("tp2xsp", OUTPUT_IO, OpKind.ALL_GATHER, Phase.FORWARD, "duplicate", True),  # idempotent
-    ("tp2xsp", OUTPUT_IO, OpKind.REDUCE_SCATTER, Phase.BACKWARD, "drop", False),
-])
-def test_vocabulary_parallel_collectives_are_ops_of_the_program(text: str, group: Group, kind: OpKind,
-                                                                phase: Phase, change: str, matches: bool) -> None:
+@pytest.mark.parametrize(
+    ("text", "group", "kind", "phase", "change", "matches"),
+    [
+        ("tp2", EMBEDDING_IO, OpKind.ALL_REDUCE, Phase.FORWARD, "drop", False),  # each rank's rows only
+        ("tp2", EMBEDDING_IO, OpKind.ALL_REDUCE, Phase.FORWARD, "duplicate", False),
+        ("tp2", OUTPUT_IO, OpKind.ALL_REDUCE, Phase.BACKWARD, "drop", False),  # head input gradient partial
+        ("tp2", OUTPUT_IO, OpKind.ALL_REDUCE, Phase.BACKWARD, "mean", False),
+        ("tp2xsp", EMBEDDING_IO, OpKind.REDUCE_SCATTER, Phase.FORWARD, "drop", False),
+        ("tp2xsp", EMBEDDING_IO, OpKind.ALL_GATHER, Phase.BACKWARD, "drop", False),
+        ("tp2xsp", OUTPUT_IO, OpKind.ALL_GATHER, Phase.FORWARD, "drop", False),
+        ("tp2xsp", OUTPUT_IO, OpKind.ALL_GATHER, Phase.FORWARD, "duplicate", True),  # idempotent
+        ("tp2xsp", OUTPUT_IO, OpKind.REDUCE_SCATTER, Phase.BACKWARD, "drop", False),
+    ],
+)
+def test_vocabulary_parallel_collectives_are_ops_of_the_program(
+    text: str, group: Group, kind: OpKind, phase: Phase, change: str, matches: bool
+) -> None:
     """The embedding's and head's exchanges run as the program says (they used to be run
     always, apart from the program, so a program without them still trained correctly)."""
+
     def pick(op: Op) -> bool:
         return op.state is State.ACTIVATIONS and op.group == group and op.kind is kind and op.phase is phase
+
     assert _mutate_activation(text, pick, change) is matches
 
 
@@ -213,8 +248,9 @@ def test_the_host_store_is_separate() -> None:
     composition = parse("dp2xoffload")
     model = reference_for(composition)
     program = _derived(composition, model)
-    broken = program.with_ops(op for op in program.ops
-                              if not (op.kind is OpKind.HOST_TO_DEVICE and op.phase is Phase.REFRESH))
+    broken = program.with_ops(
+        op for op in program.ops if not (op.kind is OpKind.HOST_TO_DEVICE and op.phase is Phase.REFRESH)
+    )
     d = simulate_program(broken, model).divergence
     assert d is not None and (d.step, d.state) == (2, State.PARAMETERS)
 
@@ -240,9 +276,15 @@ def _cli(*args: str) -> dict[str, object]:
     import json
     import subprocess
     import sys
-    done = subprocess.run([sys.executable, "-m", "checker.cli", *args, "--simulate", "--json"],
-                          capture_output=True, text=True, timeout=300, check=False,
-                          cwd=Path(__file__).resolve().parent.parent)
+
+    done = subprocess.run(
+        [sys.executable, "-m", "checker.cli", *args, "--simulate", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     simulation = json.loads(done.stdout)["simulation"]
     assert isinstance(simulation, dict)
     return simulation

@@ -63,18 +63,21 @@ def test_obligations_cover_every_group_and_axis() -> None:
     assert "composition_rules" in names
 
 
-@pytest.mark.parametrize(("text", "model", "expected"), [
-    ("tp3", PRESETS["llama2-7b"], {"divides[heads, tp]", "divides[hidden, tp]", "divides[vocab, tp]"}),
-    ("dp2xzero12", GPT, {"orthogonality[dp]"}),
-    ("dp8xsp", GPT, {"sp_needs_tp"}),
-    ("ep4", GPT, {"ep_needs_moe"}),
-    ("cp2", ParameterCount(10**9), {"cp_needs_attention"}),
-    ("dp4xv2", GPT, {"interleaved_needs_pp"}),
-    ("pp5", GPT, {"divides[layers, pp]"}),
-    ("pp4xv4", GPT, {"divides[layers, pp]"}),
-    ("ep3", MOE, {"divides[experts, ep]"}),
-    ("cp3", GPT, {"divides[seq, cp]"}),
-])
+@pytest.mark.parametrize(
+    ("text", "model", "expected"),
+    [
+        ("tp3", PRESETS["llama2-7b"], {"divides[heads, tp]", "divides[hidden, tp]", "divides[vocab, tp]"}),
+        ("dp2xzero12", GPT, {"orthogonality[dp]"}),
+        ("dp8xsp", GPT, {"sp_needs_tp"}),
+        ("ep4", GPT, {"ep_needs_moe"}),
+        ("cp2", ParameterCount(10**9), {"cp_needs_attention"}),
+        ("dp4xv2", GPT, {"interleaved_needs_pp"}),
+        ("pp5", GPT, {"divides[layers, pp]"}),
+        ("pp4xv4", GPT, {"divides[layers, pp]"}),
+        ("ep3", MOE, {"divides[experts, ep]"}),
+        ("cp3", GPT, {"divides[seq, cp]"}),
+    ],
+)
 def test_composition_rules_are_named(text: str, model: Transformer | ParameterCount, expected: set[str]) -> None:
     verdict = verdict_of(text, model)
     assert verdict.status is Status.REFUTED
@@ -134,13 +137,19 @@ def test_verdicts_are_fast_enough_for_differential_testing() -> None:
     assert time.perf_counter() - start < 5.0  # generous: shared CI cores; typically ~0.1-0.3 s
 
 
-
-
 def test_public_api_is_pinned() -> None:
     import formal._smt as smt
 
-    assert smt.__all__ == ["DEFAULT_QUERY_RLIMIT", "DEFAULT_RUN_RLIMIT", "DEFAULT_RUN_TIMEOUT_S", "DEFAULT_TIMEOUT_MS",
-                           "MAX_CONSISTENCY_DEVICES", "MAX_EXPLICIT_DEVICES", "clear_cache", "decide"]
+    assert smt.__all__ == [
+        "DEFAULT_QUERY_RLIMIT",
+        "DEFAULT_RUN_RLIMIT",
+        "DEFAULT_RUN_TIMEOUT_S",
+        "DEFAULT_TIMEOUT_MS",
+        "MAX_CONSISTENCY_DEVICES",
+        "MAX_EXPLICIT_DEVICES",
+        "clear_cache",
+        "decide",
+    ]
 
 
 def test_composition_violations_name_their_axis() -> None:

@@ -38,8 +38,12 @@ def test_dropping_any_needed_collective_is_refuted(data: st.DataObject) -> None:
     composition = data.draw(compositions(model))
     program = derive_program(composition.placement(model), model)
     pl = program.placement
-    if not any(op.state is not State.ACTIVATIONS and (op.kind.is_collective or op.kind.is_transfer)
-               and (op.axis is None or pl.degree(op.axis) > 1) for op in program.ops):
+    if not any(
+        op.state is not State.ACTIVATIONS
+        and (op.kind.is_collective or op.kind.is_transfer)
+        and (op.axis is None or pl.degree(op.axis) > 1)
+        for op in program.ops
+    ):
         return
     mutated, index = data.draw(mutations(program))
     dropped = program.ops[index]
@@ -53,19 +57,37 @@ def test_dropping_any_needed_collective_is_refuted(data: st.DataObject) -> None:
 def test_each_kind_of_dropped_op_fires_its_rule() -> None:
     cases: list[tuple[str, Callable[[Op], bool], str]] = [
         ("zero14", lambda op: op.phase is Phase.REFRESH, "refresh[P.attention, dp]"),
-        ("zero34", lambda op: op.kind is OpKind.ALL_GATHER and op.phase is Phase.FORWARD,
-         "gather_before_use[P.attention, dp]"),
-        ("fsdp4", lambda op: op.kind is OpKind.ALL_GATHER and op.phase is Phase.BACKWARD,
-         "gather_before_use[P.attention, dp]"),
-        ("zero34xoffload-params", lambda op: op.kind is OpKind.HOST_TO_DEVICE and op.phase is Phase.FORWARD,
-         "fetch_before_use[P.attention]"),
+        (
+            "zero34",
+            lambda op: op.kind is OpKind.ALL_GATHER and op.phase is Phase.FORWARD,
+            "gather_before_use[P.attention, dp]",
+        ),
+        (
+            "fsdp4",
+            lambda op: op.kind is OpKind.ALL_GATHER and op.phase is Phase.BACKWARD,
+            "gather_before_use[P.attention, dp]",
+        ),
+        (
+            "zero34xoffload-params",
+            lambda op: op.kind is OpKind.HOST_TO_DEVICE and op.phase is Phase.FORWARD,
+            "fetch_before_use[P.attention]",
+        ),
         ("zero24xoffload", lambda op: op.kind is OpKind.HOST_TO_DEVICE, "refresh[P.attention, dp]"),
-        ("tp2xspxdp2", lambda op: op.state is G and op.axis is not None and op.axis.value == "tp",
-         "reduction_closure[G.norm, tp]"),
-        ("dp2xpp2", lambda op: op.state is G and op.axis is not None and op.axis.value == "pp",
-         "reduction_closure[G.embedding, pp]"),
-        ("cp2xdp2", lambda op: op.state is G and op.axis is not None and op.axis.value == "cp",
-         "reduction_closure[G.attention, cp]"),
+        (
+            "tp2xspxdp2",
+            lambda op: op.state is G and op.axis is not None and op.axis.value == "tp",
+            "reduction_closure[G.norm, tp]",
+        ),
+        (
+            "dp2xpp2",
+            lambda op: op.state is G and op.axis is not None and op.axis.value == "pp",
+            "reduction_closure[G.embedding, pp]",
+        ),
+        (
+            "cp2xdp2",
+            lambda op: op.state is G and op.axis is not None and op.axis.value == "cp",
+            "reduction_closure[G.attention, cp]",
+        ),
     ]
     for text, drop, rule in cases:
         composition, program = program_of(text)
@@ -77,23 +99,27 @@ def test_duplicated_and_renormalised_reductions() -> None:
     composition, program = program_of("dp4")
     ops = list(program.ops)
     at = next(i for i, op in enumerate(ops) if op.kind is OpKind.ALL_REDUCE and op.state is G)
-    twice = [*ops[:at + 1], replace(ops[at], reduce=Reduce.SUM), *ops[at + 1:]]
+    twice = [*ops[: at + 1], replace(ops[at], reduce=Reduce.SUM), *ops[at + 1 :]]
     verdict = judged(composition, program.with_ops(twice))
     violation = next(v for v in verdict.violations if v.group == ops[at].group.name)
     assert violation.rule == f"reduction_closure[G.{ops[at].group.name}, dp]"
     assert violation.witness["defect"].startswith("duplicated reduction")
-    summed = [*ops[:at], replace(ops[at], reduce=Reduce.SUM), *ops[at + 1:]]
+    summed = [*ops[:at], replace(ops[at], reduce=Reduce.SUM), *ops[at + 1 :]]
     violation = next(v for v in judged(composition, program.with_ops(summed)).violations)
     assert violation.rule.startswith("normalisation[") and violation.condition is Condition.GRADIENT_INTEGRITY
     # Two means in a row are wasteful but exact: the verdict judges values, not traffic.
-    means = [*ops[:at + 1], ops[at], *ops[at + 1:]]
+    means = [*ops[: at + 1], ops[at], *ops[at + 1 :]]
     assert judged(composition, program.with_ops(means)).status is Status.PROVED
 
 
 def test_integrity_witness_is_a_concrete_counterexample() -> None:
     composition, program = program_of("tp2xspxdp2")
-    verdict = judged(composition, program.with_ops(
-        op for op in program.ops if not (op.state is G and op.axis is not None and op.axis.value == "tp")))
+    verdict = judged(
+        composition,
+        program.with_ops(
+            op for op in program.ops if not (op.state is G and op.axis is not None and op.axis.value == "tp")
+        ),
+    )
     violation = next(v for v in verdict.violations if v.rule == "reduction_closure[G.norm, tp]")
     w = violation.witness
     contributions = [w["contributions"][k] for k in ("0", "1")]

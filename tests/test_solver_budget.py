@@ -37,8 +37,10 @@ def test_a_full_run_reports_the_units_it_spent() -> None:
 
 
 @settings(max_examples=12, deadline=None)
-@given(st.sampled_from(["dp4", "zero3", "tp2xzero3xpp4", "fsdp4xdpr2xtp2", "tp2xspxpp2xm4xdp2"]),
-       st.fractions(min_value=0, max_value=1))
+@given(
+    st.sampled_from(["dp4", "zero3", "tp2xzero3xpp4", "fsdp4xdpr2xtp2", "tp2xspxpp2xm4xdp2"]),
+    st.fractions(min_value=0, max_value=1),
+)
 def test_a_budget_cut_is_unknown_cold_and_warm(text: str, share: object) -> None:
     clear_cache()
     full = _verdict(text).units
@@ -74,8 +76,13 @@ def test_the_cli_answers_the_same_way_on_every_run() -> None:
     """A budget that cuts the run part-way: three fresh processes give the identical verdict."""
     answers = set()
     for _ in range(3):
-        done = subprocess.run([sys.executable, "-m", "checker.cli", "tp2xzero3xpp4", "--rlimit", "20000", "--json"],
-                              capture_output=True, text=True, check=False, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-m", "checker.cli", "tp2xzero3xpp4", "--rlimit", "20000", "--json"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=300,
+        )
         assert done.returncode == 3, done.stderr
         verdict = json.loads(done.stdout)["verdict"]
         assert 0 < len(verdict["unknown"]) < verdict["obligations"]  # part-way, not at the first query

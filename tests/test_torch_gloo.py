@@ -41,8 +41,12 @@ def test_every_rank_is_measured(world: int, text: str) -> None:
 
 @pytest.mark.parametrize(("world", "text"), CASES)
 def test_model_states_exact_on_every_rank(world: int, text: str) -> None:
-    wrong = [(g.comparison.rank, r) for g in ranks(world, text) for r in g.comparison.rows
-             if r.quantity != "activations" and r.predicted != r.measured]
+    wrong = [
+        (g.comparison.rank, r)
+        for g in ranks(world, text)
+        for r in g.comparison.rows
+        if r.quantity != "activations" and r.predicted != r.measured
+    ]
     assert not wrong, (text, wrong)
 
 
@@ -58,8 +62,11 @@ def test_collective_list_equal_on_every_rank(world: int, text: str) -> None:
 
 @pytest.mark.parametrize(("world", "text"), CASES)
 def test_activations_within_tolerance_on_every_rank(world: int, text: str) -> None:
-    wrong = [(g.comparison.rank, g.comparison.stage, g.comparison.row("activations")) for g in ranks(world, text)
-             if abs(g.comparison.row("activations").error) > ACTIVATION_TOLERANCE]
+    wrong = [
+        (g.comparison.rank, g.comparison.stage, g.comparison.row("activations"))
+        for g in ranks(world, text)
+        if abs(g.comparison.row("activations").error) > ACTIVATION_TOLERANCE
+    ]
     assert not wrong, (text, wrong)
 
 

@@ -36,7 +36,8 @@ def _label(run: tuple[str, int]) -> str:
 _MEMTRACKER_GAPS = {("pp8xm16xgpipe", 7), ("pp8xm16", 7)}
 _MEMTRACKER_RUNS = [
     pytest.param(run, marks=pytest.mark.xfail(strict=True, reason="last stage: logits held twice, receive buffers"))
-    if run in _MEMTRACKER_GAPS else run
+    if run in _MEMTRACKER_GAPS
+    else run
     for run in LARGE_RUNS
 ]
 
@@ -104,6 +105,7 @@ def test_fsdp_and_tp_build_fake_parameters() -> None:
 
     from checker._parse import parse
     from checker._torch._engine import Runner, fake_group
+
     teardown = fake_group(8)
     try:
         runner = Runner(parse("tp2xfsdp4"), LARGE, 0, 8, fake=True)

@@ -59,8 +59,9 @@ def test_the_last_stage_holds_the_output_layer() -> None:
     """Korthikanti et al. 2022, 4.3: the last stage keeps the final norm's and the head's inputs
     and the loss's logits; 1F1B's last stage runs one micro-batch at a time, GPipe's all m."""
     model = NetConfig().formal()
-    per_micro_batch_layers = (compared("pp8xm16", 3).row("activations").predicted
-                              // 8)  # a middle stage: 8 micro-batches of its one layer
+    per_micro_batch_layers = (
+        compared("pp8xm16", 3).row("activations").predicted // 8
+    )  # a middle stage: 8 micro-batches of its one layer
     last = compared("pp8xm16", 7).row("activations")
     assert last.predicted > per_micro_batch_layers  # the output layer is counted, once
     logits = model.seq * model.micro_batch * model.vocab * 4
@@ -97,11 +98,13 @@ def test_gpipe_holds_every_micro_batch_and_1f1b_the_pipeline_depth() -> None:
 def test_fsdp_traffic_is_one_and_a_half_ddp() -> None:
     """pytorch-ground-truth.md: full shard gathers twice and reduce-scatters once (3 Psi in
     ZeRO units, minus the root kept unsharded), DDP all-reduces once (2 Psi)."""
+
     def volume(text: str) -> dict[OpKind, int]:
         out: dict[OpKind, int] = {}
         for call in compared(text).measured_calls:
             out[call.kind] = out.get(call.kind, 0) + call.bytes  # type: ignore[attr-defined]
         return out
+
     ddp, fsdp = volume("ddp8"), volume("fsdp8")
     params = sum(t.elements for t in parameter_tensors(NetConfig().formal())) * 4
     assert ddp == {OpKind.ALL_REDUCE: params}
@@ -118,9 +121,11 @@ def test_cli_prints_predicted_and_measured(capsys: pytest.CaptureFixture[str]) -
     from click.testing import CliRunner
 
     from checker.cli import main
+
     result = CliRunner().invoke(main, ["check", "hsdp4xdpr2", "--validate", "torch", "--json"])
     assert result.exit_code == 0, result.output
     import json
+
     doc = json.loads(result.output)
     v = doc["validation"]
     assert v["model_states_exact"] and v["collectives"]["equal"]
@@ -131,6 +136,7 @@ def test_cli_rejects_a_composition_without_an_engine() -> None:
     from click.testing import CliRunner
 
     from checker.cli import main
+
     result = CliRunner().invoke(main, ["check", "tp2xzero3xpp4", "--validate", "torch"])
     assert result.exit_code == 2
     assert "no PyTorch engine" in result.output

@@ -83,10 +83,11 @@ def test_divisible_layers_are_unchanged() -> None:
     assert uneven.stage_layers(model.layers) == even.stage_layers(model.layers) == 8
     sizes = group_sizes(model)
     for state in (State.PARAMETERS, State.GRADIENTS, State.OPTIMIZER):
-        assert (state_memory(even, state, sizes, DEFAULT_PRECISION).by_group
-                == state_memory(uneven, state, sizes, DEFAULT_PRECISION).by_group)
-    assert (activation_memory(even, model, DEFAULT_PRECISION)
-            == activation_memory(uneven, model, DEFAULT_PRECISION))
+        assert (
+            state_memory(even, state, sizes, DEFAULT_PRECISION).by_group
+            == state_memory(uneven, state, sizes, DEFAULT_PRECISION).by_group
+        )
+    assert activation_memory(even, model, DEFAULT_PRECISION) == activation_memory(uneven, model, DEFAULT_PRECISION)
     assert even.degree(Axis.PP) == 4
 
 

@@ -68,4 +68,8 @@ def test_ordered_enums_print_their_names_and_keep_their_json_labels() -> None:
 def test_vocabulary_enums_print_their_spelling() -> None:
     """The string enums print the spelling the composition language and the JSON use."""
     assert (str(Axis.DP), str(Mode.SHARDED_GATHER), str(State.PARAMETERS), str(OpKind.ALL_REDUCE)) == (
-        "dp", "S*", "P", "all_reduce")
+        "dp",
+        "S*",
+        "P",
+        "all_reduce",
+    )

@@ -38,6 +38,7 @@ GPT3 = cast(Transformer, PRESETS["gpt3-1.3b"])  # Brown et al. 2020: 24 layers, 
 
 # --- the schedule itself, simulated from the paper's description ---------------------------
 
+
 def _orders(p: int, m: int, split: bool) -> list[list[tuple[str, int]]]:
     """Each stage's passes in order. F and B in 1F1B's order (stage i warms up with
     min(p - i - 1, m) forwards, then alternates forward and backward); with ``split`` (ZB-H1)
@@ -128,8 +129,9 @@ def test_bubble_with_fewer_micro_batches_than_stages_is_the_schedules() -> None:
     for p in range(2, 7):
         for m in range(1, p + 1):
             expected = _simulate(p, m, split=True)[0]
-            assert bubble_fraction(parse(_zb(p, m)).placement(GPT3)) == sp.Rational(expected.numerator,
-                                                                                    expected.denominator)
+            assert bubble_fraction(parse(_zb(p, m)).placement(GPT3)) == sp.Rational(
+                expected.numerator, expected.denominator
+            )
         assert _simulate(p, 1, split=True)[0] == Fraction(2 * (p - 1), 3)
 
 
@@ -202,10 +204,14 @@ def test_under_full_recomputation_the_deferred_inputs_outweigh_the_checkpoints()
                 whole = layers * 2 * SBH + _io(Stage.of(i, p))
                 peak = _simulate(p, m, True, whole, layers * W_READS)[1][i]
                 assert activation_memory(pl, GPT3, DEFAULT_PRECISION, Stage.of(i, p), i) == peak, (p, m, i)
-            assert activation_memory(pl, GPT3, DEFAULT_PRECISION, Stage.FIRST) == _simulate(
-                p, m, True, layers * 2 * SBH + _io(Stage.FIRST), layers * W_READS)[1][0]
-            assert activation_memory(pl, GPT3, DEFAULT_PRECISION, Stage.LAST) == _simulate(
-                p, m, True, layers * 2 * SBH + _io(Stage.LAST), layers * W_READS)[1][p - 1]
+            assert (
+                activation_memory(pl, GPT3, DEFAULT_PRECISION, Stage.FIRST)
+                == _simulate(p, m, True, layers * 2 * SBH + _io(Stage.FIRST), layers * W_READS)[1][0]
+            )
+            assert (
+                activation_memory(pl, GPT3, DEFAULT_PRECISION, Stage.LAST)
+                == _simulate(p, m, True, layers * 2 * SBH + _io(Stage.LAST), layers * W_READS)[1][p - 1]
+            )
 
 
 def test_a_middle_stage_bound_holds_every_middle_stage() -> None:
@@ -220,6 +226,7 @@ def test_a_middle_stage_bound_holds_every_middle_stage() -> None:
 
 # --- sends, verdict, simulator: 1F1B's ------------------------------------------------------
 
+
 def test_sends_and_the_step_program_are_1f1bs() -> None:
     """B sends what 1F1B's backward sends (the input gradient), W sends nothing: one activation
     forward and one gradient backward per micro-batch per boundary. The step program, and so
@@ -229,8 +236,9 @@ def test_sends_and_the_step_program_are_1f1bs() -> None:
     zb_program, base_program = derive_program(zb.placement(GPT3), GPT3), derive_program(base.placement(GPT3), GPT3)
     assert zb_program.ops == base_program.ops
     for stage in (Stage.FIRST, Stage.MIDDLE, Stage.LAST):
-        assert communication(zb_program, DEFAULT_PRECISION, stage) == communication(base_program, DEFAULT_PRECISION,
-                                                                                    stage)
+        assert communication(zb_program, DEFAULT_PRECISION, stage) == communication(
+            base_program, DEFAULT_PRECISION, stage
+        )
     verdict = decide(zb, zb_program, GPT3)
     assert verdict.status is Status.PROVED
     assert verdict.status == decide(base, base_program, GPT3).status
@@ -254,6 +262,7 @@ def test_check_composition_proves_pp4xzbxdp2() -> None:
 
 # --- spelling ---------------------------------------------------------------------------------
 
+
 def test_parse_and_print_round_trip() -> None:
     comp = parse("pp4xzbxdp2")
     assert comp.options.schedule is Schedule.ZERO_BUBBLE_H1
@@ -262,11 +271,14 @@ def test_parse_and_print_round_trip() -> None:
         parse("pp4xzbxgpipexdp2")
 
 
-@pytest.mark.parametrize(("target", "why"), [
-    (Target.TORCHTITAN, "ZB-H1.*two or more stages per rank"),
-    (Target.DEEPSPEED, "zero-bubble"),
-    (Target.MEGATRON, "zero-bubble.*--enable-zero-bubble --zero-bubble-max-pending-backward"),
-])
+@pytest.mark.parametrize(
+    ("target", "why"),
+    [
+        (Target.TORCHTITAN, "ZB-H1.*two or more stages per rank"),
+        (Target.DEEPSPEED, "zero-bubble"),
+        (Target.MEGATRON, "zero-bubble.*--enable-zero-bubble --zero-bubble-max-pending-backward"),
+    ],
+)
 def test_frameworks_without_zb_h1_refuse_it_by_name(target: Target, why: str) -> None:
     data = "fsdp" if target is Target.TORCHTITAN else "dp" if target is Target.MEGATRON else "zero1"
     with pytest.raises(ExportError, match=why):

@@ -61,8 +61,11 @@ def state_rows(predicted: Any, measured: Any) -> tuple[Row, ...]:
         Row("parameters", predicted.parameters, measured.parameters),
         Row("gradients", predicted.gradients, measured.gradients),
         Row("optimizer", predicted.optimizer, measured.optimizer),
-        Row("model states", predicted.parameters + predicted.gradients + predicted.optimizer,
-            measured.parameters + measured.gradients + measured.optimizer),
+        Row(
+            "model states",
+            predicted.parameters + predicted.gradients + predicted.optimizer,
+            measured.parameters + measured.gradients + measured.optimizer,
+        ),
     )
 
 

@@ -61,8 +61,9 @@ def engine_for(comp: Composition) -> Engine:
         return Engine.FSDP_TP
     if axes == {Axis.DP, Axis.DPR} and dp_name in ("fsdp", "fsdp-sgo", "zero3", "hsdp") and names[Axis.DPR] == "dpr":
         return Engine.HSDP
-    raise CompositionError(f"{comp}: no PyTorch engine for this composition in the harness "
-                           "(DDP, ZeRO-1, FSDP, TP, FSDP+TP, HSDP, PP)")
+    raise CompositionError(
+        f"{comp}: no PyTorch engine for this composition in the harness (DDP, ZeRO-1, FSDP, TP, FSDP+TP, HSDP, PP)"
+    )
 
 
 def reshard_after_forward(comp: Composition) -> bool:
@@ -74,6 +75,7 @@ def reshard_after_forward(comp: Composition) -> bool:
 
 def _any_group() -> Any:
     from formal._vocab import ATTENTION
+
     return ATTENTION
 
 
@@ -145,11 +147,13 @@ class Runner:
         (``checker._torch._large`` builds and steps large models under fake mode)."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.distributed.device_mesh import init_device_mesh
+
         with unset_fake_temporarily():
             return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
     def _ddp(self, net: Net) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel as DDP
+
         model = DDP(net, gradient_as_bucket_view=self.gradient_as_bucket_view)
         world = self.world
         buckets = self.bucket_bytes
@@ -166,18 +170,23 @@ class Runner:
             return fut
 
         # DDP inspects the annotations; under postponed evaluation they would be strings.
-        hook.__annotations__ = {"_state": object, "bucket": dist.GradBucket,  # type: ignore[attr-defined]
-                                "return": torch.futures.Future[torch.Tensor]}
+        hook.__annotations__ = {
+            "_state": object,
+            "bucket": dist.GradBucket,  # type: ignore[attr-defined]
+            "return": torch.futures.Future[torch.Tensor],
+        }
         model.register_comm_hook(None, hook)
         return model
 
     def _fsdp(self, net: nn.Module, mesh: Any) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
+
         reshard = reshard_after_forward(self.comp)
         layers = net.layers if isinstance(net, Net) else net.get_submodule("layers")
         # Outside any FakeTensorMode (FSDP+TP concatenates the dp and tp meshes, real tensors);
         # fake parameters stay fake, their ops dispatch to their own mode.
         from torch._subclasses.fake_tensor import unset_fake_temporarily
+
         with unset_fake_temporarily():
             for block in layers.values():  # type: ignore[operator]
                 fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
@@ -194,6 +203,7 @@ class Runner:
             SequenceParallel,
             parallelize_module,
         )
+
         sp = self.comp.options.sequence_parallel
         seq = Shard(1) if sp else Replicate()
         plan: dict[str, Any] = {
@@ -221,6 +231,7 @@ class Runner:
         import torch.distributed.pipelining as pipelining
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
         cfg, p = self.cfg, self.mesh[Axis.PP]
         if cfg.layers % p:
             raise CompositionError(f"pp{p}: layers={cfg.layers} is not divisible by the pipeline degree")
@@ -244,8 +255,16 @@ class Runner:
         x_in = torch.zeros(b, cfg.seq, dtype=torch.long) if first else act
         y_out = torch.zeros(b, cfg.seq, cfg.vocab) if last else act
         # Explicit shapes: the fake group's receive would mislead shape inference.
-        stage = PipelineStage(net, self.rank, p, torch.device("cpu"), input_args=(x_in,), output_args=(y_out,),
-                              input_grads=(None if first else hidden,), output_grads=(None if last else hidden,))
+        stage = PipelineStage(
+            net,
+            self.rank,
+            p,
+            torch.device("cpu"),
+            input_args=(x_in,),
+            output_args=(y_out,),
+            input_grads=(None if first else hidden,),
+            output_grads=(None if last else hidden,),
+        )
         m = self.comp.options.micro_batches
         scale = 1.0
         # The schedule's own single-stage class (engine_for refuses a schedule without one).
@@ -271,6 +290,7 @@ class Runner:
         params = [p for p in model.parameters() if p.requires_grad]
         if self.engine is Engine.ZERO1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
+
             cls = torch.optim.SGD if self.optimizer == "sgd" else torch.optim.Adam
             return ZeroRedundancyOptimizer(params, optimizer_class=cls, lr=self.lr)
         if self.optimizer == "sgd":
@@ -299,7 +319,7 @@ class Runner:
         n = self.samples_per_replica()
         ids, targets = batch(self.cfg, n * self.data_replicas(), seed=1000 + step)
         r = self.replica_index()
-        return ids[r * n:(r + 1) * n], targets[r * n:(r + 1) * n]
+        return ids[r * n : (r + 1) * n], targets[r * n : (r + 1) * n]
 
     def step(self, model: nn.Module, schedule: Any, opt: torch.optim.Optimizer, step: int) -> None:
         opt.zero_grad(set_to_none=False)
@@ -324,10 +344,13 @@ class Runner:
         # Each replica's loss is its share of the global mean: DDP and FSDP average the
         # replicas' gradients, so the per-replica loss is the replica's own mean.
         from torch.distributed.tensor import DTensor
+
         if isinstance(logits, DTensor):
             from torch.distributed.tensor.parallel import loss_parallel
+
             if self.cfg.exact:
                 from torch.distributed.tensor import Replicate
+
                 full = logits.redistribute(placements=[Replicate()]).to_local()
                 loss_fn(self.cfg, full, targets).backward()  # type: ignore[no-untyped-call]
                 return
@@ -343,14 +366,23 @@ def reduce_partial_gradients(model: nn.Module) -> None:
     synchronisation. Left Partial, DTensor would all-reduce them inside every optimizer op that
     reads them (three times per tensor for Adam)."""
     from torch.distributed.tensor import DTensor
+
     for p in model.parameters():
         g = p.grad
         if isinstance(g, DTensor) and isinstance(p, DTensor) and any(x.is_partial() for x in g.placements):
             p.grad = g.redistribute(g.device_mesh, p.placements)
 
 
-def measure(comp: Composition, cfg: NetConfig, rank: int, world: int, *, steps: int | None = None,
-            gradient_as_bucket_view: bool = False, fake: bool = True) -> Measured:
+def measure(
+    comp: Composition,
+    cfg: NetConfig,
+    rank: int,
+    world: int,
+    *,
+    steps: int | None = None,
+    gradient_as_bucket_view: bool = False,
+    fake: bool = True,
+) -> Measured:
     """Run ``steps`` steps on the current process group (fake or real) and measure the last.
 
     The measured step is a steady one: the second (optimizer state exists), or for DDP the
@@ -385,8 +417,9 @@ def measure(comp: Composition, cfg: NetConfig, rank: int, world: int, *, steps: 
     )
 
 
-def model_state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[
-        list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+def model_state_tensors(
+    model: nn.Module, opt: torch.optim.Optimizer
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """A rank's parameters, gradients, per-element optimizer state and per-tensor optimizer
     scalars (Adam's ``step``), for measuring their storage bytes."""
     params: list[torch.Tensor] = list(model.parameters())
@@ -415,6 +448,7 @@ def _stage(runner: Runner) -> Stage:
 def fake_group(world: int, rank: int = 0) -> Callable[[], None]:
     """Start a fake process group of ``world`` ranks seen from ``rank``; returns its teardown."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)

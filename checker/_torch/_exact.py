@@ -90,14 +90,21 @@ def cases(world: int) -> list[Case]:
     w, half = world, world // 2
     two_d = world % 4 == 0
     valid = [
-        Case(f"ddp{w}"), Case(f"fsdp{w}"), Case(f"fsdp-sgo{w}"), Case(f"zero1{w}"),
-        Case(f"tp{w}"), Case(f"tp{w}xsp"),
+        Case(f"ddp{w}"),
+        Case(f"fsdp{w}"),
+        Case(f"fsdp-sgo{w}"),
+        Case(f"zero1{w}"),
+        Case(f"tp{w}"),
+        Case(f"tp{w}xsp"),
         *([Case(f"tp2xfsdp{half}"), Case(f"hsdp{half}xdpr2")] if two_d else []),
-        Case(f"pp{w}xm{2 * w}xgpipe"), Case(f"pp{w}xm{2 * w}"),
+        Case(f"pp{w}xm{2 * w}xgpipe"),
+        Case(f"pp{w}xm{2 * w}"),
     ]
     faults = [
-        Case(f"ddp{w}", Fault.SKIP_REDUCTION), Case(f"zero1{w}", Fault.NO_REFRESH),
-        Case(f"tp{w}xsp", Fault.SKIP_SP_REDUCTION), Case(f"pp{w}xm{2 * w}", Fault.NO_BACKWARD_SEND),
+        Case(f"ddp{w}", Fault.SKIP_REDUCTION),
+        Case(f"zero1{w}", Fault.NO_REFRESH),
+        Case(f"tp{w}xsp", Fault.SKIP_SP_REDUCTION),
+        Case(f"pp{w}xm{2 * w}", Fault.NO_BACKWARD_SEND),
         *([Case(f"hsdp{half}xdpr2", Fault.SKIP_DPR_REDUCTION)] if two_d else []),
     ]
     return valid + faults
@@ -136,8 +143,9 @@ def faulty_program(comp: Composition, fault: Fault, cfg: NetConfig | None = None
     if fault is Fault.NONE:
         return program
     phase, axis, kinds = _SKIPPED[fault]
-    return program.with_ops(op for op in program.ops
-                            if not (op.phase is phase and (axis is None or op.axis is axis) and op.kind in kinds))
+    return program.with_ops(
+        op for op in program.ops if not (op.phase is phase and (axis is None or op.axis is axis) and op.kind in kinds)
+    )
 
 
 _REDUCTIONS = frozenset({OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER})
@@ -165,8 +173,10 @@ def z3_status(case: Case, world: int) -> Status | None:
 
 # ---- single device ------------------------------------------------------------------------
 
-def reference(cfg: NetConfig, replicas: int, dtype: torch.dtype = torch.float32,
-              steps: int = STEPS, micro_batches: int = 1) -> dict[str, torch.Tensor]:
+
+def reference(
+    cfg: NetConfig, replicas: int, dtype: torch.dtype = torch.float32, steps: int = STEPS, micro_batches: int = 1
+) -> dict[str, torch.Tensor]:
     """Single-device SGD on the global batch (``batch x micro_batches`` samples per replica,
     as ``Runner.step_data`` draws it); the loss is the mean over the replicas' and
     micro-batches' shares."""
@@ -194,8 +204,10 @@ def reference_is_exact(cfg: NetConfig, replicas: int, micro_batches: int = 1) ->
 
 # ---- distributed (one process per rank) -----------------------------------------------------
 
+
 def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
+
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
@@ -235,13 +247,22 @@ def _keep_partial_gradients(skipped: list[int]) -> Callable[[nn.Module], None]:
             if isinstance(g, DTensor) and isinstance(p, DTensor) and any(x.is_partial() for x in g.placements):
                 p.grad = DTensor.from_local(g.to_local(), g.device_mesh, p.placements, run_check=False)
                 skipped[0] += 1
+
     return keep
 
 
 def _run_case(case: Case, rank: int, world: int) -> dict[str, torch.Tensor]:
     comp = parse(case.composition, devices=world)
-    runner = Runner(comp, config_for(comp), rank, world, fake=False, lr=LR, optimizer="sgd",
-                    stage_input_grads=case.fault is not Fault.NO_BACKWARD_SEND)
+    runner = Runner(
+        comp,
+        config_for(comp),
+        rank,
+        world,
+        fake=False,
+        lr=LR,
+        optimizer="sgd",
+        stage_input_grads=case.fault is not Fault.NO_BACKWARD_SEND,
+    )
     model, schedule = runner.build()
     opt = runner._optimizer(model)
     skipped = [0]
@@ -250,6 +271,7 @@ def _run_case(case: Case, rank: int, world: int) -> dict[str, torch.Tensor]:
 
         def no_refresh() -> None:  # the injected fault
             skipped[0] += 1
+
         opt._sync_params = no_refresh  # type: ignore[attr-defined]
     for step in range(STEPS):  # dbg
         match case.fault:
@@ -264,6 +286,7 @@ def _run_case(case: Case, rank: int, world: int) -> dict[str, torch.Tensor]:
             case Fault.SKIP_DPR_REDUCTION:
                 assert runner.engine is Engine.HSDP
                 from torch.distributed.tensor import DTensor
+
                 sharded = next(p for p in model.parameters())
                 assert isinstance(sharded, DTensor)
                 dpr = sharded.device_mesh.get_group("dpr")
@@ -297,8 +320,9 @@ def _worker(rank: int, world: int, port: int, out: str, labels: list[tuple[str, 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     # A wedged collective (one rank failing while the others wait) ends the run instead of hanging.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(minutes=5))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(minutes=5)
+    )
     try:
         results: dict[str, dict[str, torch.Tensor]] = {}
         for comp_text, fault in labels:
@@ -358,11 +382,23 @@ def equivalence(world: int, selected: list[Case] | None = None) -> list[Outcome]
         diff = max(float((s[k] - ref[k]).abs().max()) for s in states for k in s)
         matches = all(torch.equal(s[k], ref[k]) for s in states for k in s)
         agree = all(torch.equal(s[k], t[k]) for s in states for t in states for k in s.keys() & t.keys())
-        shared = any(len(s.keys() & t.keys()) > 0 for i, s in enumerate(states) for t in states[i + 1:])
+        shared = any(len(s.keys() & t.keys()) > 0 for i, s in enumerate(states) for t in states[i + 1 :])
         premise = reference_is_exact(setup.cfg, setup.replicas, setup.micro_batches)
         out.append(Outcome(case, world, matches, agree, shared, diff, z3_status(case, world), premise))
     return out
 
 
-__all__ = ["EXACT", "Case", "Fault", "Outcome", "Setup", "cases", "config_for", "equivalence", "faulty_program",
-           "reference_is_exact", "replace", "setup_for"]
+__all__ = [
+    "EXACT",
+    "Case",
+    "Fault",
+    "Outcome",
+    "Setup",
+    "cases",
+    "config_for",
+    "equivalence",
+    "faulty_program",
+    "reference_is_exact",
+    "replace",
+    "setup_for",
+]

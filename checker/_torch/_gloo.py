@@ -63,11 +63,13 @@ def _worker(rank: int, world: int, port: int, out: str, texts: list[str], with_f
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
+
     torch.set_num_threads(1)
     cfg = NetConfig()
     gloo: dict[str, tuple[Measured, float]] = {}
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=_TIMEOUT)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=_TIMEOUT
+    )
     try:
         for text in texts:
             start = time.perf_counter()
@@ -96,8 +98,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def measure_world(world: int, texts: tuple[str, ...] | None = None,
-                  with_fake: bool = True) -> list[RankMeasurement]:
+def measure_world(world: int, texts: tuple[str, ...] | None = None, with_fake: bool = True) -> list[RankMeasurement]:
     """Run ``texts`` (default: ``GLOO_COMPOSITIONS[world]``) on ``world`` gloo processes, one
     spawn for all of them; every rank's measurements, in composition order, then rank order."""
     chosen = list(texts if texts is not None else GLOO_COMPOSITIONS[world])
@@ -129,8 +130,16 @@ def compare(m: RankMeasurement, world: int) -> GlooComparison:
     comp = parse(m.composition, devices=world)
     predicted = predict(comp, NetConfig().formal(), rank=m.rank)
     rows = (*state_rows(predicted, measured), Row("activations", predicted.activations, measured.activations))
-    c = Comparison(comp, measured.engine.value, measured.stage, rows, predicted.calls,
-                   tuple(sorted(measured.calls)), m.seconds, m.rank)
+    c = Comparison(
+        comp,
+        measured.engine.value,
+        measured.stage,
+        rows,
+        predicted.calls,
+        tuple(sorted(measured.calls)),
+        m.seconds,
+        m.rank,
+    )
     return GlooComparison(c, None if m.fake is None else differences(measured, m.fake))
 
 
@@ -146,29 +155,43 @@ def _pct(x: float) -> str:
 def format_gloo_table(world: int, results: list[GlooComparison], seconds: float) -> str:
     """One line per composition and rank: model states, activations, collectives, and whether
     the gloo measurement equals the fake group's for that rank."""
-    head = (f"{'composition':<14}{'rank':>5} {'stage':<7}{'model states pred':>18}{'measured':>10}{'err':>7}"
-            f"{'activ. pred':>12}{'measured':>10}{'err':>8}{'calls pred':>11}{'recorded':>9}{'equal':>7}"
-            f"{'= fake':>8}")
+    head = (
+        f"{'composition':<14}{'rank':>5} {'stage':<7}{'model states pred':>18}{'measured':>10}{'err':>7}"
+        f"{'activ. pred':>12}{'measured':>10}{'err':>8}{'calls pred':>11}{'recorded':>9}{'equal':>7}"
+        f"{'= fake':>8}"
+    )
     lines = [f"world {world} (gloo, {world} processes, every rank): {seconds:.1f} s", head, "-" * len(head)]
     for g in results:
         c = g.comparison
         ms, act = c.row("model states"), c.row("activations")
         fake = "-" if g.equal_to_fake is None else str(g.equal_to_fake)
-        lines.append(f"{c.composition!s:<14}{c.rank:>5} {c.stage:<7}{ms.predicted:>18}{ms.measured:>10}"
-                     f"{_pct(ms.error):>7}{act.predicted:>12}{act.measured:>10}{_pct(act.error):>8}"
-                     f"{len(c.predicted_calls):>11}{len(c.measured_calls):>9}{c.calls_equal!s:>7}{fake:>8}")
+        lines.append(
+            f"{c.composition!s:<14}{c.rank:>5} {c.stage:<7}{ms.predicted:>18}{ms.measured:>10}"
+            f"{_pct(ms.error):>7}{act.predicted:>12}{act.measured:>10}{_pct(act.error):>8}"
+            f"{len(c.predicted_calls):>11}{len(c.measured_calls):>9}{c.calls_equal!s:>7}{fake:>8}"
+        )
         if g.fake_differences:
             lines.append(f"{'':<20}gloo differs from the fake group in: {', '.join(g.fake_differences)}")
     n = len(results)
     cs = [g.comparison for g in results]
     worst = max(cs, key=lambda c: abs(c.row("activations").error))
-    lines.append(f"model states exact in {sum(c.model_states_exact for c in cs)}/{n}, "
-                 f"collective lists equal in {sum(c.calls_equal for c in cs)}/{n}, "
-                 f"activations within {ACTIVATION_TOLERANCE:.0%} in {sum(c.activations_within for c in cs)}/{n} "
-                 f"(worst {_pct(worst.row('activations').error)}: {worst.composition} rank {worst.rank}), "
-                 f"equal to the fake group in {sum(g.equal_to_fake is True for g in results)}/{n}")
+    lines.append(
+        f"model states exact in {sum(c.model_states_exact for c in cs)}/{n}, "
+        f"collective lists equal in {sum(c.calls_equal for c in cs)}/{n}, "
+        f"activations within {ACTIVATION_TOLERANCE:.0%} in {sum(c.activations_within for c in cs)}/{n} "
+        f"(worst {_pct(worst.row('activations').error)}: {worst.composition} rank {worst.rank}), "
+        f"equal to the fake group in {sum(g.equal_to_fake is True for g in results)}/{n}"
+    )
     return "\n".join(lines)
 
 
-__all__ = ["GLOO_COMPOSITIONS", "GlooComparison", "RankMeasurement", "compare", "compare_world",
-           "differences", "format_gloo_table", "measure_world"]
+__all__ = [
+    "GLOO_COMPOSITIONS",
+    "GlooComparison",
+    "RankMeasurement",
+    "compare",
+    "compare_world",
+    "differences",
+    "format_gloo_table",
+    "measure_world",
+]

@@ -52,8 +52,7 @@ def _forkserver() -> multiprocessing.context.ForkServerContext:
     return _CONTEXT
 
 
-def run_isolated(fn: Callable[..., Any], args: tuple[Any, ...], what: str,
-                 timeout_s: float | None = None) -> Any:
+def run_isolated(fn: Callable[..., Any], args: tuple[Any, ...], what: str, timeout_s: float | None = None) -> Any:
     """``fn(*args)`` in a fresh child of the forkserver; its return value, or its exception
     re-raised here. ``fn`` must be a module-level function (it is pickled by name)."""
     limit = CHILD_TIMEOUT_S if timeout_s is None else timeout_s
@@ -63,29 +62,35 @@ def run_isolated(fn: Callable[..., Any], args: tuple[Any, ...], what: str,
         try:
             return result.get(timeout=limit)
         except multiprocessing.TimeoutError:
-            raise MeasurementTimeout(f"{what}: the measurement did not finish in {limit:g} s; "
-                                     "its process was killed") from None
+            raise MeasurementTimeout(
+                f"{what}: the measurement did not finish in {limit:g} s; its process was killed"
+            ) from None
     finally:
         pool.terminate()
         pool.join()
 
 
-def run_world(fn: Callable[..., Any], args: tuple[Any, ...], world: int, what: str,
-              timeout_s: float | None = None) -> None:
+def run_world(
+    fn: Callable[..., Any], args: tuple[Any, ...], world: int, what: str, timeout_s: float | None = None
+) -> None:
     """``fn(rank, *args)`` on ``world`` freshly spawned processes, waited on together with one
     deadline. A rank that raises fails the run (the others are killed), as ``torch``'s
     ``spawn(join=True)`` does, but a rank that never returns fails it too."""
     import torch.multiprocessing as mp
 
     limit = WORLD_TIMEOUT_S if timeout_s is None else timeout_s
-    context = mp.start_processes(fn, args=args, nprocs=world, join=False,  # type: ignore[attr-defined, no-untyped-call]
-                                 start_method="spawn")
+    context = mp.start_processes(  # type: ignore[attr-defined, no-untyped-call]
+        fn,
+        args=args,
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
     deadline = time.monotonic() + limit
     try:
         while not context.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
-                raise MeasurementTimeout(f"{what}: {world} processes did not finish in {limit:g} s; "
-                                         "they were killed")
+                raise MeasurementTimeout(f"{what}: {world} processes did not finish in {limit:g} s; they were killed")
     finally:
         for p in context.processes:
             if p.is_alive():

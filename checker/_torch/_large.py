@@ -44,11 +44,20 @@ from checker._torch._record import CommRecorder, SavedActivations, _Held, storag
 # number of dispatched ops (the cost of a fake step) small; the vocabulary makes the logits count.
 LARGE = NetConfig(layers=8, hidden=2048, heads=16, vocab=32000, seq=1024, batch=1)
 LARGE_COMPOSITIONS: tuple[str, ...] = (
-    "fsdp8", "fsdp-sgo8", "tp8", "tp8xsp", "tp2xfsdp4", "hsdp4xdpr2", "pp8xm16xgpipe", "pp8xm16",
+    "fsdp8",
+    "fsdp-sgo8",
+    "tp8",
+    "tp8xsp",
+    "tp2xfsdp4",
+    "hsdp4xdpr2",
+    "pp8xm16xgpipe",
+    "pp8xm16",
 )
 # (composition, rank): rank 0 of each, and the last pipeline stage (the output layer and loss).
 LARGE_RUNS: tuple[tuple[str, int], ...] = (
-    *((t, 0) for t in LARGE_COMPOSITIONS), ("pp8xm16xgpipe", 7), ("pp8xm16", 7),
+    *((t, 0) for t in LARGE_COMPOSITIONS),
+    ("pp8xm16xgpipe", 7),
+    ("pp8xm16", 7),
 )
 
 
@@ -145,6 +154,7 @@ def _module_names(model: nn.Module, saved: _Attributing) -> Iterator[None]:
         saved.where = stack.pop() if stack else "(outside modules)"
 
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
     handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
     try:
         yield
@@ -167,6 +177,7 @@ class _Propagation:
     @contextmanager
     def marked(cls) -> Iterator[None]:
         from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
         original = ShardingPropagator._propagate_tensor_meta_non_cached
 
         def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -214,12 +225,15 @@ def _tracker(runner: Runner, model: nn.Module, opt: torch.optim.Optimizer) -> An
             super()._update_peak_stats(peak_state)  # type: ignore[misc]
 
     if runner.engine in (Engine.FSDP, Engine.FSDP_TP, Engine.HSDP):
+
         class _FSDP(_Max, FSDPMemTracker):  # type: ignore[no-untyped-call]
             pass
+
         return _FSDP(model, opt)
 
     class _Plain(_Max, MemTracker):  # type: ignore[no-untyped-call]
         pass
+
     t = _Plain()
     t.track_external(model, opt)
     return t
@@ -256,8 +270,14 @@ def measure_large(text: str, cfg: NetConfig = LARGE, rank: int = 0) -> LargeResu
             tracker = _tracker(runner, model, opt)
             saved = _Attributing([model])
             recorder = CommRecorder()
-            with _Propagation.marked(), tracker, recorder, _Functions(saved), _module_names(model, saved), \
-                    saved.track():
+            with (
+                _Propagation.marked(),
+                tracker,
+                recorder,
+                _Functions(saved),
+                _module_names(model, saved),
+                saved.track(),
+            ):
                 runner.step(model, schedule, opt, 1)
             measured = _measured(runner, model, opt, recorder)
             tracked = _tracked(tracker, opt, measured)
@@ -269,9 +289,14 @@ def measure_large(text: str, cfg: NetConfig = LARGE, rank: int = 0) -> LargeResu
 def _measured(runner: Runner, model: nn.Module, opt: torch.optim.Optimizer, recorder: CommRecorder) -> Measured:
     params, grads, per_element, scalars = model_state_tensors(model, opt)
     return Measured(
-        parameters=storage_bytes(params), gradients=storage_bytes(grads), optimizer=storage_bytes(per_element),
-        optimizer_scalars=storage_bytes(scalars), activations=0, calls=tuple(recorder.calls),
-        stage=_stage(runner), engine=runner.engine,
+        parameters=storage_bytes(params),
+        gradients=storage_bytes(grads),
+        optimizer=storage_bytes(per_element),
+        optimizer_scalars=storage_bytes(scalars),
+        activations=0,
+        calls=tuple(recorder.calls),
+        stage=_stage(runner),
+        engine=runner.engine,
     )
 
 
@@ -282,8 +307,15 @@ def _tracked(tracker: Any, opt: torch.optim.Optimizer, measured: Measured) -> Tr
     params = end["Sharded Param"] + end["Unsharded Param"] if fsdp else end["Parameter"]
     grads = end["Sharded Grad"] + end["Unsharded Grad"] if fsdp else end["Gradient"]
     opt_key = "OptState" if fsdp else "Optstate"
-    return Tracked(type(tracker).__mro__[2].__name__, end, peak, int(tracker.activation_max), params, grads,
-                   end[opt_key] - measured.optimizer_scalars)
+    return Tracked(
+        type(tracker).__mro__[2].__name__,
+        end,
+        peak,
+        int(tracker.activation_max),
+        params,
+        grads,
+        end[opt_key] - measured.optimizer_scalars,
+    )
 
 
 def compare_large(text: str, cfg: NetConfig = LARGE, rank: int = 0) -> tuple[Comparison, LargeResult]:
@@ -302,8 +334,9 @@ def compare_large(text: str, cfg: NetConfig = LARGE, rank: int = 0) -> tuple[Com
         Row("tracker optimizer", predicted.optimizer, t.optimizer),
         Row("activations", predicted.activations, t.activation_max),
     )
-    comparison = Comparison(comp, m.engine.value, m.stage, rows, predicted.calls, tuple(sorted(m.calls)),
-                            result.seconds, rank)
+    comparison = Comparison(
+        comp, m.engine.value, m.stage, rows, predicted.calls, tuple(sorted(m.calls)), result.seconds, rank
+    )
     return comparison, result
 
 
@@ -316,30 +349,37 @@ def large_ok(c: Comparison, r: LargeResult) -> bool:
     """Model states exact (storages and tracker), collectives equal, activations within the
     tolerance of both MemTracker and SavedActivations."""
     from checker._torch._compare import ACTIVATION_TOLERANCE
+
     return c.ok and abs(saved_row(c, r).error) <= ACTIVATION_TOLERANCE
 
 
 def format_large(results: Sequence[tuple[Comparison, LargeResult]], cfg: NetConfig = LARGE) -> str:
     """One line per composition, then what was saved for backward, by op, for each."""
     from checker._torch._compare import pct as _pct
+
     params = cfg.formal().parameter_count()
-    head = (f"{'composition':<14}{'rank':>5}{'model states pred':>18}{'measured':>11}{'tracker':>11}{'err':>7}"
-            f"{'activ. pred':>13}{'MemTracker':>13}{'err':>8}{'saved':>13}{'err':>8}"
-            f"{'calls':>6}{'equal':>6}{'s':>6}")
-    lines = [f"{cfg}: {params / 1e6:.0f} M parameters, fp32 Adam, world 8, FakeTensorMode",
-             head, "-" * len(head)]
+    head = (
+        f"{'composition':<14}{'rank':>5}{'model states pred':>18}{'measured':>11}{'tracker':>11}{'err':>7}"
+        f"{'activ. pred':>13}{'MemTracker':>13}{'err':>8}{'saved':>13}{'err':>8}"
+        f"{'calls':>6}{'equal':>6}{'s':>6}"
+    )
+    lines = [f"{cfg}: {params / 1e6:.0f} M parameters, fp32 Adam, world 8, FakeTensorMode", head, "-" * len(head)]
     for c, r in results:
         ms, act, sv = c.row("model states"), c.row("activations"), saved_row(c, r)
         tracker = r.tracked.parameters + r.tracked.gradients + r.tracked.optimizer
         exact = "exact" if c.model_states_exact else _pct(ms.error)
-        lines.append(f"{c.composition!s:<14}{c.rank:>5}{ms.predicted:>18}{ms.measured:>11}{tracker:>11}{exact:>7}"
-                     f"{act.predicted:>13}{act.measured:>13}{_pct(act.error):>8}{sv.measured:>13}{_pct(sv.error):>8}"
-                     f"{len(c.measured_calls):>6}{c.calls_equal!s:>6}{c.seconds:>6.1f}")
+        lines.append(
+            f"{c.composition!s:<14}{c.rank:>5}{ms.predicted:>18}{ms.measured:>11}{tracker:>11}{exact:>7}"
+            f"{act.predicted:>13}{act.measured:>13}{_pct(act.error):>8}{sv.measured:>13}{_pct(sv.error):>8}"
+            f"{len(c.measured_calls):>6}{c.calls_equal!s:>6}{c.seconds:>6.1f}"
+        )
     worst = max(results, key=lambda cr: abs(cr[0].row("activations").error))[0]
-    lines.append(f"worst MemTracker activation error: {_pct(worst.row('activations').error)} "
-                 f"({worst.composition}, rank {worst.rank}); model states exact in "
-                 f"{sum(c.model_states_exact for c, _ in results)}/{len(results)}, collective lists equal in "
-                 f"{sum(c.calls_equal for c, _ in results)}/{len(results)}")
+    lines.append(
+        f"worst MemTracker activation error: {_pct(worst.row('activations').error)} "
+        f"({worst.composition}, rank {worst.rank}); model states exact in "
+        f"{sum(c.model_states_exact for c, _ in results)}/{len(results)}, collective lists equal in "
+        f"{sum(c.calls_equal for c, _ in results)}/{len(results)}"
+    )
     for c, r in results:
         lines.append(f"{c.composition} rank {c.rank}: saved for backward at the peak, by module and function (bytes)")
         for label, nbytes in r.saved.by_op.items():
@@ -348,5 +388,16 @@ def format_large(results: Sequence[tuple[Comparison, LargeResult]], cfg: NetConf
     return "\n".join(lines)
 
 
-__all__ = ["LARGE", "LARGE_COMPOSITIONS", "LARGE_RUNS", "LargeResult", "Saved", "Tracked", "compare_large",
-           "format_large", "large_ok", "measure_large", "saved_row"]
+__all__ = [
+    "LARGE",
+    "LARGE_COMPOSITIONS",
+    "LARGE_RUNS",
+    "LargeResult",
+    "Saved",
+    "Tracked",
+    "compare_large",
+    "format_large",
+    "large_ok",
+    "measure_large",
+    "saved_row",
+]

@@ -46,8 +46,15 @@ class NetConfig:
     def formal(self) -> Transformer:
         """The formal description of this model (parameter groups and activation sizes)."""
         return Transformer(
-            "torch-small", layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab,
-            seq=self.seq, micro_batch=self.batch, learned_positions=False, tied_embeddings=False,
+            "torch-small",
+            layers=self.layers,
+            hidden=self.hidden,
+            heads=self.heads,
+            vocab=self.vocab,
+            seq=self.seq,
+            micro_batch=self.batch,
+            learned_positions=False,
+            tied_embeddings=False,
             source="checker._torch._net: the model the PyTorch engines run",
         )
 

@@ -182,8 +182,9 @@ def on_stage(pl: Placement, t: Tensor, rank: int) -> bool:
     return stage == Stage.LAST
 
 
-def predict(comp: Composition, model: Transformer, impl: Implementation = Implementation(),
-            rank: int = 0) -> Prediction:
+def predict(
+    comp: Composition, model: Transformer, impl: Implementation = Implementation(), rank: int = 0
+) -> Prediction:
     """Per-rank model-state bytes, activation bytes and collective calls of one steady step."""
     precision = impl.precision()
     pl = comp.placement(model)
@@ -204,8 +205,14 @@ def predict(comp: Composition, model: Transformer, impl: Implementation = Implem
     return Prediction(_int(mem.parameters.total), _int(grads), _int(mem.optimizer.total), _int(act), calls, stage)
 
 
-def _sequence_parallel_gathered_inputs(pl: Placement, model: Transformer, impl: Implementation,
-                                       precision: Precision, stage: Stage, index: int | None = None) -> sp.Expr:
+def _sequence_parallel_gathered_inputs(
+    pl: Placement,
+    model: Transformer,
+    impl: Implementation,
+    precision: Precision,
+    stage: Stage,
+    index: int | None = None,
+) -> sp.Expr:
     t = pl.degree(Axis.TP)
     if not impl.sp_saves_gathered_inputs or t == 1 or not pl.mode(A, _layer_io(), Axis.TP).is_sharded:
         return sp.Integer(0)
@@ -223,8 +230,14 @@ def _has_ddp_buckets(program: StepProgram) -> bool:
 
 
 def _ddp_reduced_bytes(program: StepProgram, precision: Precision) -> sp.Expr:
-    return sum((op.elements * precision.bytes_of(G) for op in program.ops
-                if op.kind is OpKind.ALL_REDUCE and op.state is G and op.axis is Axis.DP), sp.Integer(0))
+    return sum(
+        (
+            op.elements * precision.bytes_of(G)
+            for op in program.ops
+            if op.kind is OpKind.ALL_REDUCE and op.state is G and op.axis is Axis.DP
+        ),
+        sp.Integer(0),
+    )
 
 
 def _embedding_gradient_replicas(pl: Placement, model: Transformer, precision: Precision, stage: Stage) -> sp.Expr:
@@ -240,8 +253,9 @@ def _embedding_gradient_replicas(pl: Placement, model: Transformer, precision: P
     return (shard * pl.degree(Axis.TP) - shard) * precision.bytes_of(G)
 
 
-def _calls(pl: Placement, program: StepProgram, model: Transformer, impl: Implementation,
-           precision: Precision, rank: int) -> Iterator[Call]:
+def _calls(
+    pl: Placement, program: StepProgram, model: Transformer, impl: Implementation, precision: Precision, rank: int
+) -> Iterator[Call]:
     tensors = parameter_tensors(model)
     stage = stage_of(pl, rank)
     p = int(pl.degree(Axis.PP))
@@ -270,8 +284,9 @@ def _calls(pl: Placement, program: StepProgram, model: Transformer, impl: Implem
     yield from _loss_parallel_calls(pl, model, impl, stage)
 
 
-def _state_calls(pl: Placement, op: Op, n: int, wire: int, count: int, ts: list[Tensor],
-                 impl: Implementation) -> Iterator[Call]:
+def _state_calls(
+    pl: Placement, op: Op, n: int, wire: int, count: int, ts: list[Tensor], impl: Implementation
+) -> Iterator[Call]:
     """Per-tensor calls (DTensor); FSDP-unit and DDP-bucket calls are emitted elsewhere."""
     if op.axis in (Axis.DP, Axis.DPR) and op.state in (P, G):
         return  # cut into FSDP units or DDP buckets below
@@ -294,8 +309,9 @@ def _units(pl: Placement, ts: list[Tensor], state: State, skip: Axis) -> dict[st
     return out
 
 
-def _fsdp_unit_calls(pl: Placement, program: StepProgram, ts: list[Tensor], impl: Implementation,
-                     precision: Precision, stage: Stage) -> Iterator[Call]:
+def _fsdp_unit_calls(
+    pl: Placement, program: StepProgram, ts: list[Tensor], impl: Implementation, precision: Precision, stage: Stage
+) -> Iterator[Call]:
     seen: set[tuple[OpKind, Axis, str]] = set()
     for op in program.ops:
         if op.axis not in (Axis.DP, Axis.DPR) or op.state not in (P, G):
@@ -311,14 +327,19 @@ def _fsdp_unit_calls(pl: Placement, program: StepProgram, ts: list[Tensor], impl
         # Elements along the op's axis: the unit's shard on the other axes (HSDP's all-reduce
         # along dpr acts on the dp shard).
         for unit, elements in sorted(_units(pl, ts, op.state, op.axis).items()):
-            if unit == "root" and op.kind is OpKind.ALL_GATHER and op.phase.value == "backward" \
-                    and impl.fsdp_root_unsharded:
+            if (
+                unit == "root"
+                and op.kind is OpKind.ALL_GATHER
+                and op.phase.value == "backward"
+                and impl.fsdp_root_unsharded
+            ):
                 continue
             yield from [Call(op.kind, n, _int(elements) * wire)] * _int(op.count)
 
 
-def _ddp_bucket_calls(pl: Placement, program: StepProgram, ts: list[Tensor], impl: Implementation,
-                      precision: Precision) -> Iterator[Call]:
+def _ddp_bucket_calls(
+    pl: Placement, program: StepProgram, ts: list[Tensor], impl: Implementation, precision: Precision
+) -> Iterator[Call]:
     if not _has_ddp_buckets(program):
         return
     n = int(pl.degree(Axis.DP))
@@ -347,6 +368,7 @@ def _loss_parallel_calls(pl: Placement, model: Transformer, impl: Implementation
 
 def _layer_io() -> Group:
     from formal._vocab import LAYER_IO
+
     return LAYER_IO
 
 

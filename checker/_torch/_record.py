@@ -75,6 +75,7 @@ def _nbytes(ts: Iterable[torch.Tensor]) -> int:
 def _group_size(arg: Any) -> int:
     if isinstance(arg, str):
         from torch.distributed.distributed_c10d import _resolve_process_group  # type: ignore[attr-defined]
+
         return int(_resolve_process_group(arg).size())  # type: ignore[arg-type]
     if isinstance(arg, int):
         return arg
@@ -97,6 +98,7 @@ class CommRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         from torch.distributed.tensor import DTensor
+
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
         ns, name = func.namespace, func._schema.name.split("::")[-1]
@@ -148,6 +150,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor under wrapper subclasses: a DTensor's local shard, the value of a
     functional collective's ``AsyncCollectiveTensor`` (or the tensor itself)."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
     while is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
         t = getattr(t, attrs[0])

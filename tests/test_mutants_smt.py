@@ -40,8 +40,9 @@ def composition_verdict(text: str, model: Model) -> Verdict:
     return decide(composition, derive_program(composition.placement(model), model), model)
 
 
-def judged(text: str, edit: Edit | None = None, *, strategies: str | None = None,
-           tied: bool = True) -> tuple[Verdict, bool]:
+def judged(
+    text: str, edit: Edit | None = None, *, strategies: str | None = None, tied: bool = True
+) -> tuple[Verdict, bool]:
     """z3's verdict on the (edited) program of ``text`` over the smallest reference model its
     degrees divide, and whether the simulated mesh matches single-device training on it."""
     file = loads(strategies) if strategies is not None else None
@@ -57,11 +58,13 @@ def judged(text: str, edit: Edit | None = None, *, strategies: str | None = None
 
 def after(selected: Callable[[Op], bool], extra: Callable[[Op], list[Op]]) -> Edit:
     """Insert ``extra(op)`` after every selected op."""
+
     def edit(ops: list[Op]) -> Iterable[Op]:
         for op in ops:
             yield op
             if selected(op):
                 yield from extra(op)
+
     return edit
 
 
@@ -85,8 +88,7 @@ def test_tp16_on_llama2_70b_breaks_only_the_kv_head_rule() -> None:
     # hidden 8192, FFN 28672, vocabulary 32000. Every size but the kv heads divides by 16.
     model = PRESETS["llama2-70b"]
     assert isinstance(model, Transformer)
-    assert model.kv_heads_ % 16 and not (model.heads % 16 or model.hidden % 16 or model.ffn_ % 16
-                                         or model.vocab % 16)
+    assert model.kv_heads_ % 16 and not (model.heads % 16 or model.hidden % 16 or model.ffn_ % 16 or model.vocab % 16)
     verdict = composition_verdict("tp16", model)
     assert verdict.condition_status(Condition.COMPOSITION) is Status.REFUTED
     assert rules(verdict) == {"divides[kv_heads, tp]"}
@@ -160,12 +162,23 @@ def test_two_means_are_exact_beyond_eight_devices() -> None:
 def test_sum_then_one_over_d_then_mean_is_exact_beyond_eight_devices() -> None:
     # sum over 16 devices, x 1/16, then a mean of 16 equal copies: the mean, on every device.
     def summed_scaled_averaged(op: Op) -> list[Op]:
-        return [Op(OpKind.SCALE, G, op.group, Axis.DP, Phase.GRAD_SYNC, scale=sp.Rational(1, 16)),
-                replace(op, reduce=Reduce.MEAN)]
+        return [
+            Op(OpKind.SCALE, G, op.group, Axis.DP, Phase.GRAD_SYNC, scale=sp.Rational(1, 16)),
+            replace(op, reduce=Reduce.MEAN),
+        ]
 
-    verdict, matches = judged("dp16", lambda ops: [
-        new for op in ops for new in ([replace(op, reduce=Reduce.SUM), *summed_scaled_averaged(op)]
-                                      if gradient(OpKind.ALL_REDUCE)(op) else [op])])
+    verdict, matches = judged(
+        "dp16",
+        lambda ops: [
+            new
+            for op in ops
+            for new in (
+                [replace(op, reduce=Reduce.SUM), *summed_scaled_averaged(op)]
+                if gradient(OpKind.ALL_REDUCE)(op)
+                else [op]
+            )
+        ],
+    )
     assert matches and verdict.status is Status.PROVED
 
 
@@ -177,17 +190,22 @@ def test_averaging_a_complete_replicated_gradient_beyond_eight_devices_is_exact(
             return [Op(OpKind.ALL_REDUCE, G, op.group, Axis.TP, Phase.GRAD_SYNC, reduce=Reduce.MEAN)]
         return []
 
-    verdict, matches = judged("tp16", after(
-        lambda op: op.kind is OpKind.COMPUTE and op.phase is Phase.BACKWARD, mean_of_norms))
+    verdict, matches = judged(
+        "tp16", after(lambda op: op.kind is OpKind.COMPUTE and op.phase is Phase.BACKWARD, mean_of_norms)
+    )
     assert matches and verdict.status is Status.PROVED
 
 
 def test_reducing_a_complete_tp_sharded_gradient_mixes_shards() -> None:
     # tp ranks hold different slices of a matrix's gradient, each complete: averaging them
     # across tp puts another slice's values into every rank's.
-    verdict, matches = judged("tp2", after(
-        lambda op: op.kind is OpKind.COMPUTE and op.phase is Phase.BACKWARD and op.group.name == "attention",
-        lambda op: [Op(OpKind.ALL_REDUCE, G, op.group, Axis.TP, Phase.GRAD_SYNC, reduce=Reduce.MEAN)]))
+    verdict, matches = judged(
+        "tp2",
+        after(
+            lambda op: op.kind is OpKind.COMPUTE and op.phase is Phase.BACKWARD and op.group.name == "attention",
+            lambda op: [Op(OpKind.ALL_REDUCE, G, op.group, Axis.TP, Phase.GRAD_SYNC, reduce=Reduce.MEAN)],
+        ),
+    )
     assert not matches
     assert "reduction_closure[G.attention, tp]" in rules(verdict)
 
@@ -262,8 +280,7 @@ def test_a_host_copy_made_before_the_reduction_misses_it() -> None:
 def test_a_host_copy_in_the_backward_holds_no_gradient_yet() -> None:
     # Along tp the gradient is complete after backward and never reduced; a device-to-host copy
     # made in the backward phase still comes before the backward has finished producing it.
-    verdict, matches = judged("tp2xoffload", changed(lambda op: op.kind is OpKind.DEVICE_TO_HOST,
-                                                     phase=Phase.BACKWARD))
+    verdict, matches = judged("tp2xoffload", changed(lambda op: op.kind is OpKind.DEVICE_TO_HOST, phase=Phase.BACKWARD))
     assert not matches
     assert "transfer_after_reduction[G.attention, tp]" in rules(verdict)
 
@@ -289,8 +306,11 @@ def test_gradient_ops_listed_in_the_backward_run_after_it() -> None:
     # optimizer's, as it would be in gradient synchronisation.
     def scatter_in_backward(offset: int) -> Edit:
         def edit(ops: list[Op]) -> list[Op]:
-            scatters = {op.group: replace(op, phase=Phase.BACKWARD, offset=offset) for op in ops
-                        if gradient(OpKind.REDUCE_SCATTER)(op)}
+            scatters = {
+                op.group: replace(op, phase=Phase.BACKWARD, offset=offset)
+                for op in ops
+                if gradient(OpKind.REDUCE_SCATTER)(op)
+            }
             out: list[Op] = []
             for op in ops:
                 if gradient(OpKind.REDUCE_SCATTER)(op):
@@ -299,6 +319,7 @@ def test_gradient_ops_listed_in_the_backward_run_after_it() -> None:
                     out.append(scatters[op.group])  # listed before the backward's read
                 out.append(op)
             return out
+
         return edit
 
     verdict, matches = judged("zero24", scatter_in_backward(0))
@@ -346,8 +367,14 @@ def test_the_optimizer_reads_its_own_state_shard() -> None:
     # ZeRO-1 with a full gradient (all-reduced) and the optimizer step's partition rotated by
     # one: rank i updates element i-1 from the optimizer state of element i that it holds.
     def rotated_step(ops: list[Op]) -> list[Op]:
-        return [replace(op, offset=1) if optimizer_step(op) else
-                replace(op, kind=OpKind.ALL_REDUCE) if gradient(OpKind.REDUCE_SCATTER)(op) else op for op in ops]
+        return [
+            replace(op, offset=1)
+            if optimizer_step(op)
+            else replace(op, kind=OpKind.ALL_REDUCE)
+            if gradient(OpKind.REDUCE_SCATTER)(op)
+            else op
+            for op in ops
+        ]
 
     verdict, matches = judged("zero12", rotated_step)
     assert not matches
@@ -360,13 +387,18 @@ def test_the_optimizer_reads_its_own_state_shard() -> None:
 
 def test_a_broadcast_overwrites_every_other_device() -> None:
     # Broadcasting ZeRO-2's reduce-scattered gradient from rank 0 gives rank 1 rank 0's shard.
-    verdict, matches = judged("zero22", after(gradient(OpKind.REDUCE_SCATTER), lambda op: [
-        Op(OpKind.BROADCAST, G, op.group, Axis.DP, Phase.GRAD_SYNC)]))
+    verdict, matches = judged(
+        "zero22",
+        after(
+            gradient(OpKind.REDUCE_SCATTER), lambda op: [Op(OpKind.BROADCAST, G, op.group, Axis.DP, Phase.GRAD_SYNC)]
+        ),
+    )
     assert not matches
     assert "alignment[O/G.attention, dp]" in rules(verdict)
     # A broadcast of parameters every replica already holds updated changes nothing.
-    verdict, matches = judged("dp2", after(optimizer_step, lambda op: [
-        Op(OpKind.BROADCAST, P, op.group, Axis.DP, Phase.REFRESH)]))
+    verdict, matches = judged(
+        "dp2", after(optimizer_step, lambda op: [Op(OpKind.BROADCAST, P, op.group, Axis.DP, Phase.REFRESH)])
+    )
     assert matches and verdict.status is Status.PROVED
 
 
@@ -374,8 +406,10 @@ def test_a_sharded_gradient_is_kept_only_on_its_shard() -> None:
     # Gradients sharded along dp but the optimizer state replicated: even all-reduced in full,
     # each rank keeps only its gradient shard after synchronisation, and its optimizer, which
     # updates every element, reads the other elements' gradients from nowhere.
-    strategies = ('[strategies.gshard]\naxis = "dp"\nP = "R"\nO = "R"\nG = "S"\n\n'
-                  '[[program]]\nop = "all_reduce"\nstate = "G"\naxis = "dp"\n')
+    strategies = (
+        '[strategies.gshard]\naxis = "dp"\nP = "R"\nO = "R"\nG = "S"\n\n'
+        '[[program]]\nop = "all_reduce"\nstate = "G"\naxis = "dp"\n'
+    )
     verdict, matches = judged("gshard2", strategies=strategies)
     assert not matches
     assert "alignment[O/G.attention, dp]" in rules(verdict)
@@ -403,20 +437,21 @@ def test_a_timeout_is_not_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
     # An unknown answer says only that z3 ran out of time: asked again with time to answer,
     # the same obligations must be decided, not recalled as unknown.
     import formal._smt as smt
+    import formal._solver as solver
 
-    real = smt._solve
+    real = solver.solve
 
-    def gives_up(tracked: smt._Solver, assumptions: object) -> smt._Answer:
+    def gives_up(tracked: solver.Solver, assumptions: object) -> solver.Answer:
         answer = real(tracked, assumptions)  # type: ignore[arg-type]
-        return smt._Answer("unknown", "timeout", (), None, answer.seconds)
+        return solver.Answer("unknown", "timeout", (), None, answer.seconds)
 
     composition = parse("zero24")
     model = PRESETS["gpt3-1.3b"]
     program = derive_program(composition.placement(model), model)
     monkeypatch.setattr(smt, "_MEMO", {})  # this test's own cache, kept across both calls
-    monkeypatch.setattr(smt, "_solve", gives_up)
+    monkeypatch.setattr(solver, "solve", gives_up)
     assert decide(composition, program, model).status is Status.UNKNOWN
-    monkeypatch.setattr(smt, "_solve", real)
+    monkeypatch.setattr(solver, "solve", real)
     assert decide(composition, program, model).status is Status.PROVED
 
 
@@ -424,8 +459,9 @@ def test_a_copy_to_the_host_in_the_forward_finds_the_gradient_buffer_empty_at_ev
     # Gradients are zeroed at the start of every step (PyTorch's optimizer.zero_grad; the
     # simulator's step): a device-to-host copy in the forward finds nothing to copy, at step 1
     # as at step 0, and never the previous step's gradient.
-    verdict, matches = judged("zero22xoffload", changed(lambda op: op.kind is OpKind.DEVICE_TO_HOST,
-                                                        phase=Phase.FORWARD))
+    verdict, matches = judged(
+        "zero22xoffload", changed(lambda op: op.kind is OpKind.DEVICE_TO_HOST, phase=Phase.FORWARD)
+    )
     assert not matches
     attention = {rule for rule in rules(verdict) if ".attention," in rule}
     assert {"transfer_after_reduction[G.attention, dp]", "alignment[O/G.attention, dp]"} <= attention
@@ -442,8 +478,12 @@ def test_a_second_reduce_scatter_reads_freed_slots() -> None:
     def scattered_twice(ops: list[Op]) -> Iterable[Op]:
         for op in ops:
             yield op
-            if (op.state is State.ACTIVATIONS and op.kind is OpKind.REDUCE_SCATTER and op.phase is Phase.FORWARD
-                    and op.group.name == "layer_io"):
+            if (
+                op.state is State.ACTIVATIONS
+                and op.kind is OpKind.REDUCE_SCATTER
+                and op.phase is Phase.FORWARD
+                and op.group.name == "layer_io"
+            ):
                 yield replace(op, reduce=Reduce.MEAN)
 
     verdict, matches = judged("tp2xsp", scattered_twice)
@@ -454,11 +494,18 @@ def test_a_second_reduce_scatter_reads_freed_slots() -> None:
 def test_the_activation_exchange_models_four_tp_ranks() -> None:
     # Up to four devices are explicit in an activation exchange (formal/_activation_flow.py):
     # tp4 without the forward all-reduce leaves each of the four ranks with its partial sum.
-    verdict, matches = judged("tp4", lambda ops: [op for op in ops if not (
-        op.state is State.ACTIVATIONS and op.kind is OpKind.ALL_REDUCE and op.phase is Phase.FORWARD)])
+    verdict, matches = judged(
+        "tp4",
+        lambda ops: [
+            op
+            for op in ops
+            if not (op.state is State.ACTIVATIONS and op.kind is OpKind.ALL_REDUCE and op.phase is Phase.FORWARD)
+        ],
+    )
     assert not matches
-    violation = next(v for v in verdict.violations
-                     if v.rule == "activation_exchange[A.layer_io, tp, forward, all_reduce]")
+    violation = next(
+        v for v in verdict.violations if v.rule == "activation_exchange[A.layer_io, tp, forward, all_reduce]"
+    )
     assert violation.witness["degree"] == 4
     assert {key.split(".")[0] for key in violation.witness["start"]} == {"0", "1", "2", "3"}
 
@@ -472,7 +519,11 @@ def test_reducing_a_complete_gradient_over_one_device_is_the_identity() -> None:
         return lambda op: [Op(OpKind.ALL_REDUCE, G, op.group, Axis.TP, Phase.GRAD_SYNC, reduce=how)]
 
     for reduce in (Reduce.SUM, Reduce.MEAN):
-        verdict, matches = judged("tp1xdp2", after(
-            lambda op: op.kind is OpKind.COMPUTE and op.phase is Phase.BACKWARD and op.group.name == "attention",
-            reduced(reduce)))
+        verdict, matches = judged(
+            "tp1xdp2",
+            after(
+                lambda op: op.kind is OpKind.COMPUTE and op.phase is Phase.BACKWARD and op.group.name == "attention",
+                reduced(reduce),
+            ),
+        )
         assert matches and verdict.status is Status.PROVED, reduce

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -705,6 +705,38 @@ class Outcome:
         return self.status in ("killed", "timeout")
 
 
+def _pattern(snippet: str) -> re.Pattern[str]:
+    """``snippet`` as a pattern that tolerates reformatting: any run of white space (a line
+    break and indentation included) may differ, a line may break after an opening bracket
+    or a comma, and a trailing comma may have been added before a closing bracket."""
+    parts = [re.escape(chunk) for chunk in snippet.split()]
+    body = r"\s+".join(parts)
+    body = re.sub(r"(\\[(\[{]|,)", r"\1\\s*", body)  # after ( [ { or , a break may appear
+    body = re.sub(r"(\\[)\]}])", r",?\\s*\1", body)  # before ) ] } a trailing comma may appear
+    return re.compile(body)
+
+
+def located(m: Mutant, root: Path = ROOT) -> Mutant:
+    """``m`` with its snippet found where the code now lives. A module split in several keeps
+    its name as a prefix (``formal/_smt.py`` -> ``formal/_smt_rules.py``...), and ``ruff format``
+    may have re-wrapped the lines: the snippet is looked up exactly first, then in the modules of
+    the same family, then tolerant of white space; a unique match replaces ``old``."""
+    path = root / m.file
+    if path.is_file() and path.read_text().count(m.old) == 1:
+        return m
+    stem = Path(m.file).stem.lstrip("_").split("_")[0]
+    family = sorted((root / Path(m.file).parent).glob(f"_{stem}*.py"))
+    exact = [f for f in family if f.read_text().count(m.old) == 1]
+    if len(exact) == 1:
+        return replace(m, file=str(exact[0].relative_to(root)))
+    pattern = _pattern(m.old)
+    found = [(f, hit) for f in family for hit in pattern.finditer(f.read_text())]
+    if len(found) == 1:
+        f, hit = found[0]
+        return replace(m, file=str(f.relative_to(root)), old=hit.group(0))
+    return m
+
+
 def catalogue_problems(mutants: Iterable[Mutant], root: Path = ROOT) -> list[str]:
     """Every mutant whose snippet does not occur exactly once, or whose mutated file does not
     compile; and duplicated names. Empty when the catalogue is sound."""
@@ -864,8 +896,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per mutant")
     args = parser.parse_args(argv)
     targets = ("smt", "costs") if args.target == "all" else (args.target,)
-    chosen = [m for m in CATALOGUE if m.target in targets and (not args.only or any(s in m.name for s in args.only))]
-    problems = catalogue_problems(CATALOGUE)
+    catalogue = tuple(located(m) for m in CATALOGUE)
+    chosen = [m for m in catalogue if m.target in targets and (not args.only or any(s in m.name for s in args.only))]
+    problems = catalogue_problems(catalogue)
     if problems:
         print("mutate: the catalogue no longer matches the code:", *problems, sep="\n  ", file=sys.stderr)
         return 2

@@ -401,22 +401,24 @@ def test_the_tied_embedding_is_computed_whole_on_its_two_stages() -> None:
 
 def test_a_timeout_is_not_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
     # An unknown answer says only that z3 ran out of time: asked again with time to answer,
-    # the same obligations must be decided, not recalled as unknown.
+    # the same obligations must be decided, not recalled as unknown. z3 is asked through
+    # formal._solver.solve alone (as tests/conftest.py's z3_gives_up fixture patches it).
     import formal._smt as smt
+    import formal._solver as solver
 
-    real = smt._solve
+    real = solver.solve
 
-    def gives_up(tracked: smt._Solver, assumptions: object) -> smt._Answer:
+    def gives_up(tracked: solver.Solver, assumptions: object) -> solver.Answer:
         answer = real(tracked, assumptions)  # type: ignore[arg-type]
-        return smt._Answer("unknown", "timeout", (), None, answer.seconds)
+        return solver.Answer("unknown", "timeout", (), None, answer.seconds)
 
     composition = parse("zero24")
     model = PRESETS["gpt3-1.3b"]
     program = derive_program(composition.placement(model), model)
     monkeypatch.setattr(smt, "_MEMO", {})  # this test's own cache, kept across both calls
-    monkeypatch.setattr(smt, "_solve", gives_up)
+    monkeypatch.setattr(solver, "solve", gives_up)
     assert decide(composition, program, model).status is Status.UNKNOWN
-    monkeypatch.setattr(smt, "_solve", real)
+    monkeypatch.setattr(solver, "solve", real)
     assert decide(composition, program, model).status is Status.PROVED
 
 

@@ -281,9 +281,12 @@ def buffer_memory(
             held_axes = [a for a in axes if state is State.PARAMETERS and pl.entry(state, g, a).keep_gathered]
             if held_axes:
                 # Held through the backward along these axes: the copy whole along them, minus the
-                # device's own shard (hpZ's secondary partition, P/k, when only the across-node axis holds).
+                # device's own shard (hpZ's secondary partition, P/k, when only the across-node axis holds),
+                # which the parameters' memory already counts unless it lives on the host (offload-params).
                 copy = shard_elements(pl, state, g, sizes[g], held_axes, stage) * nbytes
-                held += copy - shard_elements(pl, state, g, sizes[g], None, stage) * nbytes
+                own = (sp.Integer(0) if pl.local_mode(state, g) is Mode.OFFLOADED
+                       else shard_elements(pl, state, g, sizes[g], None, stage) * nbytes)
+                held += copy - own
                 if len(held_axes) == len(axes):
                     continue
             full = shard_elements(pl, state, g, sizes[g], axes, stage) * nbytes

@@ -107,3 +107,24 @@ def test_expert_parallelism_sends_two_all_to_alls_per_layer_each_way() -> None:
         for op in sends:
             assert op.group == LAYER_IO and op.count == 2 * layers * m, text
             assert op.elements == MOE.seq * MOE.micro_batch * MOE.top_k * MOE.hidden
+
+
+def test_shard_grad_op_with_offloaded_parameters_holds_the_whole_stage_through_the_backward() -> None:
+    # FSDP SHARD_GRAD_OP does not reshard parameters after the forward (PyTorch's ShardingStrategy:
+    # "parameters are not resharded after the forward"): from the forward's all-gather to the end
+    # of the backward a device holds all Psi parameters unsharded, 2 Psi bytes at 16 bits, on any
+    # degree d; between steps it keeps its 2 Psi / d shard. With the parameters offloaded
+    # (CPUOffload(offload_params=True)) that shard lives on the host, so the held copy is all
+    # buffer: the 2 Psi / d move from the parameters into the buffers and the peak stays 2 Psi.
+    # (Regression: the held copy was charged minus the device's shard even when the shard was on
+    # the host, so the peak grew with d, 2 Psi (1 - 1/d), and was 0 at d = 1.)
+    psi = sum(group_sizes(SMALL).values())
+    for d in (1, 2, 4):
+        resident = memory(parse(f"fsdp-sgo{d}").placement(SMALL), SMALL, ZERO, group_sizes(SMALL))
+        offloaded = memory(parse(f"fsdp-sgo{d}xoffload-params").placement(SMALL), SMALL, ZERO, group_sizes(SMALL))
+        assert resident.parameters.total == 2 * psi / d
+        assert offloaded.parameters.total == 0
+        assert offloaded.buffers is not None and resident.buffers is not None
+        assert offloaded.buffers - resident.buffers == 2 * psi / d, d
+        assert offloaded.parameters.total + offloaded.buffers == resident.parameters.total + resident.buffers
+

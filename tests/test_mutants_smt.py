@@ -435,7 +435,8 @@ def test_the_tied_embedding_is_computed_whole_on_its_two_stages() -> None:
 
 def test_a_timeout_is_not_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
     # An unknown answer says only that z3 ran out of time: asked again with time to answer,
-    # the same obligations must be decided, not recalled as unknown.
+    # the same obligations must be decided, not recalled as unknown. z3 is asked through
+    # formal._solver.solve alone (as tests/conftest.py's z3_gives_up fixture patches it).
     import formal._smt as smt
     import formal._solver as solver
 

@@ -284,8 +284,11 @@ def buffer_memory(
                 # device's own shard (hpZ's secondary partition, P/k, when only the across-node axis holds),
                 # which the parameters' memory already counts unless it lives on the host (offload-params).
                 copy = shard_elements(pl, state, g, sizes[g], held_axes, stage) * nbytes
-                own = (sp.Integer(0) if pl.local_mode(state, g) is Mode.OFFLOADED
-                       else shard_elements(pl, state, g, sizes[g], None, stage) * nbytes)
+                own = (
+                    sp.Integer(0)
+                    if pl.local_mode(state, g) is Mode.OFFLOADED
+                    else shard_elements(pl, state, g, sizes[g], None, stage) * nbytes
+                )
                 held += copy - own
                 if len(held_axes) == len(axes):
                     continue

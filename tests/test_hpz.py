@@ -253,6 +253,24 @@ def test_z3_and_the_simulator_agree_that_a_missing_collective_breaks_hpz(pick: o
     assert not simulate_program(broken, model, steps=1).matches
 
 
+@pytest.mark.parametrize("text", ["zero32xhpz-dpr2xoffload-params", "fsdp-sgo2xoffload-params"])
+def test_held_offloaded_parameters_need_no_second_fetch_for_the_backward(text: str) -> None:
+    """After the forward a device keeps what the holding axes gathered, fetched offloaded
+    parameters included (docs/semantics.md, "Execution order"): FSDP SGO the whole copy, hpZ its
+    secondary partition, whose in-node shards the backward gathers again. So a program whose
+    backward does not copy the parameters from the host a second time still trains like one
+    device: the simulator says so, and z3 proves it along every axis."""
+    c = parse(text)
+    model = reference_for(c)
+    program = derive_program(c.placement(model.transformer()), model.transformer())
+    fetches = [op for op in program.ops if op.kind is OpKind.HOST_TO_DEVICE and op.phase is Phase.BACKWARD]
+    assert fetches and all(op.state is State.PARAMETERS for op in fetches)
+    once = program.with_ops(op for op in program.ops if op not in fetches)
+    assert simulate_program(once, model, steps=1).matches
+    verdict = decide(c, once, model.transformer())
+    assert verdict.status is Status.PROVED, [v.rule for v in verdict.violations]
+
+
 def test_the_gathers_may_run_across_nodes_first() -> None:
     """hpz-dpr2xzero34: the forward gathers across nodes first (a hierarchical gather, Psi/k
     across nodes); still the same training, on both sides."""

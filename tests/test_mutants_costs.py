@@ -127,4 +127,3 @@ def test_shard_grad_op_with_offloaded_parameters_holds_the_whole_stage_through_t
         assert offloaded.buffers is not None and resident.buffers is not None
         assert offloaded.buffers - resident.buffers == 2 * psi / d, d
         assert offloaded.parameters.total + offloaded.buffers == resident.parameters.total + resident.buffers
-

@@ -52,6 +52,17 @@ def test_a_multiple_of_pp_has_no_note() -> None:
     assert not [n for n in verdict.notes if n.startswith("framework rule")]
 
 
+def test_megatrons_micro_batch_rule_concerns_its_interleaved_schedule_alone() -> None:
+    """Megatron-LM raises its m % pp error in forward_backward_pipelining_with_interleaving only;
+    forward_backward_pipelining_without_interleaving (1F1B) runs any m, and the other schedules
+    are not Megatron's interleaved one: pp4 with m6 gets no framework note under them."""
+    for text in ("pp4xm6xdp2", "pp4xgpipexm6xdp2", "pp4xzbxm6xdp2"):
+        comp = parse(text, devices=8)
+        verdict = decide(comp, derive_program(comp.placement(LLAMA), LLAMA), LLAMA, devices=8)
+        assert verdict.status is Status.PROVED, text
+        assert not [n for n in verdict.notes if n.startswith("framework rule")], text
+
+
 def test_every_rule_has_a_provenance_and_a_unique_name() -> None:
     names = [r.name for r in RULES]
     assert len(names) == len(set(names))  # divides[seq, cp] alone, divides[seq, tp] (cp*tp) under SP

@@ -88,3 +88,33 @@ def test_the_cli_answers_the_same_way_on_every_run() -> None:
         assert 0 < len(verdict["unknown"]) < verdict["obligations"]  # part-way, not at the first query
         answers.add(json.dumps([verdict["status"], verdict["unknown"], verdict["solver"]]))
     assert len(answers) == 1
+
+
+def test_a_remembered_answer_is_not_reused_under_a_smaller_query_limit() -> None:
+    """Each query may spend ``query_rlimit`` units and one unit decides nothing: every obligation
+    is unknown, cold and after the same obligations were decided (and remembered) under the
+    default per-query limit. An answer decided with more units is not one the smaller limit gets."""
+    clear_cache()
+    cold = _verdict("tp2xzero3xpp4", query_rlimit=1)
+    assert _verdict("tp2xzero3xpp4").status is Status.PROVED  # remembered under the default limit
+    warm = _verdict("tp2xzero3xpp4", query_rlimit=1)
+    assert _shape(warm) == _shape(cold)
+    for v in (cold, warm):
+        assert v.status is Status.UNKNOWN
+        assert all(o.status is Status.UNKNOWN for o in v.obligations)
+        assert all(
+            o.reason_unknown.startswith("resource limit: the query needed more than 1 z3 resource units")
+            for o in v.obligations
+        )
+
+
+def test_no_query_starts_after_the_runs_wall_clock_deadline() -> None:
+    """A run whose deadline has passed asks z3 nothing more: with no time at all every obligation
+    is unknown, for the wall clock, never proved."""
+    clear_cache()
+    v = _verdict("tp2xzero3xpp4", run_timeout_s=0)
+    assert v.status is Status.UNKNOWN and v.units == 0
+    assert all(
+        o.status is Status.UNKNOWN and o.reason_unknown.startswith("wall-clock limit: the run passed")
+        for o in v.obligations
+    )

@@ -224,6 +224,19 @@ def test_a_middle_stage_bound_holds_every_middle_stage() -> None:
             assert value is not None and value <= bound, (m, i)
 
 
+def test_with_three_stages_the_middle_figure_is_the_middle_stages_own_peak() -> None:
+    """With p = 3 there is one middle stage, so the middle-stage figure, the bound that takes each
+    count at its largest over the middle stages, is that stage's own peak: after a forward it
+    holds min(2, m) whole micro-batches and min(3, m) - min(2, m) deferred ones (the simulation
+    runs the schedule and says what it holds)."""
+    p, layers = 3, GPT3.layers // 3
+    for m in (1, 2, 3, 4, 12):
+        pl = parse(_zb(p, m)).placement(GPT3)
+        peak = _simulate(p, m, True, layers * LAYER, layers * W_READS)[1][1]
+        assert activation_memory(pl, GPT3, DEFAULT_PRECISION, Stage.MIDDLE) == peak, m
+        assert activation_memory(pl, GPT3, DEFAULT_PRECISION, Stage.MIDDLE, 1) == peak, m
+
+
 # --- sends, verdict, simulator: 1F1B's ------------------------------------------------------
 
 

@@ -127,3 +127,15 @@ def test_shard_grad_op_with_offloaded_parameters_holds_the_whole_stage_through_t
         assert offloaded.buffers is not None and resident.buffers is not None
         assert offloaded.buffers - resident.buffers == 2 * psi / d, d
         assert offloaded.parameters.total + offloaded.buffers == resident.parameters.total + resident.buffers
+
+
+def test_the_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_of_the_compute() -> None:
+    # Narayanan et al. 2021 (PTD-P), section 2.2.1: the bubble time fraction, measured against
+    # the ideal (bubble-free) compute time, is (p - 1) / m for GPipe and for 1F1B alike.
+    from formal._costs import bubble_fraction
+
+    model = PRESETS["gpt3-1.3b"]
+    for p, m in ((4, 8), (8, 16), (2, 1)):
+        for schedule in ("xgpipe", ""):
+            pl = parse(f"pp{p}xm{m}{schedule}").placement(model)
+            assert bubble_fraction(pl) == sp.Rational(p - 1, m), (p, m, schedule)

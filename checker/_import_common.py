@@ -1,5 +1,5 @@
-"""What every framework importer shares: ``ConfigError``, the result (``Imported``) and the small
-readers that name a key as the user spelled it.
+"""What every framework importer shares: ``ConfigError``, the result (``Imported``, with its
+``Composition`` and the ``Unmapped`` settings) and the small readers that name a key as the user spelled it.
 
 ``checker._importers`` is the entry (``load_config``); this module imports none of the importers.
 """
@@ -14,6 +14,8 @@ from typing import Any
 
 from checker._layout import Layout
 from checker._numbers import MAX_DEGREE
+from formal._presets import DEFAULT_DEVICES
+from formal._strategies import Composition
 from formal._input import Schema, check_schema, printable
 from formal.errors import InputError
 
@@ -29,33 +31,73 @@ class Framework(StrEnum):
 
 
 @dataclass(frozen=True)
+class Unmapped:
+    """A setting of the configuration that the composition does not say exactly: the key or
+    argument as the user spelled it (with its value where that matters) and what was assumed."""
+
+    setting: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.setting}: {self.why}"
+
+    def as_json(self) -> dict[str, str]:
+        return {"setting": self.setting, "why": self.why}
+
+
+@dataclass(frozen=True)
 class Imported:
-    """What an importer read: the composition, the run's numbers, and what it could not map."""
+    """What an importer read: the composition (built once, from the ``Layout``), the run's
+    numbers, and what it could not map."""
 
     framework: Framework
     layout: Layout
+    composition: Composition
     devices: int | None  # None: not stated by the config (the CLI's --devices or default applies)
     micro_batch: int | None = None
     seq: int | None = None
     precision: str | None = None  # a PRECISIONS name suggested by the config's dtype settings
     model: str | None = None  # a preset the config names (torchtitan [model] flavor)
-    notes: tuple[str, ...] = field(default=())
+    unmapped: tuple[Unmapped, ...] = field(default=())
 
     @property
-    def composition(self) -> str:
-        return self.layout.text()
+    def text(self) -> str:
+        """The composition as the composition language writes it (canonical order)."""
+        return str(self.composition)
 
     def as_json(self) -> dict[str, Any]:
         return {
             "framework": self.framework.value,
-            "composition": self.composition,
+            "composition": self.text,
             "devices": self.devices,
             "micro_batch": self.micro_batch,
             "seq": self.seq,
             "precision": self.precision,
             "model": self.model,
-            "not_mapped": list(self.notes),
+            "not_mapped": [str(u) for u in self.unmapped],
+            "unmapped": [u.as_json() for u in self.unmapped],
         }
+
+
+def imported(
+    framework: Framework,
+    layout: Layout,
+    devices: int | None,
+    micro_batch: int | None = None,
+    seq: int | None = None,
+    precision: str | None = None,
+    model: str | None = None,
+    unmapped: Iterable[Unmapped] = (),
+) -> Imported:
+    """An ``Imported`` with its ``Composition`` built from ``layout`` on ``devices`` (the
+    default device count when the config does not state it, as ``check`` assumes)."""
+    try:
+        composition = layout.composition(devices if devices is not None else DEFAULT_DEVICES)
+    except ConfigError:
+        raise
+    except InputError as err:
+        raise ConfigError(str(err)) from None
+    return Imported(framework, layout, composition, devices, micro_batch, seq, precision, model, tuple(unmapped))
 
 
 # --- small readers --------------------------------------------------------------------------

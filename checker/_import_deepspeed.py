@@ -13,10 +13,12 @@ from checker._import_common import (
     ConfigError,
     Framework,
     Imported,
+    Unmapped,
     _check_keys,
     _divide,
     _pos_int,
     _schema,
+    imported,
 )
 from checker._layout import DataSharding, Layout
 from checker._numbers import MAX_BATCH, MAX_DEGREE, MAX_MICRO_BATCH
@@ -190,7 +192,7 @@ def import_deepspeed(raw: Any, *, devices: int | None, where: str = "deepspeed.j
     _check_keys(raw, _DS_MAPPED + _DS_IGNORED, where)
     if "sequence_parallel_size" in raw:
         raise ConfigError(f"{where}: sequence_parallel_size (DeepSpeed-Ulysses) is not mapped")
-    notes: list[str] = []
+    notes: list[Unmapped] = []
     zero = raw.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ConfigError(f"{where}: zero_optimization must be an object")
@@ -238,13 +240,19 @@ def import_deepspeed(raw: Any, *, devices: int | None, where: str = "deepspeed.j
         recompute = Recompute.FULL
         if interval > 1:
             notes.append(
-                f"pipeline.activation_checkpoint_interval={interval}: one checkpoint every {interval} "
-                "layers; counted as one per layer (an upper bound on activation memory)"
+                Unmapped(
+                    f"pipeline.activation_checkpoint_interval={interval}",
+                    f"one checkpoint every {interval} layers; counted as one per layer (an upper bound "
+                    "on activation memory)",
+                )
             )
     if "activation_checkpointing" in raw:
         notes.append(
-            "activation_checkpointing: recomputation is switched on in model code "
-            "(deepspeed.checkpointing.checkpoint), not by this section; add 'recompute' if it is"
+            Unmapped(
+                "activation_checkpointing",
+                "recomputation is switched on in model code (deepspeed.checkpointing.checkpoint), not "
+                "by this section; add 'recompute' if it is",
+            )
         )
     micro = _ds_batch(raw, "train_micro_batch_size_per_gpu", where, notes)
     gas = _ds_batch(raw, "gradient_accumulation_steps", where, notes)
@@ -264,8 +272,11 @@ def import_deepspeed(raw: Any, *, devices: int | None, where: str = "deepspeed.j
             dp = _divide(DEFAULT_DEVICES, {"tp": tp, "pp": pp}, where, "--devices")
             devices = dp * tp * pp
             notes.append(
-                f"zero_hpz_partition_size: the data-parallel degree is taken as {dp} of the default "
-                f"{DEFAULT_DEVICES} devices (give --devices)"
+                Unmapped(
+                    "zero_hpz_partition_size",
+                    f"the data-parallel degree is taken as {dp} of the default {DEFAULT_DEVICES} devices "
+                    "(give --devices)",
+                )
             )
         if dp % node:
             raise ConfigError(
@@ -275,9 +286,9 @@ def import_deepspeed(raw: Any, *, devices: int | None, where: str = "deepspeed.j
         layout = Layout(
             "zero3", DataSharding.FULL, node, dpr=dp // node, tp=tp, pp=pp, options=options, replicate="hpz-dpr"
         )
-        return Imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, tuple(notes))
+        return imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, notes)
     layout = Layout(_DS_STAGES[stage], _DS_SHARDING[stage], dp, tp=tp, pp=pp, options=options)
-    return Imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, tuple(notes))
+    return imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, notes)
 
 
 def _ds_offload(zero: dict[str, Any], key: str, where: str) -> bool:
@@ -303,12 +314,12 @@ def _ds_section_int(raw: dict[str, Any], section: str, key: str, where: str, kno
     return _pos_int(body.get(key, 1), where, f"{section}.{key}")
 
 
-def _ds_batch(raw: dict[str, Any], key: str, where: str, notes: list[str]) -> int | None:
+def _ds_batch(raw: dict[str, Any], key: str, where: str, notes: list[Unmapped]) -> int | None:
     value = raw.get(key)
     if value is None:
         return None
     if value == "auto":
-        notes.append(f'{key}="auto": filled in by the Hugging Face Trainer; derived here or taken as 1')
+        notes.append(Unmapped(f'{key}="auto"', "filled in by the Hugging Face Trainer; derived here or taken as 1"))
         return None
     return _pos_int(value, where, key, high=MAX_BATCH if key == "train_batch_size" else MAX_MICRO_BATCH)
 
@@ -321,7 +332,7 @@ def _ds_solve_batch(
     tp: int,
     pp: int,
     where: str,
-    notes: list[str],
+    notes: list[Unmapped],
 ) -> tuple[int | None, int, int, int | None]:
     """DeepSpeed's rule train_batch_size = micro x gas x dp, with dp = devices / (tp x pp)."""
     dp: int | None = None
@@ -358,11 +369,15 @@ def _ds_solve_batch(
             f"{where}: dp({dp}) x tp({tp}) x pp({pp}) = {dp * tp * pp:,} devices is absurd (at most {MAX_DEGREE:,})"
         )
     if dp is None:
-        notes.append(f"data-parallel degree not stated: the devices left over (--devices, default {DEFAULT_DEVICES})")
+        notes.append(
+            Unmapped(
+                "data-parallel degree", f"not stated: the devices left over (--devices, default {DEFAULT_DEVICES})"
+            )
+        )
     return dp, micro, gas, None if dp is None else dp * tp * pp
 
 
-def _ds_precision(raw: dict[str, Any], where: str, notes: list[str]) -> str:
+def _ds_precision(raw: dict[str, Any], where: str, notes: list[Unmapped]) -> str:
     enabled = []
     for key in ("fp16", "bf16"):
         section = raw.get(key, {})
@@ -376,6 +391,8 @@ def _ds_precision(raw: dict[str, Any], where: str, notes: list[str]) -> str:
     if len(enabled) > 1:
         raise ConfigError(f"{where}: fp16.enabled and bf16.enabled are both on")
     if enabled:
-        notes.append(f"{enabled[0]}: precision recipe 'deepspeed' (DeepSpeed's estimator: 16-bit params, fp32 Adam)")
+        notes.append(
+            Unmapped(enabled[0], "precision recipe 'deepspeed' (DeepSpeed's estimator: 16-bit params, fp32 Adam)")
+        )
         return "deepspeed"
     return "fp32"

@@ -11,7 +11,7 @@ import difflib
 import shlex
 from collections.abc import Callable
 
-from checker._import_common import ConfigError, Framework, Imported, _divide
+from checker._import_common import ConfigError, Framework, Imported, Unmapped, _divide, imported
 from checker._layout import DataSharding, Layout
 from checker._numbers import MAX_BATCH, MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, parse_int
 from formal._model import Model, Transformer
@@ -37,6 +37,8 @@ _MEG_VALUE = (
     "--hidden-size",
     "--num-attention-heads",
     "--expert-tensor-parallel-size",
+    "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers",
 )
 # Bounds of the Megatron arguments read as numbers that are not degrees (MAX_DEGREE otherwise).
 _MEG_BOUNDS = {
@@ -248,7 +250,7 @@ def import_megatron(
     """Megatron-LM arguments. World = tp x pp x cp x dp; experts are carved out of dp (ep | dp)."""
     values: dict[str, str] = {}
     flags: set[str] = set()
-    notes: list[str] = []
+    notes: list[Unmapped] = []
     i = 0
     while i < len(args):
         word = args[i]
@@ -299,7 +301,7 @@ def import_megatron(
     _meg_check_model(values, model, where, num)
     total = devices if devices is not None else DEFAULT_DEVICES
     if devices is None:
-        notes.append(f"world size not in the arguments: {DEFAULT_DEVICES} devices (give --devices)")
+        notes.append(Unmapped("world size", f"not in the arguments: {DEFAULT_DEVICES} devices (give --devices)"))
     dp_meg = _divide(total, {"tp": tp, "pp": pp, "cp": cp}, where, "--devices")
     if dp_meg % ep:
         raise ConfigError(
@@ -324,19 +326,24 @@ def import_megatron(
             )
         schedule, chunks = Schedule.INTERLEAVED, layers // (pp * per)
     recompute = _meg_recompute(values, flags, pp, model, where, notes, num)
+    uneven = _meg_uneven(values, pp, chunks, model, where, num)
     options = Options(
         sequence_parallel="--sequence-parallel" in flags,
         recompute=recompute,
         schedule=schedule,
         chunks=chunks,
         micro_batches=m,
+        uneven_stages=uneven,
     )
     distopt = "--use-distributed-optimizer" in flags
     if distopt and ep > 1:
         notes.append(
-            f"--use-distributed-optimizer with experts: Megatron shards dense optimizer state over the "
-            f"whole data-parallel group ({dp_meg}); the composition shards it over dp ({dp_meg // ep}) "
-            "and replicates it along ep (an upper bound)"
+            Unmapped(
+                "--use-distributed-optimizer",
+                f"with experts, Megatron shards dense optimizer state over the whole data-parallel group "
+                f"({dp_meg}); the composition shards it over dp ({dp_meg // ep}) and replicates it along "
+                "ep (an upper bound)",
+            )
         )
     layout = Layout(
         "distopt" if distopt else "dp",
@@ -350,7 +357,7 @@ def import_megatron(
     )
     seq = num("--seq-length", 0) or None
     preset = None if model is not None else _meg_preset(values, flags, num)
-    return Imported(Framework.MEGATRON, layout, total, micro, seq, "megatron", preset, tuple(notes))
+    return imported(Framework.MEGATRON, layout, total, micro, seq, "megatron", preset, notes)
 
 
 def _meg_preset(values: dict[str, str], flags: set[str], num: Callable[[str, int], int]) -> str | None:
@@ -374,12 +381,55 @@ def _meg_preset(values: dict[str, str], flags: set[str], num: Callable[[str, int
     return found[0] if len(found) == 1 else None
 
 
-def _meg_layers(values: dict[str, str], model: Model | None, where: str) -> int:
+_MEG_FIRST, _MEG_LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
+
+
+def _meg_uneven(
+    values: dict[str, str], pp: int, chunks: int, model: Model | None, where: str, num: Callable[[str, int], int]
+) -> bool:
+    """Megatron-LM's uneven pipeline split (``--decoder-first-pipeline-num-layers`` F and
+    ``--decoder-last-pipeline-num-layers`` K, ``megatron/core/transformer/transformer_block.py``):
+    the first stage holds F layers, the last K, the stages between them (L - F - K) / (pp - 2)
+    each. The composition's ``uneven`` stages put at most ceil(L / pp) on the fullest stage, so a
+    split is read as ``uneven`` when its fullest stage holds exactly that; any other is refused
+    (no composition charges it)."""
+    given = [a for a in (_MEG_FIRST, _MEG_LAST) if a in values]
+    if not given:
+        return False
+    shown = " ".join(f"{a} {values[a]}" for a in given)
+    if pp == 1:
+        raise ConfigError(f"{where}: {shown} needs --pipeline-model-parallel-size > 1")
+    if chunks > 1:
+        raise ConfigError(f"{where}: {shown} with an interleaved schedule is not mapped")
+    layers = _meg_layers(values, model, where, shown)
+    first = num(_MEG_FIRST, 0) if _MEG_FIRST in values else None
+    last = num(_MEG_LAST, 0) if _MEG_LAST in values else None
+    rest = layers - (first or 0) - (last or 0)
+    inner = pp - (first is not None) - (last is not None)  # stages that share what is left evenly
+    if (inner == 0 and rest != 0) or (inner > 0 and (rest < inner or rest % inner)):
+        raise ConfigError(
+            f"{where}: {shown}: the other {inner} stages cannot share the remaining {rest} of {layers} layers evenly"
+        )
+    split = [d for d in (first, last) if d is not None] + ([rest // inner] if inner else [])
+    fullest, charged = max(split), -(-layers // pp)
+    if min(split) < 1:
+        raise ConfigError(f"{where}: {shown}: every pipeline stage needs at least one layer")
+    if fullest != charged:
+        raise ConfigError(
+            f"{where}: {shown}: the fullest stage holds {fullest} of {layers} layers on {pp} stages; "
+            f"the composition's uneven stages hold ceil({layers}/{pp}) = {charged} (not mapped)"
+        )
+    return layers % pp != 0  # a split of layers that divide, with no stage above L / pp, is even
+
+
+def _meg_layers(
+    values: dict[str, str], model: Model | None, where: str, what: str = "--num-layers-per-virtual-pipeline-stage"
+) -> int:
     if "--num-layers" in values:
         return parse_int(values["--num-layers"], f"{where}: --num-layers")
     if isinstance(model, Transformer):
         return model.layers
-    raise ConfigError(f"{where}: --num-layers-per-virtual-pipeline-stage needs --num-layers or --model")
+    raise ConfigError(f"{where}: {what} needs --num-layers or --model")
 
 
 def _meg_check_model(values: dict[str, str], model: Model | None, where: str, num: Callable[[str, int], int]) -> None:
@@ -400,7 +450,7 @@ def _meg_recompute(
     pp: int,
     model: Model | None,
     where: str,
-    notes: list[str],
+    notes: list[Unmapped],
     num: Callable[[str, int], int],
 ) -> Recompute:
     granularity = values.get("--recompute-granularity")
@@ -424,15 +474,20 @@ def _meg_recompute(
                 raise ConfigError(f"{where}: --recompute-granularity full needs --recompute-method uniform or block")
             if method == "uniform" and count > 1:
                 notes.append(
-                    f"--recompute-num-layers {count} (uniform): one checkpoint per {count} layers, counted "
-                    "as one per layer (an upper bound)"
+                    Unmapped(
+                        f"--recompute-num-layers {count}",
+                        f"(uniform) one checkpoint per {count} layers, counted as one per layer (an upper bound)",
+                    )
                 )
             if method == "block":
                 per_stage = (model.layers // pp) if isinstance(model, Transformer) else None
                 if per_stage is None or count < per_stage:
                     notes.append(
-                        f"--recompute-method block --recompute-num-layers {count}: only some layers "
-                        "recomputed; counted as every layer (a lower bound on activation memory)"
+                        Unmapped(
+                            f"--recompute-method block --recompute-num-layers {count}",
+                            "only some layers recomputed; counted as every layer (a lower bound on "
+                            "activation memory)",
+                        )
                     )
             return Recompute.FULL
         case _:

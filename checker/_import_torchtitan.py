@@ -13,11 +13,13 @@ from checker._import_common import (
     ConfigError,
     Framework,
     Imported,
+    Unmapped,
     _bool,
     _check_keys,
     _divide,
     _pos_int,
     _schema,
+    imported,
 )
 from checker._layout import DataSharding, Layout
 from checker._numbers import MAX_BATCH, MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ
@@ -92,6 +94,8 @@ TORCHTITAN_SCHEMA: Schema = {
             "expert_tensor_parallel_degree",
             "pipeline_parallel_layers_per_stage",
             "pipeline_parallel_microbatch_size",
+            "pipeline_parallel_first_stage_less_layers",
+            "pipeline_parallel_last_stage_less_layers",
         )
     },
     "parallelism.fsdp_reshard_after_forward": TEXT,
@@ -125,7 +129,7 @@ def import_torchtitan(
     _schema(raw, TORCHTITAN_SCHEMA, where)
     par = raw.get("parallelism", {})
     _check_keys(par, _TT_PARALLELISM, where, "parallelism.")
-    notes: list[str] = []
+    notes: list[Unmapped] = []
 
     def degree(key: str, allow: tuple[int, ...] = ()) -> int:
         return _pos_int(par.get(key, 1), where, f"parallelism.{key}", allow)
@@ -150,7 +154,12 @@ def import_torchtitan(
     if shard == -1:
         total = devices if devices is not None else DEFAULT_DEVICES
         if devices is None:
-            notes.append(f"data_parallel_shard_degree=-1: the devices left over of {DEFAULT_DEVICES} (give --devices)")
+            notes.append(
+                Unmapped(
+                    "parallelism.data_parallel_shard_degree=-1",
+                    f"the devices left over of {DEFAULT_DEVICES} (give --devices)",
+                )
+            )
         shard = _divide(total, {"dp_replicate": replicate, "cp": cp, "tp": tp, "pp": pp}, where, "--devices")
     world = replicate * shard * cp * tp * pp
     if world > MAX_DEGREE:
@@ -172,8 +181,11 @@ def import_torchtitan(
                 "(torchtitan borrows expert ranks from dp_shard)"
             )
         notes.append(
-            "expert parallelism: torchtitan shards dense weights over all dp_shard ranks; the composition "
-            "shards them over dp_shard/ep and replicates them along ep"
+            Unmapped(
+                "parallelism.expert_parallel_degree",
+                "torchtitan shards dense weights over all dp_shard ranks; the composition shards them "
+                "over dp_shard/ep and replicates them along ep",
+            )
         )
     reshard = par.get("fsdp_reshard_after_forward", "default")
     match reshard:
@@ -196,12 +208,14 @@ def import_torchtitan(
             raise ConfigError(f"{where}: expert_parallel_degree={ep} needs data_parallel_shard_degree > 1")
     if cp > 1 and shard > 1:
         notes.append(
-            "context parallelism: torchtitan's FSDP shards over dp_shard x cp; the composition "
-            "replicates parameters along cp"
+            Unmapped(
+                "parallelism.context_parallel_degree",
+                "torchtitan's FSDP shards over dp_shard x cp; the composition replicates parameters along cp",
+            )
         )
     for key in ("enable_async_tensor_parallel", "enable_compiled_autograd", "disable_loss_parallel"):
         if par.get(key):
-            notes.append(f"parallelism.{key}: overlap or kernel choice, no change to placements")
+            notes.append(Unmapped(f"parallelism.{key}", "overlap or kernel choice, no change to placements"))
     schedule, chunks = _tt_schedule(par, pp, model, where)
     training = raw.get("training", {})
     micro, m, seq = _tt_batches(training, par, pp, replicate * shard, where)
@@ -209,6 +223,7 @@ def import_torchtitan(
     if offload and shard == 1:
         raise ConfigError(f"{where}: training.enable_cpu_offload needs FSDP (data_parallel_shard_degree > 1)")
     recompute = _tt_recompute(raw.get("activation_checkpoint"), where, notes)
+    uneven = _tt_uneven(par, pp, schedule, model, where, notes)
     options = Options(
         sequence_parallel=tp > 1,
         recompute=recompute,
@@ -217,12 +232,20 @@ def import_torchtitan(
         schedule=schedule,
         chunks=chunks,
         micro_batches=m,
+        uneven_stages=uneven,
     )
     if tp > 1:
-        notes.append("tensor parallelism: torchtitan always applies sequence parallelism (SequenceParallel on norms)")
+        notes.append(
+            Unmapped(
+                "parallelism.tensor_parallel_degree",
+                "torchtitan always applies sequence parallelism with it (SequenceParallel on norms)",
+            )
+        )
     layout = Layout(name, sharding, dp, dpr=dpr, tp=tp, pp=pp, cp=cp, ep=ep, options=options)
-    notes.append("precision: torchtitan keeps fp32 sharded parameters, gradients and AdamW state ('fp32' recipe)")
-    return Imported(Framework.TORCHTITAN, layout, world, micro, seq, "fp32", preset, tuple(notes))
+    notes.append(
+        Unmapped("precision", "torchtitan keeps fp32 sharded parameters, gradients and AdamW state ('fp32' recipe)")
+    )
+    return imported(Framework.TORCHTITAN, layout, world, micro, seq, "fp32", preset, notes)
 
 
 def _tt_schedule(par: dict[str, Any], pp: int, model: Model | None, where: str) -> tuple[Schedule, int]:
@@ -259,6 +282,41 @@ def _tt_schedule(par: dict[str, Any], pp: int, model: Model | None, where: str) 
     return schedule, stages // pp
 
 
+def _tt_uneven(
+    par: dict[str, Any], pp: int, schedule: Schedule, model: Model | None, where: str, notes: list[Unmapped]
+) -> bool:
+    """torchtitan splits the layers over the stages itself (``generate_llm_fqn_per_model_part``,
+    ``torchtitan/distributed/pipeline_parallel.py``): the embedding and the output layer count as
+    ``pipeline_parallel_first/last_stage_less_layers`` layers (default 1 each), the total is split
+    evenly and the first ``total % stages`` stages take one more. Layers that do not divide by the
+    stages are the composition's ``uneven`` stages (the fullest holds ceil(L / pp)); a split whose
+    fullest stage holds more than the composition charges is named as not mapped."""
+    keys = ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers")
+    first, last = (_pos_int(par.get(k, 1), where, f"parallelism.{k}", allow=(0,)) for k in keys)
+    if pp == 1 or schedule_of(schedule).chunked or not isinstance(model, Transformer):
+        return False
+    total = model.layers + first + last
+    split = [total // pp + (1 if s < total % pp else 0) for s in range(pp)]
+    split[0] -= first
+    split[-1] -= last
+    if min(split) < 1:
+        raise ConfigError(
+            f"{where}: parallelism.{keys[0]}={first}, {keys[1]}={last}: torchtitan's split of "
+            f"{model.layers} layers on {pp} stages leaves a stage without a transformer layer"
+        )
+    fullest, charged = max(split), -(-model.layers // pp)
+    if fullest > charged:
+        notes.append(
+            Unmapped(
+                f"parallelism.{keys[0]}={first}, {keys[1]}={last}",
+                f"torchtitan counts the embedding and the output layer as layers: its split puts up to "
+                f"{fullest} of the {model.layers} transformer layers on one stage; the composition charges "
+                f"{charged} (write 0 for both to split the transformer layers alone)",
+            )
+        )
+    return model.layers % pp != 0
+
+
 def _tt_batches(
     training: dict[str, Any], par: dict[str, Any], pp: int, dp: int, where: str
 ) -> tuple[int, int, int | None]:
@@ -284,11 +342,14 @@ def _tt_batches(
     return local, gas, seq
 
 
-def _tt_recompute(section: Any, where: str, notes: list[str]) -> Recompute:
+def _tt_recompute(section: Any, where: str, notes: list[Unmapped]) -> Recompute:
     if section is None:
         notes.append(
-            "[activation_checkpoint] absent: torchtitan's default (selective, every 2nd layer) has no "
-            "composition spelling; activations counted without recomputation (an upper bound)"
+            Unmapped(
+                "[activation_checkpoint]",
+                "absent: torchtitan's default (selective, every 2nd layer) has no composition spelling; "
+                "activations counted without recomputation (an upper bound)",
+            )
         )
         return Recompute.NONE
     _check_keys(section, _TT_AC, where, "activation_checkpoint.")
@@ -301,16 +362,22 @@ def _tt_recompute(section: Any, where: str, notes: list[str]) -> Recompute:
             return Recompute.FULL
         case "selective" if option == "op":
             notes.append(
-                'selective_ac_option="op": per-op selective recomputation, counted as Korthikanti\'s '
-                "selective recomputation (attention core recomputed)"
+                Unmapped(
+                    'activation_checkpoint.selective_ac_option="op"',
+                    "per-op selective recomputation, counted as Korthikanti's selective recomputation "
+                    "(attention core recomputed)",
+                )
             )
             return Recompute.SELECTIVE
         case "selective" if option == "1":
             return Recompute.FULL  # every layer fully checkpointed
         case "selective" if option.isascii() and option.isdigit():
             notes.append(
-                f'selective_ac_option="{option}": every {option}th layer fully recomputed has no '
-                "composition spelling; counted without recomputation (an upper bound)"
+                Unmapped(
+                    f'activation_checkpoint.selective_ac_option="{option}"',
+                    f"every {option}th layer fully recomputed has no composition spelling; counted "
+                    "without recomputation (an upper bound)",
+                )
             )
             return Recompute.NONE
         case _:

@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from checker._numbers import MAX_DEGREE
 from checker._parse import _default_micro_batches
 from formal._model import Model
-from formal._placement import Options, Recompute
-from formal._strategies import Composition
+from formal._placement import Options, Recompute, Strategy
+from formal._strategies import LIBRARY, Composition
 from formal._strategies import pp as pipeline
 from formal._vocab import Axis, Mode, State
 from formal.errors import InputError
@@ -87,6 +88,34 @@ class Layout:
 
     def text(self) -> str:
         return "x".join(self.strategy_terms() + self.modifier_terms())
+
+    def composition(self, devices: int) -> Composition:
+        """The ``Composition`` this layout is, built from the strategy library directly (no text):
+        the terms of ``strategy_terms`` in their order, the options as they are, and the modifier
+        terms ``text`` writes. A data degree left open takes the devices the other axes leave over.
+        ``InputError`` when they do not divide or the product of the degrees is absurd."""
+        named = [("tp", self.tp), (self.data_name, self.dp)]
+        named += [(n, d) for n, d in ((self.replicate, self.dpr), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep))]
+        fixed = 1
+        for name, d in named:
+            fixed *= d or 1
+        dp = self.dp
+        if dp is None:
+            if devices % fixed:
+                raise InputError(
+                    f"{self.text()}: --devices {devices} is not a multiple of the other degrees' product {fixed}"
+                )
+            dp = devices // fixed
+        total = fixed * dp if self.dp is None else fixed
+        if total > MAX_DEGREE:
+            raise InputError(f"{self.text()}: {total:,} devices is absurd (at most {MAX_DEGREE:,})")
+        strategies: list[Strategy] = []
+        for name, d in named:
+            if name == self.data_name:
+                strategies.append(LIBRARY[name]().with_degree(dp))
+            elif d and d > 1:
+                strategies.append(LIBRARY[name]().with_degree(d))
+        return Composition(tuple(strategies), self.options, tuple(self.modifier_terms()))
 
     @property
     def data_degree(self) -> int:

@@ -79,11 +79,14 @@ def analyze(
     (default: the ZeRO paper's mixed-precision Adam, 2 + 2 + 12 bytes per parameter).
 
     ``device_memory`` (bytes) sets ``Analysis.fits``; ``program`` replaces the derived step
-    program (a user's).
+    program (a user's, of this composition's placement, which is then read from it). The placement
+    is built once; the symbolic one (degrees as symbols) gives the memory expressions.
     """
-    placement = composition.placement(model)
     if program is None:
+        placement = composition.placement(model)
         program = derive_program(placement, model)
+    else:  # a user's program, derived from the composition's placement: that placement, not a new one
+        placement = program.placement
     sizes = group_sizes(model)
     mem = most_loaded(placement, model, precision, sizes)
     symbolic_pl = composition.placement(model, symbolic=True)

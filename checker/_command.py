@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import click
 
 from checker._analysis import Analysis, analyze
+from checker._importers import Imported, load_config
 from checker._numbers import MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, parse_bytes, parse_count
 from checker._parse import DEFAULT_NODE_SIZE, parse
 from checker._toml import StrategyFile
 from formal._hf import load_hf_config
 from formal._input import printable
-from formal._model import PRECISIONS, Model, ParameterCount, Transformer
+from formal._model import PRECISIONS, Model, ParameterCount, Precision, Transformer
 from formal._presets import DEFAULT_DEVICE_MEMORY, DEFAULT_DEVICES, DEFAULT_MODEL, PRESETS
 from formal._strategies import Composition
 from formal._verdict import Status, Verdict
@@ -54,24 +55,27 @@ def fail(message: str) -> None:
     sys.exit(EXIT_USAGE)
 
 
-def load_model(model: str | None, params: str | None, micro_batch: int | None, seq: int | None) -> Model:
+def base_model(model: str | None, params: str | None) -> Model:
+    """The model a command names (a preset, a Hugging Face config.json, or a bare parameter
+    count), loaded once; ``sized`` sets its micro-batch and sequence."""
     if params is not None and model is not None:
         raise InputError(f"--params {params} and --model {model}: give one, not both")
-    chosen: Model
     if params is not None:
-        chosen = ParameterCount(parse_count(params), name=f"{params.strip()} parameters")
-    else:
-        if model is not None and not model.strip():
-            raise InputError(f"--model {model!r}: empty (give a preset name or a config.json)")
-        name = model or DEFAULT_MODEL
-        if name in PRESETS:
-            chosen = PRESETS[name]
-        elif name.endswith(".json"):
-            chosen = load_hf_config(Path(name))
-        else:
-            raise InputError(
-                f"--model {name}: unknown model (presets: {', '.join(sorted(PRESETS))}; or a Hugging Face config.json)"
-            )
+        return ParameterCount(parse_count(params), name=f"{params.strip()} parameters")
+    if model is not None and not model.strip():
+        raise InputError(f"--model {model!r}: empty (give a preset name or a config.json)")
+    name = model or DEFAULT_MODEL
+    if name in PRESETS:
+        return PRESETS[name]
+    if name.endswith(".json"):
+        return load_hf_config(Path(name))
+    raise InputError(
+        f"--model {name}: unknown model (presets: {', '.join(sorted(PRESETS))}; or a Hugging Face config.json)"
+    )
+
+
+def sized(chosen: Model, micro_batch: int | None, seq: int | None) -> Model:
+    """``chosen`` with ``--micro-batch`` and ``--seq`` applied (a bare parameter count has no sequence)."""
     if micro_batch is not None:
         if not 1 <= micro_batch <= MAX_MICRO_BATCH:
             raise InputError(f"--micro-batch {micro_batch}: must be from 1 to {MAX_MICRO_BATCH:,}")
@@ -82,6 +86,91 @@ def load_model(model: str | None, params: str | None, micro_batch: int | None, s
         if isinstance(chosen, Transformer):
             chosen = replace(chosen, seq=seq)
     return chosen
+
+
+def load_model(model: str | None, params: str | None, micro_batch: int | None, seq: int | None) -> Model:
+    return sized(base_model(model, params), micro_batch, seq)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one command analyses, each object built once from the command line (and ``--from``):
+    the composition, the model, the precision, the device memory, and where they came from."""
+
+    composition: Composition
+    model: Model
+    precision: Precision
+    device_memory: int | None
+    devices: int | None  # as given or stated by the config (None: the composition's own product)
+    strategies: StrategyFile | None = None
+    imported: Imported | None = None
+
+
+def _precision_given() -> bool:
+    """Whether the user typed ``--precision`` (a config's precision fills it only when not)."""
+    ctx = click.get_current_context(silent=True)
+    return ctx is not None and ctx.get_parameter_source("precision") is not click.core.ParameterSource.DEFAULT
+
+
+def request(
+    composition: str | None,
+    devices: int | None,
+    model: str | None,
+    params: str | None,
+    precision: str,
+    device_memory: str | None,
+    micro_batch: int | None = None,
+    seq: int | None = None,
+    strategies: StrategyFile | None = None,
+    node_size: int = DEFAULT_NODE_SIZE,
+    from_path: str | None = None,
+) -> Request:
+    """COMPOSITION parsed, or ``--from CONFIG`` imported (never both), and the model loaded once.
+
+    With ``--from`` the config's batch, sequence, precision and preset fill the options the user
+    left at their defaults (an explicit option wins); the importer's ``Composition`` is used as
+    it is. ``strategies``: a user file whose names the composition may use. ``node_size``: devices
+    per node, for the ``hpz`` modifier."""
+    if devices is not None and not 1 <= devices <= MAX_DEGREE:
+        raise InputError(f"--devices {devices}: must be from 1 to {MAX_DEGREE:,}")
+    imported: Imported | None = None
+    if from_path is None:
+        if composition is None:
+            raise InputError("give a COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG")
+        comp: Composition = parse(
+            composition,
+            strategies.factories() if strategies is not None else None,
+            devices=devices if devices is not None else DEFAULT_DEVICES,
+            node_size=node_size,
+        )
+        chosen = sized(base_model(model, params), micro_batch, seq)
+    else:
+        if composition is not None:
+            raise InputError(f"{composition} and --from {from_path}: give one, not both")
+        given = base_model(model, params) if (model or params) else None
+        imported = load_config(Path(from_path), devices=devices, model=given)
+        comp = imported.composition
+        base = given if given is not None else base_model(imported.model, None)
+        chosen = sized(
+            base,
+            micro_batch if micro_batch is not None else imported.micro_batch,
+            seq if seq is not None else imported.seq,
+        )
+        if imported.precision and not _precision_given():
+            precision = imported.precision
+        devices = imported.devices if devices is None else devices
+    if precision not in PRECISIONS:
+        raise InputError(f"--precision {precision}: unknown (known: {', '.join(PRECISIONS)})")
+    mem = parse_bytes(device_memory) if device_memory is not None else DEFAULT_DEVICE_MEMORY
+    return Request(comp, chosen, PRECISIONS[precision], mem, devices, strategies, imported)
+
+
+def analysis_of(req: Request) -> Analysis:
+    """The request's analysis: its placement built once (a user program is derived from it)."""
+    program = None
+    if req.strategies is not None and req.strategies.program is not None:
+        program = req.strategies.program_for(req.composition.placement(req.model), req.model)
+    return analyze(req.composition, req.model, req.precision, req.device_memory, program=program)
 
 
 def build(
@@ -96,24 +185,18 @@ def build(
     strategies: StrategyFile | None = None,
     node_size: int = DEFAULT_NODE_SIZE,
 ) -> Analysis:
-    """``strategies``: a user file whose names the composition may use, and whose program (if any)
-    replaces the derived one. ``node_size``: devices per node, for the ``hpz`` modifier."""
-    if devices is not None and not 1 <= devices <= MAX_DEGREE:
-        raise InputError(f"--devices {devices}: must be from 1 to {MAX_DEGREE:,}")
-    comp: Composition = parse(
-        composition,
-        strategies.factories() if strategies is not None else None,
-        devices=devices if devices is not None else DEFAULT_DEVICES,
-        node_size=node_size,
+    """The analysis of one composition text (``compare``, ``sweep``): ``request`` then ``analysis_of``."""
+    return analysis_of(
+        request(composition, devices, model, params, precision, device_memory, micro_batch, seq, strategies, node_size)
     )
-    chosen = load_model(model, params, micro_batch, seq)
-    if precision not in PRECISIONS:
-        raise InputError(f"--precision {precision}: unknown (known: {', '.join(PRECISIONS)})")
-    mem = parse_bytes(device_memory) if device_memory is not None else DEFAULT_DEVICE_MEMORY
-    program = None
-    if strategies is not None and strategies.program is not None:
-        program = strategies.program_for(comp.placement(chosen), chosen)
-    return analyze(comp, chosen, PRECISIONS[precision], mem, program=program)
+
+
+def print_import(imported: Imported) -> None:
+    """What ``--from`` read, on stderr; the config's own values are shown with control characters escaped."""
+    with contextlib.suppress(OSError):
+        click.echo(f"imported {imported.framework.value}: {printable(imported.text)}", err=True)
+        for u in imported.unmapped:
+            click.echo(f"  not mapped / assumed: {printable(str(u))}", err=True)
 
 
 def verdict_exit(verdict: Verdict) -> int:
@@ -136,10 +219,16 @@ __all__ = [
     "EXIT_UNKNOWN",
     "EXIT_USAGE",
     "EXIT_VALID",
+    "Request",
+    "analysis_of",
+    "base_model",
     "build",
     "fail",
     "load_model",
+    "request",
+    "sized",
     "outcome",
+    "print_import",
     "set_outcome",
     "verdict_exit",
 ]

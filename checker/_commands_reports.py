@@ -1,7 +1,7 @@
 """Subcommands that meet users where they are: ``explain``, ``compare``, ``sweep``, ``export``.
 
-Plus the two hooks ``check`` uses: ``resolve_from`` (``--from CONFIG``) and ``write_report``
-(``--report out.html``). Every table prints with rich, or as CSV (``--csv``) or JSON (``--json``).
+Plus the hook ``check`` uses for ``--report out.html`` (``write_report``). Every table prints
+with rich, or as CSV (``--csv``) or JSON (``--json``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import csv
 import io
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,87 +18,28 @@ from rich.markup import escape
 from rich.table import Table
 
 from checker._analysis import Analysis
-from checker._command import build, fail, load_model
+from checker._command import build, fail, print_import, request
 from checker._exporters import Target, dtensor_placements, export
 from checker._frameworks import CONFUSED, all_rows, explain_row, placement_difference, placement_table
 from checker._html import write_report
-from checker._importers import Imported, load_config
 from checker._layout import canonical
 from checker._numbers import MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, WholeNumber, parse_int
 from checker._output import output_path, terminal, write_atomic
-from checker._parse import parse
+from checker._parse import DEFAULT_NODE_SIZE
 from checker._report import to_json
 from formal._input import printable
-from formal._model import PRECISIONS, Model
+from formal._model import PRECISIONS
 from formal._presets import DEFAULT_DEVICES
 from formal._strategies import LIBRARY
 from formal.errors import InputError, PlacementError
 
 MAX_COMPARED = 64  # compositions side by side (and values of a sweep): a table, not a search
 
-__all__ = ["compare", "explain", "export_command", "resolve_from", "sweep", "write_report"]
+__all__ = ["compare", "explain", "export_command", "sweep", "write_report"]
 
 
 def _fail(err: PlacementError) -> None:
     fail(str(err))
-
-
-# --- check --from ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Resolved:
-    composition: str
-    devices: int | None
-    model: str | None
-    precision: str
-    micro_batch: int | None
-    seq: int | None
-    imported: dict[str, Any] | None
-
-
-def resolve_from(
-    from_path: str | None,
-    composition: str | None,
-    devices: int | None,
-    model: str | None,
-    params: str | None,
-    precision: str,
-    micro_batch: int | None,
-    seq: int | None,
-) -> Resolved:
-    """``check --from CONFIG``: the config's composition, unless COMPOSITION is given too (error).
-
-    The config's batch, sequence and precision fill options the user left at their defaults; an
-    explicit option wins. What the importer could not map goes to stderr and the JSON report.
-    """
-    if from_path is None:
-        if composition is None:
-            raise InputError("give a COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG")
-        return Resolved(composition, devices, model, precision, micro_batch, seq, None)
-    if composition is not None:
-        raise InputError(f"{composition} and --from {from_path}: give one, not both")
-    chosen = load_model(model, params, None, None) if (model or params) else None
-    imported = load_config(Path(from_path), devices=devices, model=chosen)
-    ctx = click.get_current_context(silent=True)
-    precision_default = ctx is None or ctx.get_parameter_source("precision") is click.core.ParameterSource.DEFAULT
-    _print_import(imported)
-    return Resolved(
-        composition=imported.composition,
-        devices=imported.devices if devices is None else devices,
-        model=model if (model or params) else imported.model,
-        precision=imported.precision if (precision_default and imported.precision) else precision,
-        micro_batch=micro_batch if micro_batch is not None else imported.micro_batch,
-        seq=seq if seq is not None else imported.seq,
-        imported=imported.as_json(),
-    )
-
-
-def _print_import(imported: Imported) -> None:
-    # Notes echo the config's own values: shown with control characters escaped.
-    click.echo(f"imported {imported.framework.value}: {imported.composition}", err=True)
-    for note in imported.notes:
-        click.echo(f"  not mapped / assumed: {printable(note)}", err=True)
 
 
 # --- table output ---------------------------------------------------------------------------
@@ -230,6 +170,13 @@ _model_options = [
     ),
     click.option("--seq", type=WholeNumber(1, MAX_SEQ), default=None, help="Sequence length."),
 ]
+_node_option = click.option(
+    "--node-size",
+    type=WholeNumber(1, MAX_DEGREE),
+    default=DEFAULT_NODE_SIZE,
+    show_default=True,
+    help="Devices per node: the hpz modifier's intra-node group (zero3xhpz).",
+)
 _table_options = [
     click.option("--csv", "as_csv", is_flag=True, help="Print the table as CSV."),
     click.option("--json", "as_json", is_flag=True, help="Print the table as JSON."),
@@ -255,6 +202,7 @@ def _analyze(composition: str, kw: dict[str, Any]) -> Analysis:
         kw["device_memory"],
         kw["micro_batch"],
         kw["seq"],
+        node_size=kw["node_size"],
     )
     return analysis
 
@@ -313,7 +261,7 @@ def _write_chart(path: Path, data: bytes) -> None:
 
 @click.command("compare")
 @click.argument("compositions", nargs=-1, required=True)
-@_with(_model_options + _table_options)
+@_with([*_model_options, _node_option, *_table_options])
 @click.option("--chart", default=None, help="Write a stacked memory chart (.png or .svg).")
 def compare(compositions: tuple[str, ...], chart: str | None, as_csv: bool, as_json: bool, **kw: Any) -> None:
     """Compare COMPOSITIONS side by side, e.g. compare dp8 zero1 zero2 zero3 fsdp8."""
@@ -349,7 +297,7 @@ def compare(compositions: tuple[str, ...], chart: str | None, as_csv: bool, as_j
 @click.command("sweep")
 @click.argument("template")
 @click.option("--values", required=True, help="Comma-separated values for {} in TEMPLATE, e.g. 1,2,4,8.")
-@_with(_model_options + _table_options)
+@_with([*_model_options, _node_option, *_table_options])
 @click.option("--chart", default=None, help="Write memory and traffic against the value (.png or .svg).")
 def sweep(template: str, values: str, chart: str | None, as_csv: bool, as_json: bool, **kw: Any) -> None:
     """Vary one degree: sweep 'tp{}xzero3' --values 1,2,4,8 (a value that does not fit the
@@ -434,6 +382,11 @@ def explain(strategy: str | None, show_all: bool, degree: int, as_csv: bool, as_
             return
         assert strategy is not None
         name = strategy.strip().lower()
+        if name == "hpz":  # a modifier: it needs a composition and a node size, which explain has not
+            raise InputError(
+                "hpz: a modifier of a zero3/fsdp term, not a strategy (check zero3<N>xhpz --node-size K "
+                "shows its placement; explain hpz-dpr the across-node axis)"
+            )
         if name not in LIBRARY:
             raise InputError(f"{strategy}: unknown strategy (known: {', '.join(sorted(LIBRARY))})")
         row = explain_row(name, degree)
@@ -489,7 +442,7 @@ def explain(strategy: str | None, show_all: bool, degree: int, as_csv: bool, as_
     help="torchtitan TOML, DeepSpeed JSON, Megatron arguments, or DTensor placements.",
 )
 @click.option("--from", "from_path", default=None, help="Convert a DeepSpeed/torchtitan/Megatron config instead.")
-@_with(_model_options)
+@_with([*_model_options, _node_option])
 @click.option("--json", "as_json", is_flag=True, help="dtensor: print JSON instead of a table.")
 @click.option("--csv", "as_csv", is_flag=True, help="dtensor: print CSV instead of a table.")
 def export_command(
@@ -497,18 +450,21 @@ def export_command(
 ) -> None:
     """Write COMPOSITION (or --from CONFIG) as a framework configuration: export tp2xfsdp8xsp --to torchtitan."""
     try:
-        r = resolve_from(
-            from_path,
+        req = request(
             composition,
             kw["devices"],
             kw["model"],
             kw["params"],
             kw["precision"],
+            kw["device_memory"],
             kw["micro_batch"],
             kw["seq"],
+            node_size=kw["node_size"],
+            from_path=from_path,
         )
-        comp = parse(r.composition, devices=r.devices if r.devices is not None else DEFAULT_DEVICES)
-        model: Model = load_model(r.model, kw["params"], r.micro_batch, r.seq)
+        if req.imported is not None:
+            print_import(req.imported)
+        comp, model = req.composition, req.model
         tgt = Target(target)
         if tgt is Target.DTENSOR:
             doc = dtensor_placements(comp.placement(model))

@@ -252,6 +252,8 @@ def export_deepspeed(comp: Composition, model: Model) -> Exported:
         layout,
         "DeepSpeed",
         hierarchical_partitioning_without_ZeRO_3=hpz and stage != 3,
+        # zero_hpz_partition_size 1 is DeepSpeed's default: no secondary partition at all
+        hierarchical_partitioning_over_nodes_of_one_device=hpz and layout.dp == 1,
         parameters_held_through_backward=stage is None,
         a_replicate_axis=layout.dpr > 1 and not hpz,
         context_parallelism=layout.cp > 1,

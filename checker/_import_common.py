@@ -14,9 +14,9 @@ from typing import Any
 
 from checker._layout import Layout
 from checker._numbers import MAX_DEGREE
+from formal._input import Schema, check_schema, printable
 from formal._presets import DEFAULT_DEVICES
 from formal._strategies import Composition
-from formal._input import Schema, check_schema, printable
 from formal.errors import InputError
 
 

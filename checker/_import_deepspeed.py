@@ -23,6 +23,7 @@ from checker._import_common import (
 from checker._layout import DataSharding, Layout
 from checker._numbers import MAX_BATCH, MAX_DEGREE, MAX_MICRO_BATCH
 from formal._input import OBJECT, TEXT, Expect, Schema, integer
+from formal._model import Model, Transformer
 from formal._placement import Options, Recompute
 from formal._presets import DEFAULT_DEVICES
 
@@ -180,8 +181,12 @@ DEEPSPEED_SCHEMA: Schema = {
 }
 
 
-def import_deepspeed(raw: Any, *, devices: int | None, where: str = "deepspeed.json") -> Imported:
-    """A DeepSpeed JSON config. World size = dp x tp x pp; train_batch = micro x gas x dp."""
+def import_deepspeed(
+    raw: Any, *, devices: int | None, model: Model | None = None, where: str = "deepspeed.json"
+) -> Imported:
+    """A DeepSpeed JSON config. World size = dp x tp x pp; train_batch = micro x gas x dp.
+
+    ``model`` (when known) tells whether the pipeline's layers divide by its stages."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a JSON object {{...}}")
     if not raw:
@@ -259,7 +264,14 @@ def import_deepspeed(raw: Any, *, devices: int | None, where: str = "deepspeed.j
     total = _ds_batch(raw, "train_batch_size", where, notes)
     dp, micro, gas, devices = _ds_solve_batch(total, micro, gas, devices, tp, pp, where, notes)
     precision = _ds_precision(raw, where, notes)
-    options = Options(offload_optimizer=off_opt, offload_parameters=off_par, recompute=recompute, micro_batches=gas)
+    uneven = _ds_uneven(pp, model, notes)
+    options = Options(
+        offload_optimizer=off_opt,
+        offload_parameters=off_par,
+        recompute=recompute,
+        micro_batches=gas,
+        uneven_stages=uneven,
+    )
     hpz = zero.get("zero_hpz_partition_size")  # DeepSpeed's default 1 (and 0) mean no secondary partition
     node = 1 if hpz is None else max(1, _pos_int(hpz, where, "zero_optimization.zero_hpz_partition_size", allow=(0,)))
     if node > 1:  # ZeRO++ hpZ: ZeRO-3 within groups of `node` ranks (dp), held across them (hpz-dpr)
@@ -289,6 +301,24 @@ def import_deepspeed(raw: Any, *, devices: int | None, where: str = "deepspeed.j
         return imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, notes)
     layout = Layout(_DS_STAGES[stage], _DS_SHARDING[stage], dp, tp=tp, pp=pp, options=options)
     return imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, notes)
+
+
+def _ds_uneven(pp: int, model: Model | None, notes: list[Unmapped]) -> bool:
+    """DeepSpeed's pipeline stages are cut in model code (``PipelineModule(partition_method=...)``),
+    not in the JSON. With ``"type:<block class>"`` DeepSpeed splits the L blocks with
+    ``partition_uniform`` (``deepspeed/runtime/utils.py``): the first ``L % pp`` stages one more,
+    ceil(L / pp) on the fullest, which is the composition's ``uneven`` stages."""
+    if pp == 1 or not isinstance(model, Transformer) or model.layers % pp == 0:
+        return False
+    notes.append(
+        Unmapped(
+            "pipeline.stages",
+            f"{model.layers} layers do not divide by {pp} stages: the stages are taken as "
+            'PipelineModule(partition_method="type:<transformer block>") cuts them, at most '
+            f"{-(-model.layers // pp)} layers each (the partition is set in model code, not in this file)",
+        )
+    )
+    return True
 
 
 def _ds_offload(zero: dict[str, Any], key: str, where: str) -> bool:

@@ -485,8 +485,7 @@ def _meg_recompute(
                     notes.append(
                         Unmapped(
                             f"--recompute-method block --recompute-num-layers {count}",
-                            "only some layers recomputed; counted as every layer (a lower bound on "
-                            "activation memory)",
+                            "only some layers recomputed; counted as every layer (a lower bound on activation memory)",
                         )
                     )
             return Recompute.FULL

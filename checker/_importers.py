@@ -2,8 +2,9 @@
 
 DeepSpeed JSON (https://www.deepspeed.ai/docs/config-json/), torchtitan TOML
 (``torchtitan/config/job_config.py``) and Megatron-LM arguments (``megatron/training/arguments.py``).
-Every importer builds a ``Layout`` and writes it with ``Layout.text()``, the same canonical text
-the exporters' round trip compares. Unknown keys and contradictions raise ``ConfigError`` (an
+Every importer builds a ``Layout`` and returns the ``Composition`` it is (``Layout.composition``,
+built from the strategy library, never from text) in an ``Imported``, with the settings it could
+not map exactly (``Unmapped``: the setting as spelled and what was assumed). Unknown keys and contradictions raise ``ConfigError`` (an
 ``InputError``): one line naming the key as the user spelled it.
 
 Files are read through ``formal._input`` (regular files only, bounded size, strict UTF-8,
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checker._import_common import ConfigError, Framework, Imported
+from checker._import_common import ConfigError, Framework, Imported, Unmapped
 from checker._import_deepspeed import DEEPSPEED_SCHEMA, import_deepspeed
 from checker._import_megatron import import_megatron, launcher_world_size, megatron_tokens
 from checker._import_torchtitan import TORCHTITAN_SCHEMA, import_torchtitan
@@ -72,7 +73,7 @@ def load_config(
             raise ConfigError(f"--from {where}: empty file: states nothing to check")
         match kind:
             case Framework.DEEPSPEED:
-                return import_deepspeed(load_json(text, where), devices=devices, where=where)
+                return import_deepspeed(load_json(text, where), devices=devices, model=model, where=where)
             case Framework.TORCHTITAN:
                 return import_torchtitan(load_toml(text, where), devices=devices, model=model, where=where)
             case Framework.MEGATRON:
@@ -103,6 +104,7 @@ __all__ = [
     "ConfigError",
     "Framework",
     "Imported",
+    "Unmapped",
     "detect",
     "import_deepspeed",
     "import_megatron",

@@ -97,7 +97,7 @@ class Layout:
         named = [("tp", self.tp), (self.data_name, self.dp)]
         named += [(n, d) for n, d in ((self.replicate, self.dpr), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep))]
         fixed = 1
-        for name, d in named:
+        for _, d in named:
             fixed *= d or 1
         dp = self.dp
         if dp is None:

@@ -1,7 +1,15 @@
-"""Reports of an ``Analysis``: the JSON document (schema in docs/schema.md) and the terminal view."""
+"""Reports of an ``Analysis``: the JSON document (schema in docs/schema.md) and the terminal view.
+
+``Report`` is what ``check`` assembles from typed results, each computed once: the analysis
+(placement, memory, traffic, schedule), the verdict, the imported configuration with its
+unmapped settings, and the runs beside the prediction (``--validate``, ``--simulate``). Its JSON
+document and its terminal view are both read from it; nothing is added to a document after.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -11,9 +19,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from checker._analysis import Analysis
+from checker._import_common import Imported, Unmapped
 from checker._numbers import gb
 from formal._costs import ceil_int
 from formal._exact import exact
+from formal._input import printable
 from formal._model import ParameterCount, Transformer
 from formal._verdict import Condition, Status, Verdict
 from formal._vocab import Stage
@@ -253,3 +263,54 @@ def print_verdict(verdict: Verdict, console: Console, explain: bool = False) -> 
                 console.print(escape(f"  {o.name}: {', '.join(o.core)}"), highlight=False)
     for note in verdict.notes:
         console.print(escape(f"note: {note}"), highlight=False)
+
+
+@dataclass(frozen=True)
+class CrossCheck:
+    """A run beside the prediction (PyTorch's measurements, the simulator): the JSON object its
+    runner writes and the line(s) the terminal shows for it."""
+
+    doc: Mapping[str, Any]
+    text: str
+
+
+@dataclass(frozen=True)
+class Report:
+    """One ``check``: the typed results its JSON document and terminal view are read from."""
+
+    analysis: Analysis
+    verdict: Verdict
+    explain: bool = False
+    imported: Imported | None = None
+    validation: CrossCheck | None = None
+    simulation: CrossCheck | None = None
+
+    @property
+    def unmapped(self) -> tuple[Unmapped, ...]:
+        """What the imported configuration says that the composition does not (empty without ``--from``)."""
+        return () if self.imported is None else self.imported.unmapped
+
+    def as_json(self) -> dict[str, Any]:
+        """The report document of docs/schema.md, in its key order."""
+        extra: dict[str, Any] = {}
+        if self.imported is not None:
+            extra["imported_from"] = self.imported.as_json()
+        if self.validation is not None:
+            extra["validation"] = dict(self.validation.doc)
+        if self.simulation is not None:
+            extra["simulation"] = dict(self.simulation.doc)
+        return {**to_json(self.analysis), "verdict": verdict_json(self.verdict, self.explain), **extra}
+
+
+def print_report(report: Report, console: Console) -> None:
+    """The terminal view: the import's unmapped settings, memory and traffic, the verdict, and the
+    runs beside the prediction."""
+    if report.unmapped:
+        console.print("Settings of the imported configuration the composition does not say exactly:")
+        for u in report.unmapped:
+            console.print(escape(f"  {printable(u.setting)}: {printable(u.why)}"), highlight=False, soft_wrap=True)
+    print_human(report.analysis, console)
+    print_verdict(report.verdict, console, report.explain)
+    for run in (report.validation, report.simulation):
+        if run is not None:
+            console.print(escape(run.text), highlight=False, soft_wrap=True)

@@ -19,6 +19,7 @@ from typing import Any
 from checker._parse import parse
 from checker._torch._compare import ACTIVATION_TOLERANCE, Comparison, Row, state_rows
 from checker._torch._compare import pct as _pct
+from formal._strategies import Composition
 from formal._vocab import Axis
 
 # Every engine at world size 8: DDP, FSDP2 (reshard after forward, and not), DTensor TP (with
@@ -51,11 +52,11 @@ def table_ranks(text: str) -> tuple[int, ...]:
 TABLE_RUNS: tuple[tuple[str, int], ...] = tuple((t, r) for t in TABLE_COMPOSITIONS for r in table_ranks(t))
 
 
-def _measure_on_fake_group(text: str, devices: int | None, rank: int) -> Any:
+def _measure_on_fake_group(composition: Composition | str, devices: int | None, rank: int) -> Any:
     from checker._torch._engine import fake_group, measure
     from checker._torch._net import NetConfig
 
-    comp = parse(text, devices=devices)
+    comp = parse(composition, devices=devices) if isinstance(composition, str) else composition
     teardown = fake_group(comp.devices, rank)
     try:
         return measure(comp, NetConfig(), rank, comp.devices)
@@ -63,7 +64,7 @@ def _measure_on_fake_group(text: str, devices: int | None, rank: int) -> Any:
         teardown()
 
 
-def measure_isolated(text: str, devices: int | None = None, rank: int = 0) -> Any:
+def measure_isolated(composition: Composition | str, devices: int | None = None, rank: int = 0) -> Any:
     """One fake-group measurement in a child process of its own, so no run inherits another's
     distributed state: DeviceMesh equality ignores the rank and the group names, so meshes
     cached by an earlier run of another rank resolve to process groups that no longer exist.
@@ -71,18 +72,19 @@ def measure_isolated(text: str, devices: int | None = None, rank: int = 0) -> An
     waited on with a limit (``checker._torch._isolate``)."""
     from checker._torch._isolate import run_isolated
 
-    return run_isolated(_measure_on_fake_group, (text, devices, rank), f"{text} rank {rank}")
+    return run_isolated(_measure_on_fake_group, (composition, devices, rank), f"{composition} rank {rank}")
 
 
-def validate(text: str, devices: int | None = None, rank: int = 0) -> Comparison:
-    """Run ``text`` with PyTorch on a fake process group (one rank) and compare."""
+def validate(composition: Composition | str, devices: int | None = None, rank: int = 0) -> Comparison:
+    """Run ``composition`` (parsed first when given as text) with PyTorch on a fake process group
+    (one rank) and compare."""
     from checker._torch._net import NetConfig
     from checker._torch._predict import predict
 
-    comp = parse(text, devices=devices)
+    comp = parse(composition, devices=devices) if isinstance(composition, str) else composition
     cfg = NetConfig()
     start = time.perf_counter()
-    measured = measure_isolated(text, devices, rank)
+    measured = measure_isolated(comp, None, rank)
     predicted = predict(comp, cfg.formal(), rank=rank)
     rows = (*state_rows(predicted, measured), Row("activations", predicted.activations, measured.activations))
     return Comparison(
@@ -181,8 +183,9 @@ def as_json(c: Comparison) -> dict[str, Any]:
     }
 
 
-def cli_validation(text: str, devices: int | None) -> tuple[dict[str, Any], str]:
-    """For ``check-composition --validate torch``: the JSON object and the side-by-side text.
+def cli_validation(composition: Composition) -> tuple[dict[str, Any], str]:
+    """For ``check-composition --validate torch``: the JSON object and the side-by-side text of
+    the composition ``check`` analysed (the object itself, user strategies included).
 
     Raises ``InputError`` (one clear line, exit 2) without torch or without an engine."""
     from formal.errors import CompositionError, InputError
@@ -192,7 +195,7 @@ def cli_validation(text: str, devices: int | None) -> tuple[dict[str, Any], str]
     except ImportError as err:
         raise InputError("--validate torch: PyTorch is not installed (pip install -e '.[torch]')") from err
     try:
-        c = validate(text, devices)
+        c = validate(composition)
     except CompositionError as err:
         raise InputError(f"--validate torch: {err}") from err
     note = "validated on the small model of checker._torch._net (not --model), fp32 Adam, fake process group"

@@ -24,16 +24,18 @@ from checker._command import (
     EXIT_UNKNOWN,
     EXIT_USAGE,
     EXIT_VALID,
-    build,
+    analysis_of,
     fail,
     outcome,
+    print_import,
+    request,
     set_outcome,
     verdict_exit,
 )
 from checker._numbers import MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, WholeNumber
 from checker._output import PipeClosed, output_path, terminal
 from checker._parse import DEFAULT_NODE_SIZE, MODIFIERS
-from checker._report import print_human, print_verdict, to_json, verdict_json
+from checker._report import CrossCheck, Report, print_report
 from checker._toml import load as load_strategies
 from formal._input import printable
 from formal._model import PRECISIONS
@@ -279,19 +281,22 @@ def check(
     try:
         report_path = output_path(report, "--report") if report is not None else None
         user = load_strategies(strategies_path) if strategies_path is not None else None
-        r = resolve_from(from_path, composition, devices, model, params, precision, micro_batch, seq)
-        analysis = build(
-            r.composition,
-            r.devices,
-            r.model,
+        req = request(
+            composition,
+            devices,
+            model,
             params,
-            r.precision,
+            precision,
             device_memory,
-            r.micro_batch,
-            r.seq,
+            micro_batch,
+            seq,
             strategies=user,
             node_size=node_size,
+            from_path=from_path,
         )
+        if req.imported is not None:
+            print_import(req.imported)
+        analysis = analysis_of(req)
     except InputError as err:
         fail(str(err))
         return
@@ -304,34 +309,34 @@ def check(
             analysis.program,
             analysis.model,
             timeout_ms=timeout_ms,
-            devices=r.devices,
+            devices=req.devices,
             rlimit=rlimit,
             query_rlimit=min(rlimit, DEFAULT_QUERY_RLIMIT),
         )
     except SolverError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(EXIT_UNKNOWN)
-    doc: dict[str, Any] = to_json(analysis)
-    doc["verdict"] = verdict_json(verdict, explain)
-    if r.imported is not None:
-        doc["imported_from"] = r.imported
+    validation = None
+    if validate is not None:  # PyTorch's own measurements beside the prediction
+        from checker._torch_validate import cli_validation
+
+        try:
+            validation = CrossCheck(*cli_validation(analysis.composition))
+        except InputError as err:
+            fail(str(err))
+            return
+    simulation = None
+    if simulate:  # the executable reference beside the verdict
+        from checker._simulate import run_simulation
+
+        simulation = CrossCheck(*run_simulation(analysis.composition, user))
+    result = Report(analysis, verdict, explain, req.imported, validation, simulation)
+    doc = result.as_json()
     if report_path is not None:
         try:
             write_report(doc, report_path)
         except InputError as err:
             fail(str(err))
-    if validate is not None:  # PyTorch's own measurements beside the prediction
-        from checker._torch_validate import cli_validation
-
-        try:
-            doc["validation"], validation_text = cli_validation(str(analysis.composition), r.devices)
-        except InputError as err:
-            fail(str(err))
-            return
-    if simulate:  # the executable reference beside the verdict
-        from checker._simulate import run_simulation
-
-        doc["simulation"], simulation_text = run_simulation(analysis.composition, user)
     set_outcome(verdict_exit(verdict))
     if as_json:
         click.echo(json.dumps(doc, indent=2))
@@ -340,13 +345,7 @@ def check(
 
         emit(check_csv_rows(doc), CHECK_CSV_COLUMNS, "", True, False)
     else:
-        console = terminal()
-        print_human(analysis, console)
-        print_verdict(verdict, console, explain)
-        if validate is not None:
-            click.echo(validation_text)
-        if simulate:
-            click.echo(simulation_text)
+        print_report(result, terminal())
     sys.exit(verdict_exit(verdict))
 
 
@@ -369,7 +368,6 @@ from checker._commands_reports import (  # noqa: E402 (configs in and out, repor
     compare,
     explain,
     export_command,
-    resolve_from,
     sweep,
     write_report,
 )

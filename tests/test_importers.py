@@ -22,6 +22,7 @@ from checker._importers import (
     load_config,
     megatron_tokens,
 )
+from checker._parse import parse
 from formal._presets import PRESETS
 
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
@@ -49,7 +50,8 @@ def test_example_configs_import(
     name: str, devices: int | None, composition: str, world: int, micro: int, model: str | None
 ) -> None:
     imported = load_config(CONFIGS / name, devices=devices)
-    assert imported.composition == composition
+    assert imported.text == composition
+    assert imported.composition == parse(composition, devices=world)  # the parser agrees, object for object
     assert imported.devices == world
     assert imported.micro_batch == micro
     assert imported.model == model
@@ -73,8 +75,8 @@ def test_torchtitan_notes_what_it_could_not_map() -> None:
     raw = tomllib.loads((CONFIGS / "torchtitan_llama3_8b.toml").read_text())
     del raw["activation_checkpoint"]
     imported = import_torchtitan(raw, devices=8)
-    assert imported.composition == "fsdp8"  # torchtitan's default (every 2nd layer) has no spelling
-    assert any("activation_checkpoint" in n for n in imported.notes)
+    assert imported.composition == parse("fsdp8")  # torchtitan's default (every 2nd layer) has no spelling
+    assert any(u.setting == "[activation_checkpoint]" and "upper bound" in u.why for u in imported.unmapped)
 
 
 def test_megatron_launcher_world_size() -> None:
@@ -121,7 +123,7 @@ def _set(doc: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 )
 def test_deepspeed_bad_configs(doc: dict[str, Any], devices: int, message: str) -> None:
     if message == "tensor_parallel":  # ...but contradicts stage 3
-        assert import_deepspeed(doc, devices=64).composition == "tp2xzero232xm2"  # 256 = 4 x 2 x 32
+        assert import_deepspeed(doc, devices=64).composition == parse("tp2xzero232xm2")  # 256 = 4 x 2 x 32
         doc = _set(doc, "zero_optimization.stage", 3)
         message = "AutoTP training supports stages 0, 1 and 2"
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

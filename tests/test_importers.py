@@ -188,3 +188,69 @@ def test_cli_bad_config_is_one_line_exit_2(tmp_path: Path) -> None:
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     out = _cli("tp2xzero3", "--from", str(CONFIGS / "deepspeed_zero2.json"))
     assert out.returncode == 2 and "give one, not both" in out.stderr
+
+
+# --- uneven pipeline stages, as each framework splits the layers ---------------------------
+
+
+def _megatron(*extra: str, layers: int = 126) -> list[str]:
+    return ["--num-layers", str(layers), "--pipeline-model-parallel-size", "4", *extra]
+
+
+@pytest.mark.parametrize(
+    ("first", "last", "layers", "uneven"),
+    [
+        (31, 31, 126, True),  # 31 + 2 x 32 + 31: the fullest holds ceil(126 / 4) = 32
+        (30, None, 126, True),  # the other three share 96 evenly: 32 each
+        (32, 32, 128, False),  # layers that divide, split evenly: the even split
+    ],
+)
+def test_megatron_first_and_last_stage_layers_are_uneven_stages(
+    first: int, last: int | None, layers: int, uneven: bool
+) -> None:
+    extra = ["--decoder-first-pipeline-num-layers", str(first)]
+    extra += [] if last is None else ["--decoder-last-pipeline-num-layers", str(last)]
+    imported = import_megatron(_megatron(*extra, layers=layers), devices=8)
+    assert imported.composition.options.uneven_stages is uneven
+    # no --global-batch-size: one micro-batch per step (m1)
+    assert imported.composition == parse("dp2xpp4xm1" + ("xuneven" if uneven else ""), devices=8)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--decoder-first-pipeline-num-layers", "30", "--decoder-last-pipeline-num-layers", "30"), "holds 33"),
+        (("--decoder-first-pipeline-num-layers", "29"), "cannot share the remaining 97"),
+        (("--decoder-first-pipeline-num-layers", "0"), "must be at least 1"),
+        (("--decoder-first-pipeline-num-layers", "102"), "the fullest stage holds 102"),  # 102, 8, 8, 8
+    ],
+)
+def test_megatron_splits_no_composition_charges_are_refused(extra: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        import_megatron(_megatron(*extra), devices=8)
+
+
+def _tt_split(layers: int, stages: int, first: int, last: int) -> list[int]:
+    """torchtitan's ``generate_llm_fqn_per_model_part``: embedding and output weigh ``first`` and
+    ``last`` layers, the total is split evenly, the first ``total % stages`` stages one more."""
+    total = layers + first + last
+    each = [total // stages + (1 if s < total % stages else 0) for s in range(stages)]
+    return [each[0] - first, *each[1:-1], each[-1] - last]
+
+
+@pytest.mark.parametrize(("model", "weights"), [("llama2-7b", None), ("llama2-7b", 0), ("llama3-405b", 0)])
+def test_torchtitan_reads_its_own_split_of_the_layers(model: str, weights: int | None) -> None:
+    par: dict[str, Any] = {"pipeline_parallel_degree": 4, "data_parallel_shard_degree": 2}
+    if weights is not None:
+        par |= {"pipeline_parallel_first_stage_less_layers": 0, "pipeline_parallel_last_stage_less_layers": 0}
+    chosen = PRESETS[model]
+    imported = import_torchtitan(
+        {"parallelism": par, "activation_checkpoint": {"mode": "none"}}, devices=8, model=chosen
+    )
+    layers = getattr(chosen, "layers")
+    split = _tt_split(layers, 4, *((1, 1) if weights is None else (0, 0)))
+    assert imported.composition.options.uneven_stages is (layers % 4 != 0)
+    noted = [u for u in imported.unmapped if "less_layers" in u.setting]
+    assert bool(noted) is (max(split) > -(-layers // 4))  # 9 of 32 on one stage with the defaults
+    if noted:
+        assert f"up to {max(split)} of the {layers}" in noted[0].why

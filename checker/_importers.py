@@ -4,8 +4,9 @@ DeepSpeed JSON (https://www.deepspeed.ai/docs/config-json/), torchtitan TOML
 (``torchtitan/config/job_config.py``) and Megatron-LM arguments (``megatron/training/arguments.py``).
 Every importer builds a ``Layout`` and returns the ``Composition`` it is (``Layout.composition``,
 built from the strategy library, never from text) in an ``Imported``, with the settings it could
-not map exactly (``Unmapped``: the setting as spelled and what was assumed). Unknown keys and contradictions raise ``ConfigError`` (an
-``InputError``): one line naming the key as the user spelled it.
+not map exactly (``Unmapped``: the setting as spelled and what was assumed). Unknown keys and
+contradictions raise ``ConfigError`` (an ``InputError``): one line naming the key as the user
+spelled it.
 
 Files are read through ``formal._input`` (regular files only, bounded size, strict UTF-8,
 bounded nesting and integers); each format declares the type of every key it reads

@@ -24,7 +24,6 @@ from formal._model import DEFAULT_PRECISION, Model, Transformer
 from formal._presets import PRESETS
 from formal._smt import decide
 from formal._vocab import Axis
-from formal.errors import InputError
 
 DENSE = PRESETS["llama2-7b"]  # 32 layers
 MOE = PRESETS["mixtral-8x7b"]  # 32 layers, 8 experts

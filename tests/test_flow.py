@@ -66,7 +66,7 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
     monkeypatch.setattr(Composition, "placement", placement)
     monkeypatch.setattr(command, "load_hf_config", counted("hf", load_hf_config))
-    monkeypatch.setattr(command, "parse", counted("parse", command.parse))
+    monkeypatch.setattr(command, "parse", counted("parse", parse))
     return counts
 
 

@@ -23,6 +23,7 @@ from checker._importers import (
     megatron_tokens,
 )
 from checker._parse import parse
+from formal._model import Transformer
 from formal._presets import PRESETS
 
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
@@ -247,7 +248,8 @@ def test_torchtitan_reads_its_own_split_of_the_layers(model: str, weights: int |
     imported = import_torchtitan(
         {"parallelism": par, "activation_checkpoint": {"mode": "none"}}, devices=8, model=chosen
     )
-    layers = getattr(chosen, "layers")
+    assert isinstance(chosen, Transformer)
+    layers = chosen.layers
     split = _tt_split(layers, 4, *((1, 1) if weights is None else (0, 0)))
     assert imported.composition.options.uneven_stages is (layers % 4 != 0)
     noted = [u for u in imported.unmapped if "less_layers" in u.setting]

@@ -8,6 +8,8 @@ the one public entry to both::
     analysis = checker.analyze(composition, checker.PRESETS["llama2-7b"])
     verdict = checker.decide(composition, analysis.program, analysis.model)
     result = checker.simulate(composition)  # the small reference model on simulated devices
+    imported = checker.load_config(Path("ds_config.json"), devices=64)  # .composition, .unmapped
+    report = checker.Report(analysis, verdict)  # .as_json(): the document of docs/schema.md
 
 The names below are re-exported from their one home (``formal`` or ``checker``'s underscored
 modules); ``__all__`` lists them and ``tests/test_public_api.py`` pins it. The simulator's types
@@ -19,7 +21,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from checker._analysis import Analysis, analyze
+from checker._importers import Imported, Unmapped, load_config
 from checker._parse import MODIFIERS, parse
+from checker._report import Report
 from checker._simulate import reference_model, simulate
 from checker._toml import StrategyFile
 from checker._toml import load as load_strategies
@@ -67,6 +71,7 @@ __all__ = [
     # the four entry points, and a user strategy file
     "analyze",
     "decide",
+    "load_config",
     "load_strategies",
     "parse",
     "reference_model",
@@ -87,6 +92,7 @@ __all__ = [
     "Divergence",
     "Entry",
     "Group",
+    "Imported",
     "Memory",
     "Mode",
     "Model",
@@ -98,6 +104,7 @@ __all__ = [
     "Precision",
     "Recompute",
     "ReferenceModel",
+    "Report",
     "Schedule",
     "SimulationResult",
     "State",
@@ -107,6 +114,7 @@ __all__ = [
     "StrategyFile",
     "Traffic",
     "Transformer",
+    "Unmapped",
     "Verdict",
     "Violation",
     # errors

@@ -99,6 +99,7 @@ def test_every_public_name_resolves() -> None:
 CHECKER_PUBLIC = {
     "analyze",
     "decide",
+    "load_config",
     "load_strategies",
     "parse",
     "reference_model",
@@ -118,6 +119,7 @@ CHECKER_PUBLIC = {
     "Divergence",
     "Entry",
     "Group",
+    "Imported",
     "Memory",
     "Mode",
     "Model",
@@ -129,6 +131,7 @@ CHECKER_PUBLIC = {
     "Precision",
     "Recompute",
     "ReferenceModel",
+    "Report",
     "Schedule",
     "SimulationResult",
     "State",
@@ -138,6 +141,7 @@ CHECKER_PUBLIC = {
     "StrategyFile",
     "Traffic",
     "Transformer",
+    "Unmapped",
     "Verdict",
     "Violation",
     "CompositionError",
@@ -167,6 +171,21 @@ def test_checker_reexports_each_name_from_its_one_home() -> None:
         assert getattr(checker, name) is getattr(formal, name), name
     assert checker.parse is parse and checker.analyze is analyze and checker.decide is decide
     assert checker.SimulationResult is SimulationResult
+
+
+def test_a_config_in_a_report_out_through_the_public_api() -> None:
+    """``load_config`` gives a ``Composition`` (the one the parser reads from its text) and what it
+    could not map; ``Report`` of its analysis and verdict is the CLI's JSON document."""
+    root = Path(__file__).resolve().parents[1]
+    imported = checker.load_config(root / "examples" / "configs" / "deepspeed_zero2.json", devices=None)
+    assert imported.composition == checker.parse("zero232xm2")  # 256 = micro 4 x gas 2 x dp 32
+    assert all(isinstance(u, checker.Unmapped) and u.setting and u.why for u in imported.unmapped)
+    model = checker.PRESETS["gpt3-1.3b"]
+    analysis = checker.analyze(imported.composition, model)
+    verdict = checker.decide(imported.composition, analysis.program, model)
+    doc = checker.Report(analysis, verdict, imported=imported).as_json()
+    assert doc["composition"] == "zero232xm2" and doc["verdict"]["status"] == "proved"
+    assert doc["imported_from"]["unmapped"] == [u.as_json() for u in imported.unmapped]
 
 
 def _readme_example() -> str:

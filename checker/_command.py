@@ -24,6 +24,7 @@ from formal._model import PRECISIONS, Model, ParameterCount, Precision, Transfor
 from formal._presets import DEFAULT_DEVICE_MEMORY, DEFAULT_DEVICES, DEFAULT_MODEL, PRESETS
 from formal._strategies import Composition
 from formal._verdict import Status, Verdict
+from formal._vocab import Axis
 from formal.errors import InputError
 
 EXIT_VALID, EXIT_INVALID, EXIT_USAGE, EXIT_UNKNOWN, EXIT_INTERNAL = 0, 1, 2, 3, 4
@@ -106,10 +107,24 @@ class Request:
     imported: Imported | None = None
 
 
-def _precision_given() -> bool:
-    """Whether the user typed ``--precision`` (a config's precision fills it only when not)."""
+def _given(option: str) -> bool:
+    """Whether the user typed the option (a config's value fills it only when not)."""
     ctx = click.get_current_context(silent=True)
-    return ctx is not None and ctx.get_parameter_source("precision") is not click.core.ParameterSource.DEFAULT
+    if ctx is None or option not in ctx.params:
+        return False
+    return ctx.get_parameter_source(option) is not click.core.ParameterSource.DEFAULT
+
+
+def _check_node_size(imported: Imported, node_size: int) -> None:
+    """An explicit ``--node-size`` must agree with the node of a config's hpZ (DeepSpeed's
+    ``zero_hpz_partition_size``): the config's composition is used as it is, never re-split."""
+    hpz = imported.composition.strategy_on(Axis.DPR)
+    data = imported.composition.strategy_on(Axis.DP)
+    if hpz is not None and hpz.name == "hpz-dpr" and data is not None and data.degree != node_size:
+        raise InputError(
+            f"--node-size {node_size} contradicts the config's hpZ partition of {data.degree} devices "
+            f"({imported.text}); leave --node-size out or make them agree"
+        )
 
 
 def request(
@@ -156,7 +171,9 @@ def request(
             micro_batch if micro_batch is not None else imported.micro_batch,
             seq if seq is not None else imported.seq,
         )
-        if imported.precision and not _precision_given():
+        if _given("node_size"):
+            _check_node_size(imported, node_size)
+        if imported.precision and not _given("precision"):
             precision = imported.precision
         devices = imported.devices if devices is None else devices
     if precision not in PRECISIONS:

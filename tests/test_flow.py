@@ -199,3 +199,32 @@ def test_export_takes_the_node_size_and_explain_refuses_hpz_by_name() -> None:
     refused = invoke("explain", "hpz")
     assert refused.exit_code == 2 and "hpz: a modifier" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("node_size", "code"), [(None, 0), ("8", 0), ("4", 2)])
+def test_an_explicit_node_size_must_agree_with_the_configs_hpz(
+    tmp_path: Path, node_size: str | None, code: int
+) -> None:
+    """The config's composition is used as it is: a --node-size that would split it otherwise is
+    a contradiction (one line, exit 2), not silently ignored."""
+    config = tmp_path / "ds.json"
+    zero = {"stage": 3, "zero_hpz_partition_size": 8}
+    config.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 32,
+                "train_micro_batch_size_per_gpu": 1,
+                "gradient_accumulation_steps": 1,
+                "zero_optimization": zero,
+            }
+        )
+    )
+    args = ["--from", str(config), "--model", "gpt3-1.3b", "--json"] + (
+        [] if node_size is None else ["--node-size", node_size]
+    )
+    out = invoke(*args)
+    assert out.exit_code == code, out.output
+    if code == 0:
+        assert json.loads(out.stdout)["composition"] == "zero38xhpz-dpr4"  # 32 devices, nodes of 8
+    else:
+        assert "--node-size 4 contradicts" in out.stderr and len(out.stderr.strip().splitlines()) == 1

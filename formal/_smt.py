@@ -18,11 +18,14 @@ Four families of obligations:
   fails; its core names it, and each rule of the core is re-checked alone so that every broken
   rule is reported. The table's framework rules are notes, never refutations.
 * **Gradient integrity**, one obligation per parameter group and axis: the program's gradient
-  ops on that axis (all-reduce, reduce-scatter, scale; in program order, up to the optimizer
-  step) are executed symbolically over integer contributions, starting from the ``Origin`` the
+  ops on that axis (all-reduce, reduce-scatter, broadcast, all-gather, scale; in every phase, in
+  program order, up to the optimizer step, each on the buffer docs/semantics.md's "Gradient
+  buffers" gives it, micro-batch by micro-batch when an op acts on ``.grad`` inside the loop)
+  are executed symbolically over integer contributions, starting from the ``Origin`` the
   program records. The obligation asks z3 for contributions on which some device's gradient
   differs from the single-device one (the mean of the contributions along data axes, their sum
   otherwise: a tied embedding on ``pp``, sequence-parallel norms on ``tp``). Unsat: proved.
+  Normalisation is a product across axes (``_normalised``): one scale may normalise several.
   When the optimizer runs on the host (ZeRO-Offload) it reads the host copy of the gradient: a
   device-to-host copy snapshots the device value at that point (none of it before the backward),
   and reductions after it do not reach the host (``transfer_after_reduction``).

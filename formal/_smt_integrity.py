@@ -1,9 +1,11 @@
 """Gradient integrity, one z3 obligation per group and axis (``formal/_smt.py`` explains it).
 
 ``_integrity_case`` collects what one obligation depends on (the group erased), and
-``_decide_integrity`` runs the gradient ops symbolically over integer contributions, asks z3 for
-contributions on which a device's gradient differs from the single-device one, and decodes a
-model into a witness (``_classify_integrity`` names the rule it breaks).
+``_decide_integrity`` runs the gradient ops symbolically over integer contributions (``_apply``
+one op; ``_micro_batches`` the micro-batch loop one by one when an op acts on the accumulated
+``.grad`` inside it: docs/semantics.md, "Gradient buffers"), asks z3 for contributions on which a
+device's gradient differs from the single-device one, and decodes a model into a witness
+(``_classify_integrity`` names the rule it breaks).
 """
 
 from __future__ import annotations

@@ -94,6 +94,20 @@ def test_all_gather_of_the_unreduced_gradient_is_refuted(tmp_path: Path) -> None
     assert matches is True
 
 
+def test_reduce_scatter_then_all_gather_of_the_gradient_is_right(tmp_path: Path) -> None:
+    """dp2, a mean reduce-scatter then an all-gather of G: each device reduces its shard to the mean
+    over both devices, and the gather gives every device every shard: the single-device gradient
+    everywhere. (The simulator once left the gathered positions marked free and zeroed them at the
+    end of gradient synchronisation: it diverged on this correct program while z3 proved it.)"""
+    program = (
+        '[[program]]\nop = "reduce_scatter"\naxis = "dp"\nreduce = "mean"\n'
+        '[[program]]\nop = "all_gather"\nstate = "G"\naxis = "dp"\nphase = "grad_sync"\n'
+    )
+    verdict, matches = _judge(tmp_path, "dp2", program)
+    _proved(verdict)
+    assert matches is True
+
+
 # --------------------------------------------------------------------------- 2: forward-phase gradient ops
 
 

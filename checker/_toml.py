@@ -351,7 +351,7 @@ def _buffer(at: str, body: dict[str, Any], kind: OpKind, state: State, phase: Ph
         raise StrategyFileError(f"{at}: buffer applies to gradient ops (state G), not {kind.value} of {state.value}")
     if buffer is Buffer.FRESH and phase is not Phase.BACKWARD:
         raise StrategyFileError(
-            f"{at}: buffer = \"fresh\" in the {phase.value} phase: a micro-batch's fresh gradient exists only in "
+            f'{at}: buffer = "fresh" in the {phase.value} phase: a micro-batch\'s fresh gradient exists only in '
             "the backward, before it is added to the accumulated .grad"
         )
     return buffer

@@ -71,7 +71,7 @@ _EXPLAIN = {
     "gather_before_use": "a sharded parameter is read in full without being gathered",
     "fetch_before_use": "an offloaded parameter is read without being copied to the device",
     "refresh": "a stale copy (from before an update) is read",
-    "scaled_state": "a parameter or optimizer state multiplied by a constant that single-device training does not apply is read",
+    "scaled_state": "a parameter or optimizer state scaled by a constant (one device scales neither) is read",
 }
 
 

@@ -165,7 +165,9 @@ def test_a_mean_reduction_of_the_accumulated_grad_is_right(tmp_path: Path) -> No
     micro-batch ``.grad`` holds mean(g1) on both devices; the second mean gives
     mean(mean(g1) + g2) = mean(g1) + mean(g2), the single-device gradient: a mean of equal values
     is that value. Valid, although it moves twice the bytes."""
-    program = '[[program]]\nop = "all_reduce"\naxis = "dp"\nreduce = "mean"\nphase = "backward"\nbuffer = "accumulated"\n'
+    program = (
+        '[[program]]\nop = "all_reduce"\naxis = "dp"\nreduce = "mean"\nphase = "backward"\nbuffer = "accumulated"\n'
+    )
     verdict, matches = _judge(tmp_path, "dp2xm2", program)
     _proved(verdict)
     assert matches is True

@@ -14,12 +14,18 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from checker._parse import parse
 from checker._simulate import reference_model, simulate
 from checker._toml import load
+from checker.cli import main
+from formal._program import Op, derive_program
 from formal._smt import decide
 from formal._verdict import Status, Verdict, Violation
+from formal._vocab import ATTENTION, Axis, OpKind, Phase, State
 from formal.errors import InputError, StrategyFileError
 
 pytestmark = pytest.mark.timeout(300)
@@ -286,3 +292,117 @@ def test_expert_data_parallel_normalised_over_dp_and_ep(tmp_path: Path) -> None:
     assert integrity and all(ob.status is Status.PROVED for ob in integrity)
     verdict, _ = _judge(tmp_path, "dp2xep2", program.format(scale="1/2"), simulated=False)
     assert _fired(verdict, "normalisation[G.attention")
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@st.composite
+def reductions_per_micro_batch(draw: st.DrawFn) -> tuple[int, int, str, str]:
+    """(dp degree, micro-batches, reduce, buffer) of a backward all-reduce run with each micro-batch."""
+    return (
+        draw(st.sampled_from([2, 3])),
+        draw(st.sampled_from([1, 2, 3])),
+        draw(st.sampled_from(["sum", "mean"])),
+        draw(st.sampled_from(["fresh", "accumulated"])),
+    )
+
+
+@pytest.mark.parametrize("examples", [pytest.param(6, id="default"), pytest.param(24, marks=pytest.mark.slow)])
+def test_backward_reductions_follow_their_buffer(tmp_path: Path, examples: int) -> None:
+    """A backward all-reduce over d devices with each of m micro-batches, then a scale by 1/d after a
+    sum (1 after a mean). On the fresh gradient each micro-batch is reduced once: right. On the
+    accumulated ``.grad`` (a_j = R(a_{j-1} + g_j)) a sum gives a_m = sum_j d^(m-j) S(g_j), right
+    iff m = 1; a mean gives a_m = sum_j M(g_j), always right. Single-device training has
+    sum_j S(g_j)/d. z3 and the simulator must both give that verdict."""
+
+    @settings(max_examples=examples, database=None)
+    @given(reductions_per_micro_batch())
+    def check(case: tuple[int, int, str, str]) -> None:
+        d, m, reduce, buffer = case
+        program = (
+            f'[[program]]\nop = "all_reduce"\naxis = "dp"\nreduce = "{reduce}"\nphase = "backward"\n'
+            f'buffer = "{buffer}"\n[[program]]\nop = "scale"\nscale = "{"1/d" if reduce == "sum" else "1"}"\n'
+            'axis = "dp"\n'
+        )
+        expected = buffer == "fresh" or reduce == "mean" or m == 1
+        verdict, matches = _judge(tmp_path, f"dp{d}xm{m}", program)
+        assert (verdict.status is Status.PROVED) is expected, [v.rule for v in verdict.violations]
+        assert matches is expected
+
+    check()
+
+
+@st.composite
+def normalisers(draw: st.DrawFn) -> tuple[list[tuple[Fraction, str | None, str]], bool]:
+    """Scales over a dp2xcp2 mesh after sum reductions along both axes: factors, each on dp, cp or
+    no axis, in the backward, grad_sync or optimizer phase; and whether their product is 1/4."""
+    factors = draw(st.lists(st.sampled_from([Fraction(1, 2), Fraction(1, 4), Fraction(2), Fraction(3)]), max_size=3))
+    right = draw(st.booleans())
+    product = Fraction(1)
+    for f in factors:
+        product *= f
+    last = Fraction(1, 4) / product if right else Fraction(1, 8) / product
+    placed = [
+        (f, draw(st.sampled_from(["dp", "cp", None])), draw(st.sampled_from(["backward", "grad_sync", "optimizer"])))
+        for f in [*factors, last]
+    ]
+    return placed, right
+
+
+@pytest.mark.parametrize("examples", [pytest.param(5, id="default"), pytest.param(30, marks=pytest.mark.slow)])
+def test_normalisation_is_the_product_of_every_scale(tmp_path: Path, examples: int) -> None:
+    """Each of the 4 devices of dp2xcp2 holds the mean over its own samples and sequence chunk; the
+    single-device gradient is the sum of the 4 divided by 4. Sum reductions along dp and cp then
+    scales: every op is linear, so the gradient is right iff the scales multiply to 1/4, whatever
+    axis and phase each is on (a wrong product here is 1/8: half the single-device value)."""
+
+    @settings(max_examples=examples, database=None)
+    @given(normalisers())
+    def check(case: tuple[list[tuple[Fraction, str | None, str]], bool]) -> None:
+        placed, right = case
+        program = SUM_DP_CP.split('[[program]]\nop = "scale"')[0]
+        for factor, axis, phase in placed:
+            where = f'axis = "{axis}"\n' if axis is not None else ""
+            program += f'[[program]]\nop = "scale"\nscale = "{factor}"\nphase = "{phase}"\n{where}'
+        verdict, matches = _judge(tmp_path, "dp2xcp2", program)
+        assert (verdict.status is Status.PROVED) is right, [v.rule for v in verdict.violations]
+        assert matches is right
+
+    check()
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_an_unmodelled_gradient_op_is_refused_not_ignored() -> None:
+    """A send/recv or all-to-all of the gradient (which no strategy file can write, but a program
+    built in code can) has no meaning the encoding gives it: the verdict refuses it by name."""
+    c = parse("dp2")
+    model = reference_model(c).transformer()
+    derived = derive_program(c.placement(model), model)
+    for kind in (OpKind.SEND_RECV, OpKind.ALL_TO_ALL):
+        for state in (State.GRADIENTS, State.PARAMETERS):
+            extra = Op(kind, state, ATTENTION, Axis.DP, Phase.GRAD_SYNC)
+            with pytest.raises(InputError, match=kind.value):
+                decide(c, derived.with_ops([*derived.ops, extra]), model)
+
+
+def test_too_many_micro_batches_on_the_accumulated_buffer_are_refused(tmp_path: Path) -> None:
+    """The loop is modelled micro-batch by micro-batch only when an op acts on ``.grad`` inside it;
+    past 16 such micro-batches the encoding refuses (an input error), it does not approximate."""
+    program = '[[program]]\nop = "scale"\nscale = "2"\nphase = "forward"\n' + MEAN_DP
+    with pytest.raises(InputError, match="micro-batches"):
+        _judge(tmp_path, "dp2xm32", program, simulated=False)
+    verdict, _ = _judge(tmp_path, "dp2xm32", MEAN_DP, simulated=False)
+    _proved(verdict)
+
+
+def test_the_cli_refuses_a_fresh_buffer_after_the_backward_in_one_line(tmp_path: Path) -> None:
+    """Exit 2 with one line naming the op: a fresh gradient does not exist in grad_sync."""
+    path = tmp_path / "p.toml"
+    path.write_text(MEAN_DP + 'buffer = "fresh"\n', encoding="utf-8")
+    result = CliRunner().invoke(main, ["dp2", "--strategies", str(path)])
+    assert result.exit_code == 2
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and "program[1]" in lines[0] and "fresh" in lines[0], lines

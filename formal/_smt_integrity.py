@@ -86,10 +86,11 @@ def _in_loop(op: Op, m: int) -> bool:
 
 def _unrolled(ops: list[tuple[Op, Buffer]], m: int) -> int:
     """Micro-batches to model one by one: ``m`` when an op inside the loop acts on ``.grad``
-    (then the micro-batches do not commute with the ops), else 1 (every loop op is linear on
-    the fresh gradient, so applying it to each micro-batch equals applying it to their sum)."""
-    if m == 1 or not any(_in_loop(op, m) and buffer is Buffer.ACCUMULATED for op, buffer in ops):
-        return 1
+    (then the micro-batches do not commute with the ops, and even with one the op runs after
+    the fresh-buffer ops of its micro-batch), else 0: every loop op is linear on the fresh
+    gradient, so applying it to each micro-batch equals applying it to their sum."""
+    if not any(_in_loop(op, m) and buffer is Buffer.ACCUMULATED for op, buffer in ops):
+        return 0
     if m > MAX_UNROLLED_MICRO_BATCHES:
         raise InputError(
             f"m={m} micro-batches with a gradient op on the accumulated buffer inside the micro-batch loop: "
@@ -116,7 +117,7 @@ class _IntegrityCase:
     sharded: bool
     ops: tuple[Op, ...]
     host: bool = False  # the optimizer reads a host copy of the gradient (made by DEVICE_TO_HOST ops)
-    micro_batches: int = 1  # modelled one by one (``_unrolled``)
+    micro_batches: int = 0  # modelled one by one (``_unrolled``; 0: one gradient per step)
     buffers: tuple[Buffer, ...] = ()  # the gradient buffer each op acts on
     offset: int = 0  # the gradient's shard partition along the axis (its holder's chunk)
     # The factor of the single-device normaliser that scales along other axes apply to this
@@ -144,17 +145,32 @@ def _integrity_case(index: _Index, group: Group, axis: Axis) -> _IntegrityCase:
     )
 
 
+def _owner(op: Op, case: _IntegrityCase, k: int) -> int:
+    """The device whose piece holds the element in ``op``'s partition (the holder's chunk)."""
+    src = (op.offset - case.offset) % case.degree
+    if src >= k:
+        raise InputError(f"{op}: a {op.kind.value} onto or from device {src} of {case.degree} is not modelled")
+    return src
+
+
 def _apply(
-    op: Op, values: list[z3.ArithRef], rest_v: z3.ArithRef, case: _IntegrityCase, rest: int
+    op: Op, values: list[z3.ArithRef], rest_v: z3.ArithRef, case: _IntegrityCase, rest: int, scatter: bool = False
 ) -> tuple[list[z3.ArithRef], z3.ArithRef]:
     """One gradient op on the devices' values of the element (``rest``: devices folded into
-    ``rest_v``, their values' sum): the new values, as expressions."""
+    ``rest_v``, their values' sum): the new values, as expressions. With ``scatter`` a
+    reduce-scatter writes the reduced element on its owner only and leaves the other devices'
+    buffers as they were (inside the micro-batch loop, where they are reduced again); otherwise
+    every device is given it, as only the holder reads it after the buffer is freed outside its
+    shard (``free_outside_shard``)."""
     k = len(values)
     match op.kind:
         case OpKind.ALL_REDUCE | OpKind.REDUCE_SCATTER:
             combined = z3.Sum(*values) + rest_v if k > 1 or rest else values[0] + rest_v
             if op.reduce is Reduce.MEAN:
                 combined = combined / case.degree
+            if scatter and op.kind is OpKind.REDUCE_SCATTER:
+                owner = _owner(op, case, k)
+                return [combined if i == owner else v for i, v in enumerate(values)], rest_v
             return [combined] * k, rest * combined
         case OpKind.SCALE:
             factor = _real(_fraction(op.scale))
@@ -164,9 +180,7 @@ def _apply(
         case OpKind.ALL_GATHER:
             # Every device gets the element from the device whose piece holds it in the gather's
             # partition: the element is the holder's chunk, device (offset - holder's offset).
-            src = (op.offset - case.offset) % case.degree
-            if src >= k:
-                raise InputError(f"{op}: an all-gather from device {src} of {case.degree} is not modelled")
+            src = _owner(op, case, k)
             return [values[src]] * k, rest * values[src]
         case _:
             raise InputError(f"{op}: a {op.kind.value} of the gradients is not modelled by the gradient encoding")
@@ -230,7 +244,7 @@ def _micro_batches(
     def run(n: int, op: Op, values: list[z3.ArithRef], rest_v: z3.ArithRef, j: int) -> tuple[Any, Any]:
         new = [z3.Real(f"v{n}_{i}@mb{j}") for i in range(k)]
         new_rest = z3.Real(f"v{n}_rest@mb{j}")
-        exprs, rest_expr = _apply(op, values, rest_v, case, rest)
+        exprs, rest_expr = _apply(op, values, rest_v, case, rest, scatter=True)
         step = [new[i] == exprs[i] for i in range(k)] + [new_rest == rest_expr]
         solver.track(f"{_op_label(n, op)}@mb{j}", z3.And(*step))
         return new, new_rest
@@ -266,7 +280,7 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
     rest = degree - k  # devices folded into one aggregate
     solver = _Solver(timeout_ms)
     m = case.micro_batches
-    if m > 1:
+    if m:
         values, rest_v, contributions, reference = _micro_batches(case, solver, k, rest, name)
     else:
         values, rest_v, contributions, _, reference = _start(case, solver, k, rest, name)
@@ -287,7 +301,7 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
             solver.track(_op_label(n, op), z3.And(*[host[i] == (0 if incomplete else values[i]) for i in range(k)]))
             copied = n - 1
             continue
-        if m > 1 and _in_loop(op, m):
+        if m and _in_loop(op, m):
             continue  # run with each micro-batch (``_micro_batches``)
         if sharded and not trimmed and op.phase in (Phase.OPTIMIZER, Phase.REFRESH):
             # After gradient synchronisation a sharded gradient is freed outside each device's
@@ -329,7 +343,7 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
         degree,
         late,
         copied if case.host and host is not None else None,
-        accumulated if m > 1 else [],
+        accumulated if m > 1 else [],  # with one micro-batch nothing goes through an op twice
         m,
     )
     witness: dict[str, Any] = {

@@ -192,6 +192,43 @@ def test_a_fresh_buffer_outside_the_backward_is_refused(tmp_path: Path) -> None:
     assert issubclass(StrategyFileError, InputError)
 
 
+def test_zero2_reduce_scatter_of_the_accumulated_grad_is_refuted(tmp_path: Path) -> None:
+    """ZeRO-2 over dp2 with two micro-batches, a mean reduce-scatter after each backward. On the
+    fresh gradient (as FSDP's post-backward hook) each micro-batch's shard is reduced once and
+    accumulated: right. On the accumulated ``.grad`` the second reduce-scatter finds, at the
+    other device's piece, that device's own unreduced g1 (a reduce-scatter writes only the
+    owner's shard), so the owner gets (mean(g1) + g2_0 + g1_1 + g2_1)/2, not mean(g1) + mean(g2).
+    (z3 once gave every device the reduced value inside the loop and proved it.)"""
+    program = (
+        '[[program]]\nop = "reduce_scatter"\naxis = "dp"\nreduce = "mean"\nphase = "backward"\n{buffer}'
+        '[[program]]\nop = "all_gather"\nstate = "P"\naxis = "dp"\nphase = "refresh"\n'
+    )
+    verdict, matches = _judge(tmp_path, "zero22xm2", program.format(buffer='buffer = "accumulated"\n'))
+    _refuted(verdict, "gradient_buffer[G.")
+    assert matches is False
+    verdict, matches = _judge(tmp_path, "zero22xm2", program.format(buffer=""))
+    _proved(verdict)
+    assert matches is True
+
+
+def test_accumulated_buffer_ops_run_after_the_fresh_ones(tmp_path: Path) -> None:
+    """Within a micro-batch the ops on the fresh gradient run first, then it is added to ``.grad``,
+    then the ops on ``.grad``, whatever their order in the file: an all-gather of ``.grad`` listed
+    before a mean all-reduce of the fresh gradient gathers the reduced gradient (equal everywhere:
+    right), even with one micro-batch. Listed on the fresh buffer it gathers the unreduced one."""
+    program = (
+        '[[program]]\nop = "all_gather"\nstate = "G"\naxis = "dp"\nphase = "backward"\nbuffer = "{buffer}"\n'
+        + MEAN_DP
+        + 'phase = "backward"\nbuffer = "fresh"\n'
+    )
+    verdict, matches = _judge(tmp_path, "dp2", program.format(buffer="accumulated"))
+    _proved(verdict)
+    assert matches is True
+    verdict, matches = _judge(tmp_path, "dp2", program.format(buffer="fresh"))
+    _refuted(verdict, "reduction_closure[G.")
+    assert matches is False
+
+
 # --------------------------------------------------------------------------- 6: scales of P and O
 
 

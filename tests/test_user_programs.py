@@ -371,9 +371,10 @@ def test_backward_reductions_follow_their_buffer(tmp_path: Path, examples: int) 
 
 
 @st.composite
-def normalisers(draw: st.DrawFn) -> tuple[list[tuple[Fraction, str | None, str]], bool]:
+def normalisers(draw: st.DrawFn) -> tuple[list[tuple[Fraction, str | None, str]], bool, int]:
     """Scales over a dp2xcp2 mesh after sum reductions along both axes: factors, each on dp, cp or
-    no axis, in the backward, grad_sync or optimizer phase; and whether their product is 1/4."""
+    no axis, in the backward (on each micro-batch's fresh gradient), grad_sync or optimizer phase;
+    whether their product is 1/4; and the micro-batches (1 or 2)."""
     factors = draw(st.lists(st.sampled_from([Fraction(1, 2), Fraction(1, 4), Fraction(2), Fraction(3)]), max_size=3))
     right = draw(st.booleans())
     product = Fraction(1)
@@ -384,7 +385,7 @@ def normalisers(draw: st.DrawFn) -> tuple[list[tuple[Fraction, str | None, str]]
         (f, draw(st.sampled_from(["dp", "cp", None])), draw(st.sampled_from(["backward", "grad_sync", "optimizer"])))
         for f in [*factors, last]
     ]
-    return placed, right
+    return placed, right, draw(st.sampled_from([1, 2]))
 
 
 @pytest.mark.parametrize("examples", [pytest.param(5, id="default"), pytest.param(30, marks=pytest.mark.slow)])
@@ -392,17 +393,18 @@ def test_normalisation_is_the_product_of_every_scale(tmp_path: Path, examples: i
     """Each of the 4 devices of dp2xcp2 holds the mean over its own samples and sequence chunk; the
     single-device gradient is the sum of the 4 divided by 4. Sum reductions along dp and cp then
     scales: every op is linear, so the gradient is right iff the scales multiply to 1/4, whatever
-    axis and phase each is on (a wrong product here is 1/8: half the single-device value)."""
+    axis and phase each is on, a backward scale applying to each micro-batch's fresh gradient and so
+    to their sum (a wrong product here is 1/8: half the single-device value)."""
 
     @settings(max_examples=examples, database=None)
     @given(normalisers())
-    def check(case: tuple[list[tuple[Fraction, str | None, str]], bool]) -> None:
-        placed, right = case
+    def check(case: tuple[list[tuple[Fraction, str | None, str]], bool, int]) -> None:
+        placed, right, m = case
         program = SUM_DP_CP.split('[[program]]\nop = "scale"')[0]
         for factor, axis, phase in placed:
             where = f'axis = "{axis}"\n' if axis is not None else ""
             program += f'[[program]]\nop = "scale"\nscale = "{factor}"\nphase = "{phase}"\n{where}'
-        verdict, matches = _judge(tmp_path, "dp2xcp2", program)
+        verdict, matches = _judge(tmp_path, f"dp2xcp2xm{m}", program)
         assert (verdict.status is Status.PROVED) is right, [v.rule for v in verdict.violations]
         assert matches is right
 

@@ -28,6 +28,10 @@ schedule rather than the derived one. ``examples/`` holds complete files; the fo
     reduce = "sum"                     # reductions: sum or mean (default mean on data axes, else sum)
     offset = 0                         # the shard partition a reduce-scatter or gather uses
     scale = "1/d"                      # scale: a number, a fraction "1/2" or "1/d" (the axis degree)
+    buffer = "accumulated"             # gradient ops: "fresh" (this micro-batch's gradient, backward
+                                       #   only) or "accumulated" (the .grad buffer); default: fresh in
+                                       #   the backward, accumulated elsewhere (docs/semantics.md,
+                                       #   "Gradient buffers")
 
 Program order: phases run in the order above; within a phase the file's ops come first (in
 file order), then the derived local steps of that phase (the forward and backward reads, the
@@ -52,7 +56,7 @@ from formal._model import Model
 from formal._placement import Entry, Placement, Strategy
 from formal._program import Op, StepProgram, derive_program, group_sizes, shard_elements
 from formal._strategies import LIBRARY
-from formal._vocab import Axis, Group, Mode, OpKind, Phase, Reduce, State
+from formal._vocab import Axis, Buffer, Group, Mode, OpKind, Phase, Reduce, State
 from formal.errors import InputError, StrategyFileError
 
 _T = TypeVar("_T")
@@ -68,7 +72,7 @@ _NAME = re.compile(r"^[a-wyz](?:[a-wyz0-9-]*[a-wyz-])?$")  # no 'x' (it separate
 _ENTRY = re.compile(r"^\s*(?P<mode>[A-Za-z*][A-Za-z* _-]*?)\s*(?:@\s*(?P<offset>\d{1,7}))?\s*(?P<hold>\+\s*hold)?\s*$")
 _GROUP = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
 _STRATEGY_KEYS = {"axis", "description", "source", "P", "O", "G", "A", "compute_sharded", "groups"}
-_OP_KEYS = {"op", "state", "group", "axis", "phase", "reduce", "offset", "scale", "note"}
+_OP_KEYS = {"op", "state", "group", "axis", "phase", "reduce", "offset", "scale", "note", "buffer"}
 _DEFAULT_PHASE: dict[OpKind, Phase] = {
     OpKind.ALL_REDUCE: Phase.GRAD_SYNC,
     OpKind.REDUCE_SCATTER: Phase.GRAD_SYNC,
@@ -114,6 +118,7 @@ class OpSpec:
     reduce: Reduce | None
     offset: int
     scale: str | None
+    buffer: Buffer | None = None
 
     @property
     def where(self) -> str:
@@ -334,7 +339,22 @@ def _op(where: str, index: int, body: dict[str, Any]) -> OpSpec:
         raise StrategyFileError(f"{at}: scale applies to scale ops only, not {kind.value}")
     if "note" in body and not isinstance(body["note"], str):
         raise StrategyFileError(f"{at}.note: must be a string")
-    return OpSpec(index, kind, state, group, axis, phase, reduce, offset, scale)
+    return OpSpec(index, kind, state, group, axis, phase, reduce, offset, scale, _buffer(at, body, kind, state, phase))
+
+
+def _buffer(at: str, body: dict[str, Any], kind: OpKind, state: State, phase: Phase) -> Buffer | None:
+    """The gradient buffer an op names (docs/semantics.md, "Gradient buffers"); None: the default."""
+    if "buffer" not in body:
+        return None
+    buffer = _choice(at, "buffer", body["buffer"], {b.value: b for b in Buffer})
+    if state is not State.GRADIENTS or kind in (OpKind.COMPUTE, OpKind.OPTIMIZER_STEP):
+        raise StrategyFileError(f"{at}: buffer applies to gradient ops (state G), not {kind.value} of {state.value}")
+    if buffer is Buffer.FRESH and phase is not Phase.BACKWARD:
+        raise StrategyFileError(
+            f'{at}: buffer = "fresh" in the {phase.value} phase: a micro-batch\'s fresh gradient exists only in '
+            "the backward, before it is added to the accumulated .grad"
+        )
+    return buffer
 
 
 def _choice(at: str, key: str, value: object, options: Mapping[str, _T]) -> _T:
@@ -429,7 +449,8 @@ def _spec_op(spec: OpSpec, g: Group, pl: Placement, size: sp.Expr, m: sp.Expr) -
             )
         case OpKind.SCALE:
             degree = pl.degree(spec.axis) if spec.axis is not None else sp.Integer(1)
-            return Op(OpKind.SCALE, spec.state, g, spec.axis, spec.phase, scale=_scale_value(spec, degree), note=note)
+            scale = _scale_value(spec, degree)
+            return Op(OpKind.SCALE, spec.state, g, spec.axis, spec.phase, scale=scale, note=note, buffer=spec.buffer)
         case OpKind.HOST_TO_DEVICE | OpKind.DEVICE_TO_HOST:
             return Op(
                 spec.kind,
@@ -440,6 +461,7 @@ def _spec_op(spec: OpSpec, g: Group, pl: Placement, size: sp.Expr, m: sp.Expr) -
                 shard_elements(pl, spec.state, g, size, None),
                 count,
                 note=note,
+                buffer=spec.buffer,
             )
         case OpKind.ALL_REDUCE | OpKind.REDUCE_SCATTER | OpKind.ALL_GATHER | OpKind.BROADCAST:
             assert spec.axis is not None  # validated when the file was read
@@ -456,6 +478,7 @@ def _spec_op(spec: OpSpec, g: Group, pl: Placement, size: sp.Expr, m: sp.Expr) -
                 participants=participants,
                 offset=spec.offset,
                 note=note,
+                buffer=spec.buffer,
             )
         case _:
             raise AssertionError(spec.kind)

@@ -1,8 +1,7 @@
 """The step program: the ordered collectives, transfers and local steps of one training step.
 
-Derived from a ``Placement`` alone (docs/semantics.md, "The step program"). The cost model, the z3 encoding
-and the simulator all read this one program; none of them re-derives it.
-"""
+Derived from a ``Placement`` alone (docs/semantics.md, "The step program"). The cost model, the z3 encoding and the
+simulator all read this one program; none of them re-derives it."""
 
 from __future__ import annotations
 
@@ -31,6 +30,7 @@ from formal._vocab import (
     ROUTER,
     ROW_BIAS,
     Axis,
+    Buffer,
     Group,
     Mode,
     OpKind,
@@ -60,12 +60,12 @@ class Origin(StrEnum):
 class Op:
     """One step of a step program.
 
-    ``elements``: elements of the whole tensor the op acts on along its axis, as seen by one
-    device (already divided by the other axes' shards); ``count``: times per training step;
-    ``participants``: devices in the collective (the axis degree unless fewer take part, as the
-    first and last stage for tied embeddings); ``offset``: the shard partition a
-    reduce-scatter, all-gather or optimizer step uses; ``full``: for a COMPUTE read, the axes
-    along which the read needs the whole tensor.
+    ``elements``: elements of the whole tensor the op acts on along its axis, as seen by one device (already divided
+    by the other axes' shards); ``count``: times per training step; ``participants``: devices in the collective (the
+    axis degree unless fewer take part, as the first and last stage for tied embeddings); ``offset``: the shard
+    partition a reduce-scatter, all-gather or optimizer step uses; ``full``: for a COMPUTE read, the axes along which
+    the read needs the whole tensor; ``buffer``: for a gradient op, the gradient buffer it acts on (None: the default
+    of ``formal._vocab.gradient_buffer``; docs/semantics.md, "Gradient buffers").
     """
 
     kind: OpKind
@@ -81,6 +81,7 @@ class Op:
     scale: sp.Expr | None = None
     full: frozenset[Axis] = frozenset()
     note: str = field(default="", compare=False)
+    buffer: Buffer | None = None
 
     def __str__(self) -> str:
         where = f", {self.axis.value}" if self.axis is not None else ""
@@ -89,6 +90,7 @@ class Op:
             extra += f", offset {self.offset}"
         if self.scale is not None:
             extra += f", x{self.scale}"
+        extra += f", {self.buffer.value} buffer" if self.buffer is not None else ""
         target = f"{self.state.value}.{self.group.name}{where}{extra}"
         return f"{self.phase.value}: {self.kind.value}({target}) x{self.count}"
 
@@ -121,9 +123,9 @@ def pipeline_factor(
 ) -> sp.Expr:
     """Memory factor along pp on a stage (``first``, ``last`` or ``middle``).
 
-    Layers are split evenly (1/p), or, with declared uneven stages, ``layer_share`` of them
-    (ceil(L/p)/L: every stage is charged the fullest stage's layers); first-stage groups live on
-    stage 0 only, last-stage groups on stage p-1 only; a tied embedding (``R`` along pp) on both.
+    Layers are split evenly (1/p), or, with declared uneven stages, ``layer_share`` of them (ceil(L/p)/L: every stage
+    is charged the fullest stage's layers); first-stage groups live on stage 0 only, last-stage groups on stage p-1
+    only; a tied embedding (``R`` along pp) on both.
     """
     if entry.mode is Mode.REPLICATED and group not in LAYER_GROUPS:
         return sp.Integer(1) if stage in (Stage.FIRST, Stage.LAST) or p == 1 else sp.Integer(0)
@@ -167,10 +169,9 @@ def shard_elements(
     skip: Axis | Iterable[Axis] | None,
     stage: Stage | None = None,
 ) -> sp.Expr:
-    """Elements one device holds of (state, group), ignoring the axis (or axes) ``skip`` and
-    axis-free modes: the tensor a collective along ``skip`` acts on, whole along it.
-
-    Offloaded/materialized along an axis count as their shard (what would be held).
+    """Elements one device holds of (state, group), ignoring the axis (or axes) ``skip`` and axis-free modes: the
+    tensor a collective along ``skip`` acts on, whole along it. Offloaded/materialized along an axis count as their
+    shard (what would be held).
     """
     stage = stage or owner_stage(group)
     skipped = {skip} if isinstance(skip, Axis) else set(skip or ())
@@ -219,9 +220,8 @@ def _origin(pl: Placement, group: Group, axis: Axis) -> Origin:
 def derive_program(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr] | None = None) -> StepProgram:
     """Derive the step program of a placement, in order:
 
-    1. forward, per micro-batch: gather ``S*`` parameters, fetch offloaded ones, read them,
-       activation collectives (TP, CP, EP, PP sends, the vocabulary-parallel embedding's and
-       head's);
+    1. forward, per micro-batch: gather ``S*`` parameters, fetch offloaded ones, read them, activation collectives
+       (TP, CP, EP, PP sends, the vocabulary-parallel embedding's and head's);
     2. backward, per micro-batch: gather again unless held, read, activation collectives;
     3. gradient synchronisation: reduce every partial gradient along its axes (reduce-scatter
        where G is sharded, all-reduce where replicated; mean along data axes, sum otherwise),

@@ -206,6 +206,8 @@ class _StateOps:
                     for d in members:
                         for piece, values in pieces:
                             arrays[d][..., piece] = values
+                            if op.state is G:  # a gathered gradient holds a current value there
+                                live[d][op.group][piece] = True
                 case OpKind.BROADCAST:
                     src = members[0]
                     for d in members[1:]:

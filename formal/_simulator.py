@@ -14,9 +14,12 @@ Semantics of a program, one training step (``StepProgram`` order within a phase)
    order; every device reads its parameters (checked against the reference: the ``COMPUTE``
    reads); the model's forward with the activation collectives the program lists; transient
    gathered copies are freed (unless held through backward: ``keep_gathered``);
-2. BACKWARD: the same, then the backward; the gradient of the micro-batch is reduced by the
-   GRAD_SYNC ops whose count is the number of micro-batches (reduce-scatter as produced, ZeRO-2/3
-   under accumulation) and accumulated;
+2. BACKWARD: the same, then the backward; the micro-batch's gradient ops act on the buffer
+   docs/semantics.md ("Gradient buffers") gives them: the BACKWARD gradient ops and the GRAD_SYNC
+   ops whose count is the number of micro-batches (reduce-scatter as produced, ZeRO-2/3 under
+   accumulation) on the fresh gradient, which is then accumulated, and those that name the
+   accumulated buffer after that, on ``.grad`` (forward-phase gradient ops act on ``.grad`` too,
+   as the earlier micro-batches left it);
 3. GRAD_SYNC: the remaining gradient ops (count 1) on the accumulated gradients, then gradients
    outside the device's holding are freed;
 4. OPTIMIZER: every optimizer step reads P, O and G of its shard (checked) and writes P and O;
@@ -65,7 +68,7 @@ from formal._sim_passes import Reads, _Exchanges, _Passes
 from formal._sim_results import Divergence, OpTraffic, SimulationResult, _Diverged, _Judge
 from formal._sim_states import _States
 from formal._strategies import Composition
-from formal._vocab import Axis, Group, OpKind, Phase, State
+from formal._vocab import Axis, Buffer, Group, OpKind, Phase, State, gradient_buffer
 from formal.errors import SimulationError
 
 P, O, G = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS  # noqa: E741
@@ -109,6 +112,11 @@ class Simulator:
         self.geometry = _Geometry.of(model, pl, self.mesh)
         self.m, self.replicas = self.geometry.m, self.geometry.replicas
         self.ops = program.ops
+        for i, op in enumerate(self.ops):
+            if op.buffer is not None and op.state is not G:
+                raise SimulationError(f"{op}: a buffer applies to gradient ops only")
+            if op.state is G:
+                self._buffer(i)  # refuses a fresh buffer where none exists
         self.tallies = _Traffic(program, precision)
         self.judge = _Judge(model, self.mesh, numbers)
         self.states = _States(model, pl, self.mesh, self.layout, optimizer, numbers)
@@ -158,6 +166,15 @@ class Simulator:
         op = self.ops[index]
         return self.m > 1 and int(op.count) == self.m
 
+    def _buffer(self, index: int) -> Buffer:
+        """The gradient buffer op ``index`` acts on (``formal._vocab.gradient_buffer``)."""
+        op = self.ops[index]
+        per_mb = op.phase is Phase.GRAD_SYNC and self._per_micro_batch(index)
+        buffer = gradient_buffer(op.phase, per_mb, op.buffer)
+        if buffer is Buffer.FRESH and op.phase is not Phase.BACKWARD and not per_mb:
+            raise SimulationError(f"{op}: a fresh gradient exists only in a micro-batch's backward")
+        return buffer
+
     def _step(self, batch: Batch) -> None:
         st, run_op = self.states, self.state_ops.run
         st.start_step()
@@ -173,13 +190,18 @@ class Simulator:
             backward_p = self._fetch_and_read(Phase.BACKWARD, mb, (P, O))
             self.passes.micro_batch(batch, mb, forward_p, backward_p)
             st.mark_computed()
-            for i in self._phase_ops(Phase.BACKWARD, (G,)):
+            # docs/semantics.md, "Gradient buffers": the ops on the fresh gradient, then its
+            # accumulation into .grad, then the micro-batch's ops on the accumulated buffer.
+            loop = [*self._phase_ops(Phase.BACKWARD, (G,)), *per_mb]
+            fresh = [i for i in loop if self._buffer(i) is Buffer.FRESH]
+            for i in fresh:
                 run_op(i, per_mb=True)
-            for i in per_mb:
-                run_op(i, per_mb=True)
-            if per_mb:
+            if any(i in per_mb for i in fresh):
                 st.free_gradients(st.fresh, st.live_fresh)
             st.accumulate()
+            for i in loop:
+                if i not in fresh:
+                    run_op(i)
             st.free_parameters(after_backward=True)
         for i in once:
             run_op(i)

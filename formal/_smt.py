@@ -18,11 +18,14 @@ Four families of obligations:
   fails; its core names it, and each rule of the core is re-checked alone so that every broken
   rule is reported. The table's framework rules are notes, never refutations.
 * **Gradient integrity**, one obligation per parameter group and axis: the program's gradient
-  ops on that axis (all-reduce, reduce-scatter, scale; in program order, up to the optimizer
-  step) are executed symbolically over integer contributions, starting from the ``Origin`` the
+  ops on that axis (all-reduce, reduce-scatter, broadcast, all-gather, scale; in every phase, in
+  program order, up to the optimizer step, each on the buffer docs/semantics.md's "Gradient
+  buffers" gives it, micro-batch by micro-batch when an op acts on ``.grad`` inside the loop)
+  are executed symbolically over integer contributions, starting from the ``Origin`` the
   program records. The obligation asks z3 for contributions on which some device's gradient
   differs from the single-device one (the mean of the contributions along data axes, their sum
   otherwise: a tied embedding on ``pp``, sequence-parallel norms on ``tp``). Unsat: proved.
+  Normalisation is a product across axes (``_normalised``): one scale may normalise several.
   When the optimizer runs on the host (ZeRO-Offload) it reads the host copy of the gradient: a
   device-to-host copy snapshots the device value at that point (none of it before the backward),
   and reductions after it do not reach the host (``transfer_after_reduction``).
@@ -70,6 +73,8 @@ query, root causes and witnesses), with what they share (numbers, the execution 
 from __future__ import annotations
 
 from dataclasses import replace
+from fractions import Fraction
+from math import prod
 from typing import Any
 
 from formal._activation_flow import decide_activation_exchange
@@ -183,6 +188,47 @@ def _memo(case: _IntegrityCase | _ConsistencyCase, group: Group, timeout_ms: int
     ]
 
 
+def _normalised(
+    cases: list[_IntegrityCase], answers: list[tuple[Obligation, list[Violation]]], group: Group, timeout_ms: int
+) -> list[tuple[Obligation, list[Violation]]]:
+    """Normalisation judged as a product across axes (docs/semantics.md, "Gradient integrity").
+
+    Every gradient op is linear and ops along different axes act on different coordinates of the
+    mesh, so a group's gradient is the tensor product of its per-axis maps and a scale is a
+    scalar wherever it is applied: the gradient is right iff along every axis the ops combine
+    the contributions right up to a factor, and the factors multiply to one. Megatron-Core's DDP
+    (``average_in_collective=False``) sums over dp and cp and scales once by 1/(dp x cp); HSDP
+    and expert data parallelism do the same over two axes. When only ``normalisation`` fails,
+    each failing axis's factor is read off its counterexample (the value a device holds over
+    the single-device one: a factor when the axis is right up to one) and, if the factors
+    multiply to one, each axis is decided again allowing its factor. The product is accepted
+    only if every axis is then proved: otherwise the first answers stand.
+    """
+    failing = [i for i, (ob, _) in enumerate(answers) if ob.status is Status.REFUTED]
+    if not failing or any(
+        not found or any(not v.rule.startswith("normalisation[") for v in found)
+        for found in (answers[i][1] for i in failing)
+    ):
+        return answers
+    factors: dict[int, Fraction] = {}
+    for i in failing:
+        witness = answers[i][1][0].witness
+        held, single = witness["devices"], Fraction(str(witness["single_device"]))
+        values = {Fraction(str(v)) for v in held.values()}
+        if single == 0 or len(values) != 1:
+            return answers  # not one factor: the axis is wrong beyond its normalisation
+        factors[i] = next(iter(values)) / single
+    if prod(factors.values()) != 1:
+        return answers
+    again = [
+        _memo(replace(cases[i], allowance=factors[i]), group, timeout_ms) if i in factors else answers[i]
+        for i in range(len(cases))
+    ]
+    if any(ob.status is not Status.PROVED for ob, _ in again):
+        return answers
+    return again
+
+
 def clear_cache() -> None:
     """Forget every remembered answer (benchmarks time cold verdicts; tests patch the solver)."""
     _MEMO.clear()
@@ -241,8 +287,9 @@ def _decide(
     pl = program.placement
     index = _Index(program)
     for group in pl.groups(P):
-        for axis in pl.axes:
-            ob, found = _memo(_integrity_case(index, group, axis), group, timeout_ms)
+        cases = [_integrity_case(index, group, axis) for axis in pl.axes]
+        answers = _normalised(cases, [_memo(case, group, timeout_ms) for case in cases], group, timeout_ms)
+        for ob, found in answers:
             obligations.append(ob)
             violations += found
     exchange, found = decide_activation_exchange(program, model, timeout_ms)

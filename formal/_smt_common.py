@@ -118,6 +118,8 @@ class _Index:
         self.origins = dict(program.origins)
         self.degrees = {axis: _int_degree(d) for axis, d in pl.mesh}
         self.home = _scale_home(pl.axes)
+        m = pl.options.micro_batches
+        self.micro_batches = m if isinstance(m, int) and m > 1 else 1
         self.ops: dict[Group, list[Op]] = {}  # group -> its ops in execution order, group erased
         for op in _execution_order(program.ops, pl.options.micro_batches):
             self.ops.setdefault(op.group, []).append(_erased(op))

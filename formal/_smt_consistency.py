@@ -12,7 +12,7 @@ from typing import Any
 
 import z3
 
-from formal._smt_common import _number, _status
+from formal._smt_common import _number, _real, _status
 from formal._smt_holdings import _T, _AxisRun, _Check
 from formal._solver import Solver as _Solver
 from formal._verdict import Condition, Obligation, Status, Violation
@@ -38,6 +38,8 @@ class _Z3Terms:
                 out = self.upd[t.head](*[self(a) for a in t.args])
             case "P0" | "O0" | "g" | "junk":
                 out = z3.Real(str(t))
+            case "scale":
+                out = _real(t.factor) * self(t.args[0])
             case _:
                 raise AssertionError(t.head)
         self.cache[t] = out
@@ -55,6 +57,8 @@ def _classify_read(check: _Check, value: _T) -> tuple[str, str]:
         return "coverage", f"coverage{target}"
     if value.chunks() != check.expected.chunks():  # another element's value
         return "alignment", check.label if check.rule == "alignment" else f"alignment{target}"
+    if any(t.head == "scale" for t in value.subterms()):  # single-device training scales no P or O
+        return "scaled_state", f"scaled_state{target}"
     if any(value == t for t in check.expected.subterms()):  # an earlier version of this element
         return "refresh", f"refresh{target}"
     return "agreement", f"agreement{target}"
@@ -67,6 +71,7 @@ _EXPLAIN = {
     "gather_before_use": "a sharded parameter is read in full without being gathered",
     "fetch_before_use": "an offloaded parameter is read without being copied to the device",
     "refresh": "a stale copy (from before an update) is read",
+    "scaled_state": "a parameter or optimizer state scaled by a constant (one device scales neither) is read",
 }
 
 

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from formal._placement import Entry
 from formal._program import Op
-from formal._smt_common import MAX_CONSISTENCY_DEVICES, PHASE_ORDER, PLACEHOLDER, G, O, P, _Index
+from formal._smt_common import MAX_CONSISTENCY_DEVICES, PHASE_ORDER, PLACEHOLDER, G, O, P, _fraction, _Index
 from formal._vocab import Axis, Group, Mode, OpKind, Phase, State
+from formal.errors import InputError
 
 _SHAPES: dict[tuple[Any, ...], int] = {}  # term shapes seen so far, interned as ints
+FACTORS: dict[Fraction, int] = {}  # the constants of ``scale`` terms, interned as tags
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,8 @@ class _T:
 
     Heads: ``P0``/``O0`` initial chunk values, ``g`` a step's gradient of a chunk, ``junk``
     whatever memory holds where nothing was written, ``upd_p``/``upd_o`` the element-wise
-    optimizer (uninterpreted: any optimizer).
+    optimizer (uninterpreted: any optimizer), ``scale`` a constant (``factor``) times its
+    argument (a scale of P or O: single-device training applies none).
     """
 
     head: str
@@ -44,7 +48,7 @@ class _T:
         # order) let checks that differ only by a renaming of chunks be recognised cheaply.
         object.__setattr__(self, "digest", hash((self.head, self.chunk, self.tag, self.args)))
         if self.args:
-            shape: tuple[Any, ...] = (self.head, tuple(a.shape for a in self.args))
+            shape: tuple[Any, ...] = (self.head, self.tag, tuple(a.shape for a in self.args))
             leaves = tuple(leaf for a in self.args for leaf in a.leaves)
         else:
             shape = (self.head, self.tag if self.head == "g" else 0)
@@ -65,8 +69,26 @@ class _T:
                 return f"junk{self.tag}"
             case "upd_p" | "upd_o":
                 return f"{self.head}({', '.join(map(str, self.args))})"
+            case "scale":
+                return f"{self.factor}*{self.args[0]}"
             case _:
                 raise AssertionError(self.head)
+
+    @property
+    def factor(self) -> Fraction:
+        """A ``scale`` term's constant."""
+        return next(f for f, tag in FACTORS.items() if tag == self.tag)
+
+    def scaled(self, factor: Fraction) -> _T:
+        """This value times ``factor`` (scales fold; junk stays junk; a factor of one is no op)."""
+        if self.head == "junk":
+            return self
+        inner = self
+        if self.head == "scale":
+            factor, inner = factor * self.factor, self.args[0]
+        if factor == 1:
+            return inner
+        return _T("scale", inner.chunk, FACTORS.setdefault(factor, len(FACTORS)), (inner,))
 
     def subterms(self) -> Iterator[_T]:
         yield self
@@ -261,16 +283,22 @@ class _AxisRun:
                     case OpKind.DEVICE_TO_HOST:
                         for i in range(self.d):
                             self.hold[(True, i, op.state)].update(self.hold[(False, i, op.state)])
-                    case OpKind.COMPUTE:
+                    case OpKind.COMPUTE if op.state is P:
                         self.compute(op, gradient, where)
                         produced = produced or op.phase is Phase.BACKWARD
                     case OpKind.OPTIMIZER_STEP:
                         self.optimizer_step(op, gradient, where, update_reference=not updated)
                         updated = True
-                    case OpKind.SCALE | OpKind.SEND_RECV | OpKind.ALL_TO_ALL:
-                        pass  # values, not placements: gradient integrity judges them
+                    case OpKind.SCALE if op.state is not G:
+                        factor = _fraction(op.scale)
+                        for i in range(self.d):
+                            held = self.hold[(False, i, op.state)]
+                            for k in held:
+                                held[k] = held[k].scaled(factor)
+                    case OpKind.SCALE:
+                        pass  # a gradient's magnitude: gradient integrity judges it (not which element is held)
                     case _:
-                        raise AssertionError(op.kind)
+                        raise InputError(f"{op}: a {op.kind.value} of {op.state.long_name} is not modelled")
             if phase in (Phase.FORWARD, Phase.BACKWARD):
                 self.free_parameters(after_backward=phase is Phase.BACKWARD)
             if not updated:

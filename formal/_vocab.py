@@ -220,3 +220,28 @@ class Reduce(StrEnum):
 
     SUM = "sum"
     MEAN = "mean"
+
+
+class Buffer(StrEnum):
+    """Which gradient buffer a gradient op acts on (docs/semantics.md, "Gradient buffers")."""
+
+    FRESH = "fresh"  # the current micro-batch's gradient, before it is added to ``.grad``
+    ACCUMULATED = "accumulated"  # the ``.grad`` buffer, summed over the micro-batches so far
+
+
+def gradient_buffer(phase: Phase, per_micro_batch: bool, explicit: Buffer | None) -> Buffer:
+    """The buffer a gradient op acts on: ``explicit`` when given, else PyTorch's default.
+
+    A backward-phase op, and a gradient-synchronisation op run once per micro-batch, act on the
+    fresh gradient as a hook on the gradient tensor sees it (FSDP's post-backward reduce-scatter
+    reduces the fresh unsharded gradient, then accumulates it into the sharded ``.grad``); every
+    other op acts on ``.grad`` (a forward op on what earlier micro-batches accumulated, DDP's
+    reducer under ``no_sync`` on the accumulated gradient of the last micro-batch, the optimizer
+    on the step's sum). A fresh buffer exists only between a micro-batch's backward and its
+    accumulation: asking for it elsewhere is refused by the callers.
+    """
+    if explicit is not None:
+        return explicit
+    if phase is Phase.BACKWARD or (phase is Phase.GRAD_SYNC and per_micro_batch):
+        return Buffer.FRESH
+    return Buffer.ACCUMULATED

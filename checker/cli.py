@@ -328,26 +328,36 @@ def check(
         except InputError as err:
             fail(str(err))
             return
-    if simulate:  # the executable reference beside the verdict
-        from checker._simulate import run_simulation
+    code = verdict_exit(verdict)
+    notice = ""
+    if simulate:  # the executable reference beside the verdict; a disagreement is said first
+        from checker._simulate import EXIT_DISAGREEMENT, disagreement, disagreement_text, run_simulation
 
-        doc["simulation"], simulation_text = run_simulation(analysis.composition, user)
-    set_outcome(verdict_exit(verdict))
+        doc["simulation"], simulation_text = run_simulation(analysis.composition, user, analysis.model, verdict)
+        conflict = disagreement(verdict, doc["simulation"])
+        if conflict is not None:
+            doc = {"disagreement": conflict, **doc}
+            notice, code = disagreement_text(conflict), EXIT_DISAGREEMENT
+    set_outcome(code)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     elif as_csv:
         from checker._commands_reports import CHECK_CSV_COLUMNS, check_csv_rows, emit
 
+        if notice:
+            click.echo(notice, err=True)
         emit(check_csv_rows(doc), CHECK_CSV_COLUMNS, "", True, False)
     else:
         console = terminal()
+        if notice:
+            click.echo(notice)
         print_human(analysis, console)
         print_verdict(verdict, console, explain)
         if validate is not None:
             click.echo(validation_text)
         if simulate:
             click.echo(simulation_text)
-    sys.exit(verdict_exit(verdict))
+    sys.exit(code)
 
 
 @main.command("strategies")

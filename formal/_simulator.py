@@ -63,7 +63,7 @@ from formal._sim_collectives import _StateOps, _Traffic
 from formal._sim_experts import _Experts
 from formal._sim_mesh import _Geometry, _Layout, _Mesh
 from formal._sim_passes import Reads, _Exchanges, _Passes
-from formal._sim_results import Divergence, OpTraffic, SimulationResult, _Diverged, _Judge
+from formal._sim_results import Divergence, NotSimulated, OpTraffic, SimulationResult, _Diverged, _Judge
 from formal._sim_states import _States
 from formal._strategies import Composition
 from formal._vocab import EXPERTS, Axis, Group, OpKind, Phase, State
@@ -343,6 +343,7 @@ def _multiple(value: int, k: int) -> int:
 
 __all__ = [
     "Divergence",
+    "NotSimulated",
     "OpTraffic",
     "SimulationResult",
     "Simulator",

@@ -8,8 +8,14 @@ causal linear attention ``z_t = q_t * sum_{t'<=t} k_t' * v_t'`` that mixes posit
 parallelism has keys and values to exchange) and an MLP (``MLP``: two matrices, column then row
 split), each behind a LayerNorm-like element-wise weight (``NORM``, replicated under TP), a final
 norm (``FINAL_NORM``), a word embedding (``EMBEDDING``) and an output head that is the embedding
-itself when tied (used on the first and the last pipeline stage) or ``HEAD`` when not. The loss is
-linear in the logits, ``sum(logits * targets) / tokens``: a mean over the global batch.
+itself when tied (used on the first and the last pipeline stage) or ``HEAD`` when not. With
+``bias`` the linears have biases: QKV's and fc1's split with their columns, the two row-parallel
+linears' (``ROW_BIAS``) added after the reduction and replicated under TP (Megatron-LM's
+``RowParallelLinear``). With ``experts`` the MLP is a mixture of experts: a ``ROUTER`` and
+``EXPERTS`` (each an MLP), top-1 hash routing by token id (``route``), the expert's output gated by
+the router's score of it. The loss is the squared error of the logits against integer targets,
+``sum((logits - targets)^2) / tokens``: a mean over the global batch, and non-linear, so the
+forward's values reach every gradient.
 
 Arithmetic is chosen on purpose (``Arithmetic``): a distributed program sums in a different order
 than one device, so only exact arithmetic makes "matches" mean bit for bit.

@@ -231,19 +231,19 @@ class ReferenceModel:
             )
             return out + ((Tensor("fc1_bias", idx[:, 2 * h * f :], 0),) if b else ())
         if group is ROW_BIAS and b:  # added after the row-parallel reduction: replicated under TP
-            idx = np.arange(L_ * 2 * h).reshape(L_, 2, h)
-            return (Tensor("out_bias", idx[:, 0], None), Tensor("fc2_bias", idx[:, 1], None))
+            biases = np.arange(L_ * 2 * h).reshape(L_, 2, h)
+            return (Tensor("out_bias", biases[:, 0], None), Tensor("fc2_bias", biases[:, 1], None))
         if group is ROUTER and E:
             return (Tensor("router", np.arange(L_ * h * E).reshape(L_, h, E), None),)
         if group is EXPERTS and E:
             # Expert-major flat order (expert, layer, element): a flat shard along ep is whole experts.
             one = 2 * h * f + b * f
-            idx = np.arange(E * L_ * one).reshape(E, L_, one).transpose(1, 0, 2)
+            per = np.arange(E * L_ * one).reshape(E, L_, one).transpose(1, 0, 2)
             out = (
-                Tensor("expert_fc1", idx[..., : h * f].reshape(L_, E, h, f), 2),
-                Tensor("expert_fc2", idx[..., h * f : 2 * h * f].reshape(L_, E, f, h), 1),
+                Tensor("expert_fc1", per[..., : h * f].reshape(L_, E, h, f), 2),
+                Tensor("expert_fc2", per[..., h * f : 2 * h * f].reshape(L_, E, f, h), 1),
             )
-            return out + ((Tensor("expert_fc1_bias", idx[..., 2 * h * f :], 1),) if b else ())
+            return out + ((Tensor("expert_fc1_bias", per[..., 2 * h * f :], 1),) if b else ())
         if group is NORM:
             norms = np.arange(L_ * 2 * h).reshape(L_, 2, h)
             return (Tensor("norm1", norms[:, 0], None), Tensor("norm2", norms[:, 1], None))

@@ -17,6 +17,8 @@ nothing) and keeps the gradient it produces there (freed with what it does not h
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import numpy.typing as npt
 
@@ -30,6 +32,16 @@ from formal._vocab import EXPERTS, LAYER_IO, ROUTER, Axis, Group, OpKind, Phase,
 from formal.errors import SimulationError
 
 Reads = dict[Device, dict[Group, Array]]
+
+
+@dataclass(frozen=True)
+class _Routed:
+    """What one layer's forward on one device keeps for the backward."""
+
+    routed: npt.NDArray[np.int64]  # each position's expert
+    gate: Array  # the router's score of it
+    expert_out: Array  # the expert's output, before the gate
+    ys: dict[int, Array]  # per expert, fc1's output at its positions
 
 
 class _Experts:
@@ -65,6 +77,7 @@ class _Experts:
         }
         self.sharded = self.ep > 1 and pl.computes_sharded(Axis.EP, EXPERTS)
         self.tokens: dict[Device, npt.NDArray[np.int64]] = {}  # this micro-batch's token ids per device
+        self.saved: dict[tuple[int, Device], _Routed] = {}  # per (layer, device): what the backward reads
 
     def _where(self, source: Device, expert: int, phase: Phase) -> Device:
         """The device that computes ``source``'s positions routed to ``expert`` in ``phase``."""
@@ -82,14 +95,14 @@ class _Experts:
                     self.traffic.activations(index, [d], v.size, OpKind.ALL_TO_ALL, self.ep)
 
     def _weight(self, reads: Reads, dev: Device, which: int, layer: int) -> Array:
-        return reads[dev][EXPERTS][self.model.tensors(EXPERTS)[which].index[layer]]
+        out: Array = reads[dev][EXPERTS][self.model.tensors(EXPERTS)[which].index[layer]]
+        return out
 
-    def forward(self, layer: int, w: PerDevice, phase: Phase, reads: Reads) -> tuple[PerDevice, dict[Device, object]]:
-        """``gate * expert(w)`` at every position; what the backward reads, per device."""
+    def forward(self, layer: int, w: PerDevice, phase: Phase, reads: Reads) -> PerDevice:
+        """``gate * expert(w)`` at every position (what the backward reads is kept per layer)."""
         n, model = self.n, self.model
         self._tally(phase, w)
         out: PerDevice = {}
-        saved: dict[Device, object] = {}
         for s, ws in w.items():
             routed = route(model, self.tokens[s])
             router = reads[s][ROUTER][model.tensors(ROUTER)[0].index[layer]]
@@ -105,8 +118,8 @@ class _Experts:
                 expert_out[at] = n.mm(y, self._weight(reads, c, 1, layer)[e])
                 ys[e] = y
             out[s] = n.mul(expert_out, gate[..., None])
-            saved[s] = (routed, gate, expert_out, ys)
-        return out, saved
+            self.saved[(layer, s)] = _Routed(routed, gate, expert_out, ys)
+        return out
 
     def _add(self, dev: Device, group: Group, which: int, layer: int, expert: int | None, value: Array) -> None:
         index = self.model.tensors(group)[which].index[layer]
@@ -115,9 +128,7 @@ class _Experts:
         arr = self.states.fresh[dev][group]
         arr[index] = self.n.add(arr[index], value)
 
-    def backward(
-        self, layer: int, w: PerDevice, dout: PerDevice, saved: dict[Device, object], reads: Reads
-    ) -> PerDevice:
+    def backward(self, layer: int, w: PerDevice, dout: PerDevice, reads: Reads) -> PerDevice:
         """The input gradient; the router's gradient on the source, the experts' where computed."""
         n, model = self.n, self.model
         h = model.hidden
@@ -125,7 +136,8 @@ class _Experts:
         self._tally(phase, dout)
         dw: PerDevice = {}
         for s, ds in dout.items():
-            routed, gate, expert_out, ys = saved[s]  # type: ignore[misc]
+            kept = self.saved[(layer, s)]
+            routed, gate, expert_out, ys = kept.routed, kept.gate, kept.expert_out, kept.ys
             ws = w[s]
             router = reads[s][ROUTER][model.tensors(ROUTER)[0].index[layer]]
             dgate = n.total(n.mul(ds, expert_out), axis=2)

@@ -191,9 +191,8 @@ class _Passes:
         x_mid = {d: n.add(x[d], a[d]) for d in x}
         w = {d: n.mul(x_mid[d], self._w(d, NORM, 1, layer)) for d in x}
         w_full = self.exchanges.act(OpKind.ALL_GATHER, LAYER_IO, t_ax, phase, w) if self.sp else w
-        ffn_saved: dict[Device, object]
-        if self.model.experts:
-            o, ffn_saved = self.moe.forward(layer, w_full, phase, self._read)
+        if self.model.experts:  # the block keeps what its backward reads; here its input stands in
+            o, ffn_saved = self.moe.forward(layer, w_full, phase, self._read), w_full
         else:
             y = {d: n.mm(w_full[d], self._w(d, MLP, 0, layer)) for d in x}
             if self.model.bias:  # fc1's bias, split by columns with its matrix
@@ -240,8 +239,7 @@ class _Passes:
         self._row_bias_grad(dx, 1, layer)
         do_full = gather(dx)
         if self.model.experts:
-            w_in = {d: saved[d][7] for d in dx}
-            dw = self.moe.backward(layer, w_in, do_full, {d: saved[d][8] for d in dx}, self._read)
+            dw = self.moe.backward(layer, {d: saved[d][7] for d in dx}, do_full, self._read)
         else:
             dw_part = {}
             for d in dx:

@@ -74,7 +74,10 @@ def simulate(
     transformer = reference.transformer()
     placement = composition.placement(transformer)
     if strategies is not None:
-        program = strategies.program_for(placement, transformer)
+        try:
+            program = strategies.program_for(placement, transformer)
+        except InputError as err:  # e.g. a group of the user's model the small one does not have
+            raise SimulationError(f"the user program does not fit the reference model: {err}") from err
     else:
         program = derive_program(placement, transformer)
     return simulate_program(program, reference, seed=seed)

@@ -141,6 +141,18 @@ def test_what_cannot_be_simulated_is_said_in_one_line(args: tuple[str, ...], rea
         assert f"simulation: not simulated: {reason}" in human.output
 
 
+def test_a_user_program_naming_a_group_the_reference_model_lacks_is_not_simulated(tmp_path: Path) -> None:
+    """The reference model has no learned position embedding (gpt3-1.3b has one)."""
+    program = tmp_path / "p.toml"
+    program.write_text('[[program]]\nop = "all_reduce"\nstate = "G"\ngroup = "position"\naxis = "dp"\n')
+    result = invoke("check", "dp2", "--model", "gpt3-1.3b", "--strategies", str(program), "--simulate")
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 1 and "Traceback" not in result.output  # z3 refutes the program
+    line = next(x for x in result.output.splitlines() if x.startswith("simulation:"))
+    assert line.startswith("simulation: not simulated: the user program does not fit the reference model")
+    assert "position" in line
+
+
 @pytest.mark.parametrize("group", ["row_bias", "experts", "router"])
 def test_a_user_program_naming_any_group_of_the_users_model_is_simulated(tmp_path: Path, group: str) -> None:
     """The reference model has the user model's groups (biases, router, experts), so a user program

@@ -35,8 +35,10 @@ This module keeps the entry points and the step loop; the work is done by collab
 owning its state: ``formal._sim_mesh`` (the mesh, which elements each device holds, how the
 batch divides), ``formal._sim_states`` (the devices' buffers and the host store),
 ``formal._sim_collectives`` (the program's ops on model states, the traffic tallies),
-``formal._sim_passes`` (the model's forward and backward with its activation exchanges) and
-``formal._sim_results`` (the results, and the judge of every read).
+``formal._sim_passes`` (the model's forward and backward with its activation exchanges),
+``formal._sim_experts`` (the mixture-of-experts block, its experts split along ep and its tokens
+routed by the program's all-to-all) and ``formal._sim_results`` (the results, the judge of every
+read, and ``NotSimulated``: what the simulator does not run, and why).
 """
 
 from __future__ import annotations

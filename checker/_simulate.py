@@ -61,9 +61,9 @@ def simulate(
     beside single-device training, in exact arithmetic.
 
     ``strategies``: a user strategy file whose step program (if it has one) replaces the derived
-    one. ``SimulationError`` when the composition uses something the simulator does not model
-    (experts split along tp, more than ``MAX_SIMULATED_DEVICES`` devices); ``InputError`` when
-    the user program does not fit the reference model.
+    one. ``SimulationError`` when the simulator cannot run it (sizes the degrees do not divide,
+    more than ``MAX_SIMULATED_DEVICES`` devices, a user program that does not fit the reference
+    model).
     """
     from formal._program import derive_program
     from formal._simulator import simulate_program

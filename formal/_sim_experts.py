@@ -17,6 +17,7 @@ nothing) and keeps the gradient it produces there (freed with what it does not h
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,14 +39,15 @@ Reads = dict[Device, dict[Group, Array]]
 class _Routed:
     """What one layer's forward on one device keeps for the backward."""
 
-    routed: npt.NDArray[np.int64]  # each position's expert
-    gate: Array  # the router's score of it
-    expert_out: Array  # the expert's output, before the gate
-    ys: dict[int, Array]  # per expert, fc1's output at its positions
+    routed: npt.NDArray[np.int64]  # each position's expert (the whole sequence)
+    routes: npt.NDArray[np.int64]  # the same on the device's own positions
+    gate: Array  # the router's score of its expert, on the device's own positions
+    expert_out: Array  # the experts' reduced output there, before the gate
+    ys: dict[int, Array]  # per expert, fc1's output at its positions (of its tp slice)
 
 
 class _Experts:
-    """The MoE block of every layer on the devices of a stage (no tp split of the experts)."""
+    """The MoE block of every layer on the devices of a stage."""
 
     def __init__(
         self,
@@ -57,12 +59,11 @@ class _Experts:
         states: _States,
         traffic: _Traffic,
     ) -> None:
-        self.model, self.mesh, self.n, self.states, self.traffic = model, mesh, numbers, states, traffic
+        self.model, self.pl, self.mesh, self.n, self.states, self.traffic = model, pl, mesh, numbers, states, traffic
+        self.t = mesh.degree(Axis.TP)
         self.ep = mesh.degree(Axis.EP)
         if model.experts and model.experts % self.ep:
             raise SimulationError(f"experts={model.experts} do not split into ep({self.ep})")
-        if model.experts and mesh.degree(Axis.TP) > 1:
-            raise SimulationError("experts split along tp are not modelled by the reference model")
         self.a2a: dict[Phase, list[int]] = {
             phase: [
                 i
@@ -78,6 +79,22 @@ class _Experts:
         self.sharded = self.ep > 1 and pl.computes_sharded(Axis.EP, EXPERTS)
         self.tokens: dict[Device, npt.NDArray[np.int64]] = {}  # this micro-batch's token ids per device
         self.saved: dict[tuple[int, Device], _Routed] = {}  # per (layer, device): what the backward reads
+        # The layer's exchanges around the block, set by the pass that runs it (``bind``).
+        self.split: Callable[[Device, Array], Array] = lambda d, v: v
+        self.reduce: Callable[[PerDevice, Phase], PerDevice] = lambda v, phase: v
+        self.gather: Callable[[PerDevice], PerDevice] = lambda v: v
+        self.reduce_input: Callable[[PerDevice], PerDevice] = lambda v: v
+
+    def bind(
+        self,
+        split: Callable[[Device, Array], Array],
+        reduce: Callable[[PerDevice, Phase], PerDevice],
+        gather: Callable[[PerDevice], PerDevice],
+        reduce_input: Callable[[PerDevice], PerDevice],
+    ) -> None:
+        """The pass's sequence split, the block's output reduction, the backward's gather of the
+        output gradient and its input-gradient reduction (all as the program lists them)."""
+        self.split, self.reduce, self.gather, self.reduce_input = split, reduce, gather, reduce_input
 
     def _where(self, source: Device, expert: int, phase: Phase) -> Device:
         """The device that computes ``source``'s positions routed to ``expert`` in ``phase``."""
@@ -94,67 +111,98 @@ class _Experts:
                 for _ in range(2):
                     self.traffic.activations(index, [d], v.size, OpKind.ALL_TO_ALL, self.ep)
 
-    def _weight(self, reads: Reads, dev: Device, which: int, layer: int) -> Array:
-        out: Array = reads[dev][EXPERTS][self.model.tensors(EXPERTS)[which].index[layer]]
+    def _index(self, dev: Device, group: Group, which: int, layer: int) -> Array:
+        """One layer's flat indices of a tensor on a device, cut to its tp slice when split there."""
+        t = self.model.tensors(group)[which]
+        index = t.index[layer]
+        if t.tp_dim is not None and self.t > 1 and self.pl.computes_sharded(Axis.TP, group):
+            r, n_ = self.mesh.coord(dev, Axis.TP), index.shape[t.tp_dim]
+            index = np.take(index, range(r * n_ // self.t, (r + 1) * n_ // self.t), axis=t.tp_dim)
+        return index
+
+    def _weight(self, reads: Reads, dev: Device, group: Group, which: int, layer: int) -> Array:
+        out: Array = reads[dev][group][self._index(dev, group, which, layer)]
         return out
 
-    def forward(self, layer: int, w: PerDevice, phase: Phase, reads: Reads) -> PerDevice:
-        """``gate * expert(w)`` at every position (what the backward reads is kept per layer)."""
+    def forward(self, layer: int, w: PerDevice, w_full: PerDevice, phase: Phase, reads: Reads) -> PerDevice:
+        """``gate * expert(w)`` at every position (what the backward reads is kept per layer).
+
+        ``w``: each device's input (a sequence shard under sequence parallelism), which the router
+        scores; ``w_full``: the whole sequence, which the experts compute, split by tp like the MLP
+        (fc1 by columns, fc2 by rows): their output is a partial sum that the block's reduction
+        (Megatron's g operator, ``reduce``) completes, before the gate scales it.
+        """
         n, model = self.n, self.model
         self._tally(phase, w)
-        out: PerDevice = {}
+        partial: PerDevice = {}
+        gates: PerDevice = {}
+        routes: dict[Device, npt.NDArray[np.int64]] = {}
+        ys: dict[Device, dict[int, Array]] = {}
         for s, ws in w.items():
+            routes[s] = route(model, self.split(s, self.tokens[s]))
+            router = self._weight(reads, s, ROUTER, 0, layer)
+            gates[s] = np.take_along_axis(n.mm(ws, router), routes[s][..., None], axis=2)[..., 0]
             routed = route(model, self.tokens[s])
-            router = reads[s][ROUTER][model.tensors(ROUTER)[0].index[layer]]
-            gate = np.take_along_axis(n.mm(ws, router), routed[..., None], axis=2)[..., 0]
-            expert_out = n.zeros(ws.shape)
-            ys: dict[int, Array] = {}
+            expert_out = n.zeros((*w_full[s].shape[:2], model.hidden))
+            ys[s] = {}
             for e in range(model.experts):
                 at = routed == e
                 c = self._where(s, e, phase)
-                y = n.mm(ws[at], self._weight(reads, c, 0, layer)[e])
+                y = n.mm(w_full[s][at], self._weight(reads, c, EXPERTS, 0, layer)[e])
                 if model.bias:
-                    y = n.add(y, self._weight(reads, c, 2, layer)[e])
-                expert_out[at] = n.mm(y, self._weight(reads, c, 1, layer)[e])
-                ys[e] = y
-            out[s] = n.mul(expert_out, gate[..., None])
-            self.saved[(layer, s)] = _Routed(routed, gate, expert_out, ys)
-        return out
+                    y = n.add(y, self._weight(reads, c, EXPERTS, 2, layer)[e])
+                expert_out[at] = n.mm(y, self._weight(reads, c, EXPERTS, 1, layer)[e])
+                ys[s][e] = y
+            partial[s] = expert_out
+        reduced = self.reduce(partial, phase)
+        for s in w:
+            self.saved[(layer, s)] = _Routed(route(model, self.tokens[s]), routes[s], gates[s], reduced[s], ys[s])
+        return {s: n.mul(reduced[s], gates[s][..., None]) for s in w}
 
     def _add(self, dev: Device, group: Group, which: int, layer: int, expert: int | None, value: Array) -> None:
-        index = self.model.tensors(group)[which].index[layer]
+        index = self._index(dev, group, which, layer)
         if expert is not None:
             index = index[expert]
         arr = self.states.fresh[dev][group]
         arr[index] = self.n.add(arr[index], value)
 
-    def backward(self, layer: int, w: PerDevice, dout: PerDevice, reads: Reads) -> PerDevice:
-        """The input gradient; the router's gradient on the source, the experts' where computed."""
+    def backward(self, layer: int, w: PerDevice, w_full: PerDevice, dout: PerDevice, reads: Reads) -> PerDevice:
+        """The input gradient; the router's gradient on the source, the experts' where computed.
+
+        The gate's gradient and the router's are taken on the device's own positions; the experts'
+        output gradient is made whole along the sequence (``gather``, the backward of a
+        reduce-scatter) and their input gradient, a partial sum across tp, reduced
+        (``reduce_input``, Megatron's f operator) before the router's part is added.
+        """
         n, model = self.n, self.model
         h = model.hidden
         phase = Phase.BACKWARD
         self._tally(phase, dout)
-        dw: PerDevice = {}
+        d_router: PerDevice = {}
+        d_expert: PerDevice = {}
         for s, ds in dout.items():
             kept = self.saved[(layer, s)]
-            routed, gate, expert_out, ys = kept.routed, kept.gate, kept.expert_out, kept.ys
-            ws = w[s]
-            router = reads[s][ROUTER][model.tensors(ROUTER)[0].index[layer]]
-            dgate = n.total(n.mul(ds, expert_out), axis=2)
-            dscores = n.zeros((*ws.shape[:2], model.experts))
-            np.put_along_axis(dscores, routed[..., None], dgate[..., None], axis=2)
-            self._add(s, ROUTER, 0, layer, None, n.mm(ws.reshape(-1, h).T, dscores.reshape(-1, model.experts)))
-            dws = n.mm(dscores, router.T)
-            dexp = n.mul(ds, gate[..., None])
+            dgate = n.total(n.mul(ds, kept.expert_out), axis=2)
+            dscores = n.zeros((*w[s].shape[:2], model.experts))
+            np.put_along_axis(dscores, kept.routes[..., None], dgate[..., None], axis=2)
+            self._add(s, ROUTER, 0, layer, None, n.mm(w[s].reshape(-1, h).T, dscores.reshape(-1, model.experts)))
+            d_router[s] = n.mm(dscores, self._weight(reads, s, ROUTER, 0, layer).T)
+            d_expert[s] = n.mul(ds, kept.gate[..., None])
+        d_full = self.gather(d_expert)
+        partial: PerDevice = {}
+        for s in dout:
+            kept = self.saved[(layer, s)]
+            dws = n.zeros(w_full[s].shape)
             for e in range(model.experts):
-                at = routed == e
+                at = kept.routed == e
                 c = self._where(s, e, phase)
-                d_e = dexp[at]
-                self._add(c, EXPERTS, 1, layer, e, n.mm(ys[e].T, d_e))
-                dy = n.mm(d_e, self._weight(reads, c, 1, layer)[e].T)
-                self._add(c, EXPERTS, 0, layer, e, n.mm(ws[at].T, dy))
+                d_e = d_full[s][at]
+                self._add(c, EXPERTS, 1, layer, e, n.mm(kept.ys[e].T, d_e))
+                dy = n.mm(d_e, self._weight(reads, c, EXPERTS, 1, layer)[e].T)
+                self._add(c, EXPERTS, 0, layer, e, n.mm(w_full[s][at].T, dy))
                 if model.bias:
                     self._add(c, EXPERTS, 2, layer, e, n.total(dy, axis=0))
-                dws[at] = n.add(dws[at], n.mm(dy, self._weight(reads, c, 0, layer)[e].T))
-            dw[s] = dws
-        return dw
+                dws[at] = n.mm(dy, self._weight(reads, c, EXPERTS, 0, layer)[e].T)
+            partial[s] = dws
+        reduced = self.reduce_input(partial)
+        return {s: n.add(reduced[s], d_router[s]) for s in dout}

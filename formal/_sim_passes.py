@@ -134,6 +134,7 @@ class _Passes:
     ) -> None:
         self.model, self.pl, self.mesh, self.layout, self.n = model, pl, mesh, layout, numbers
         self.states, self.exchanges, self.moe = states, exchanges, moe
+        moe.bind(self._sp_split, self._block_out, self._gather_grad, self._block_in_grad)
         self.m, self.t, self.sp, self.s_chunk = geometry.m, geometry.t, geometry.sp, geometry.s_chunk
         self.data_axes = geometry.data_axes
         self._read: Reads = {}  # the parameters the pass reads now: the forward's, then the backward's
@@ -191,8 +192,8 @@ class _Passes:
         x_mid = {d: n.add(x[d], a[d]) for d in x}
         w = {d: n.mul(x_mid[d], self._w(d, NORM, 1, layer)) for d in x}
         w_full = self.exchanges.act(OpKind.ALL_GATHER, LAYER_IO, t_ax, phase, w) if self.sp else w
-        if self.model.experts:  # the block keeps what its backward reads; here its input stands in
-            o, ffn_saved = self.moe.forward(layer, w_full, phase, self._read), w_full
+        if self.model.experts:  # the block keeps what its backward reads; here its own input stands in
+            o, ffn_saved = self.moe.forward(layer, w, w_full, phase, self._read), w
         else:
             y = {d: n.mm(w_full[d], self._w(d, MLP, 0, layer)) for d in x}
             if self.model.bias:  # fc1's bias, split by columns with its matrix
@@ -220,6 +221,12 @@ class _Passes:
             for d, v in dout.items():
                 self._add_grad(d, ROW_BIAS, which, layer, self.n.total(v, axis=(0, 1)))
 
+    def _gather_grad(self, value: PerDevice) -> PerDevice:
+        """Under sequence parallelism, the backward of a reduce-scatter: the shards' all-gather."""
+        if not self.sp:
+            return value
+        return self.exchanges.act(OpKind.ALL_GATHER, LAYER_IO, Axis.TP, Phase.BACKWARD, value)
+
     def _block_out(self, partial: PerDevice, phase: Phase) -> PerDevice:
         """Megatron's g operator: the row-parallel output's partial sums across tp."""
         if self.t == 1:
@@ -237,10 +244,11 @@ class _Passes:
         act = self.exchanges.act
         gather = (lambda v: act(OpKind.ALL_GATHER, LAYER_IO, Axis.TP, bw, v)) if self.sp else (lambda v: v)
         self._row_bias_grad(dx, 1, layer)
-        do_full = gather(dx)
-        if self.model.experts:
-            dw = self.moe.backward(layer, {d: saved[d][7] for d in dx}, do_full, self._read)
+        if self.model.experts:  # the block gathers its own output gradient (after the gate's)
+            w_own, w_all = {d: saved[d][8] for d in dx}, {d: saved[d][7] for d in dx}
+            dw = self.moe.backward(layer, w_own, w_all, dx, self._read)
         else:
+            do_full = gather(dx)
             dw_part = {}
             for d in dx:
                 w_full, y = saved[d][7], saved[d][8]

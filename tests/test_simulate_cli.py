@@ -125,7 +125,7 @@ def test_exit_code_5_is_documented_where_the_others_are() -> None:
 @pytest.mark.parametrize(
     ("args", "reason"),
     [
-        (("check", "tp2xep2", "--model", "mixtral-8x7b"), "experts split along tp"),
+        (("check", "dp256"), "256 devices: the simulator runs at most 128"),
         (("check", "dp2", "--params", "1e9"), ""),
     ],
 )

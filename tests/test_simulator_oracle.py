@@ -31,7 +31,7 @@ from formal._simulator import reference_for, simulate, simulate_program
 from formal._smt import decide
 from formal._strategies import Composition
 from formal._verdict import Status
-from formal._vocab import EXPERTS, HEAD, ROW_BIAS, Axis, Group, OpKind, Phase, State
+from formal._vocab import EXPERTS, HEAD, ROUTER, ROW_BIAS, Axis, Group, OpKind, Phase, State
 
 FIELD, FLOAT = Numbers(Arithmetic.FIELD), Numbers(Arithmetic.FLOAT64)
 
@@ -163,7 +163,7 @@ def test_the_groups_have_the_sizes_the_cost_model_counts() -> None:
 # --- experts and expert parallelism -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text", ["ep2", "dp2xep2", "zero32xep2", "ep2xpp2xm2", "ep4"])
+@pytest.mark.parametrize("text", ["ep2", "dp2xep2", "zero32xep2", "ep2xpp2xm2", "ep4", "tp2xep2", "tp2xspxdp2xep2"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_expert_parallelism_trains_like_one_device_and_costs_what_the_model_says(text: str, tied: bool) -> None:
     """Experts split along ep (each rank holds and updates whole experts), tokens routed to their
@@ -227,6 +227,9 @@ EXPERT_PARALLEL = (
     "ep4",
     "ep2xoffload",
     "hsdp2xdpr2xep2",
+    "tp2xep2",
+    "tp2xspxep2",
+    "zero12xtp2xspxep2",
 )
 
 
@@ -269,3 +272,24 @@ def test_full_recomputation_replays_the_token_all_to_alls_in_the_cost_model_too(
     result = simulate(composition, reference_for(composition), steps=1)
     assert result.matches, str(result.divergence)
     assert not result.cost_mismatches, result.cost_mismatches
+
+
+@pytest.mark.parametrize("text", ["tp2", "tp2xsp"])
+def test_experts_split_along_tp_train_like_one_device(text: str) -> None:
+    """Each expert split like the MLP (fc1 by columns, fc2 by rows), its output reduced across tp
+    before the router's gate scales it; the router replicated."""
+    composition = parse(text)
+    model = reference_for(composition, ReferenceModel(experts=4))
+    result = simulate(composition, model, steps=2)
+    assert result.matches, str(result.divergence)
+    assert not result.cost_mismatches, result.cost_mismatches
+
+
+def test_sequence_parallel_router_gradients_are_partial_along_tp() -> None:
+    """Under sequence parallelism the router scores each rank's sequence shard (Megatron-LM's MoE
+    router runs on the sequence-parallel input), so its gradient needs the reduction across tp."""
+    composition, model, program = _program("tp2xsp", ReferenceModel(experts=4))
+    broken = _without(program, OpKind.ALL_REDUCE, State.GRADIENTS, ROUTER, Axis.TP)
+    d = simulate_program(broken, model).divergence
+    assert d is not None and (d.state, d.group) == (State.GRADIENTS, ROUTER)
+    assert decide(composition, broken, model.transformer()).status is Status.REFUTED

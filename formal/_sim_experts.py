@@ -114,7 +114,7 @@ class _Experts:
     def _index(self, dev: Device, group: Group, which: int, layer: int) -> Array:
         """One layer's flat indices of a tensor on a device, cut to its tp slice when split there."""
         t = self.model.tensors(group)[which]
-        index = t.index[layer]
+        index: Array = t.index[layer]
         if t.tp_dim is not None and self.t > 1 and self.pl.computes_sharded(Axis.TP, group):
             r, n_ = self.mesh.coord(dev, Axis.TP), index.shape[t.tp_dim]
             index = np.take(index, range(r * n_ // self.t, (r + 1) * n_ // self.t), axis=t.tp_dim)

@@ -6,7 +6,10 @@ the expert's output is gated by the router's score of it. Under expert paralleli
 are split along ``ep`` (whole experts per rank, the flat shard of an expert-major group) and a
 position's hidden state travels to the rank owning its expert and back by all-to-all (dispatch
 and combine, GShard, Lepikhin et al. 2020; Megatron-LM's ``MoEAlltoAllTokenDispatcher``); in the
-backward its gradient travels the same way.
+backward its gradient travels the same way. Under tp each expert is split like the MLP (fc1 by
+columns, fc2 by rows: Megatron-LM's expert tensor parallelism) and its output reduced across tp
+before the gate scales it; under sequence parallelism the router scores each rank's own sequence
+shard, so its gradient is a partial sum across tp (``formal._program.SEQUENCE_REGION_GROUPS``).
 
 The all-to-all is an op of the program, run as the program lists it: each listed all-to-all
 transposes the exchange once (as in ``formal._activation_flow``), so an odd number of them per

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from strategies_sim import mutations
 
 from checker._parse import parse
+from checker._toml import loads
 from formal._program import StepProgram, derive_program
 from formal._reference import (
     PRIME,
@@ -293,3 +294,42 @@ def test_sequence_parallel_router_gradients_are_partial_along_tp() -> None:
     d = simulate_program(broken, model).divergence
     assert d is not None and (d.state, d.group) == (State.GRADIENTS, ROUTER)
     assert decide(composition, broken, model.transformer()).status is Status.REFUTED
+
+
+EXPERTS_REPLICATED_ALONG_EP = """
+[strategies.ep-rep]
+axis = "ep"
+P = "R"
+O = "R"
+G = "R"
+compute_sharded = ["experts"]
+"""
+
+
+def _program_of(composition: Composition) -> tuple[ReferenceModel, StepProgram]:
+    model = reference_for(composition, ReferenceModel())
+    transformer = model.transformer()
+    return model, derive_program(composition.placement(transformer), transformer)
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_experts_replicated_along_ep_but_computed_split_diverge(degree: int) -> None:
+    """Each ep rank computes only its own experts, yet every rank holds (G replicated) and updates
+    (O replicated) all of them: nothing brings the other ranks' expert gradients, so a rank reads
+    zeros where single-device training has the gradient. The simulator sees it."""
+    composition = parse(f"ep-rep{degree}", loads(EXPERTS_REPLICATED_ALONG_EP).factories())
+    model, program = _program_of(composition)
+    d = simulate_program(program, model).divergence
+    assert d is not None and (d.step, d.phase, d.state, d.group) == (1, "optimizer", State.GRADIENTS, EXPERTS)
+    assert d.got == FIELD.as_text(0) != d.expected
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="z3 false proof (formal/_smt*.py, formal/_program.py): a gradient computed split along ep "
+    "but replicated there is taken as complete on every rank (summed origin, scale only)",
+)
+def test_z3_refutes_experts_replicated_along_ep_but_computed_split() -> None:
+    composition = parse("ep-rep2", loads(EXPERTS_REPLICATED_ALONG_EP).factories())
+    model, program = _program_of(composition)
+    assert decide(composition, program, model.transformer()).status is Status.REFUTED

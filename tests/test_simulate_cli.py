@@ -177,3 +177,20 @@ def test_only_the_gradient_reductions_matter_to_the_staged_soundness_case() -> N
     dropped = _drop_gradient_reductions(program)
     assert any(op.kind.is_reduction and op.state is State.GRADIENTS for op in program.ops)
     assert not any(op.kind is OpKind.ALL_REDUCE and op.state is State.GRADIENTS for op in dropped.ops)
+
+
+def test_a_real_disagreement_class_is_never_silent(tmp_path: Path) -> None:
+    """Unstaged: experts replicated along ep but computed split there diverge in the simulator (a
+    rank reads zeros for the other ranks' experts). Whatever z3 answers, the exit code and the
+    report's first line follow from the pair of answers: proved and diverging is exit 5, said first."""
+    strategy = tmp_path / "ep.toml"
+    strategy.write_text('[strategies.ep-rep]\naxis = "ep"\nP = "R"\nO = "R"\nG = "R"\ncompute_sharded = ["experts"]\n')
+    args = ("check", "ep-rep2", "--model", "mixtral-8x7b", "--strategies", str(strategy), "--simulate")
+    doc = json.loads(invoke(*args, "--json").stdout)
+    assert doc["simulation"]["matches"] is False
+    human = invoke(*args)
+    if doc["verdict"]["status"] == "proved":
+        assert human.exit_code == 5 and human.output.startswith(f"{DISAGREEMENT} (soundness)")
+        assert doc["disagreement"]["kind"] == "soundness"
+    else:
+        assert human.exit_code == 1 and DISAGREEMENT not in human.output and "disagreement" not in doc

@@ -30,7 +30,8 @@ from formal.errors import InputError
 EXIT_VALID, EXIT_INVALID, EXIT_USAGE, EXIT_UNKNOWN, EXIT_INTERNAL = 0, 1, 2, 3, 4
 EXIT_CODES = (
     "Exit codes: 0 valid, 1 invalid (the rule is named), 2 usage or input error, 3 unknown, "
-    "4 internal error (a bug: please report it; --debug shows the traceback)."
+    "4 internal error (a bug: please report it; --debug shows the traceback), "
+    "5 z3 and --simulate disagree (a bug in the tool: both answers are shown first)."
 )
 
 

@@ -284,6 +284,7 @@ class Report:
     imported: Imported | None = None
     validation: CrossCheck | None = None
     simulation: CrossCheck | None = None
+    disagreement: CrossCheck | None = None  # z3 and the simulation disagree: said first
 
     @property
     def unmapped(self) -> tuple[Unmapped, ...]:
@@ -299,12 +300,17 @@ class Report:
             extra["validation"] = dict(self.validation.doc)
         if self.simulation is not None:
             extra["simulation"] = dict(self.simulation.doc)
-        return {**to_json(self.analysis), "verdict": verdict_json(self.verdict, self.explain), **extra}
+        doc = {**to_json(self.analysis), "verdict": verdict_json(self.verdict, self.explain), **extra}
+        if self.disagreement is not None:  # the first key: a bug in the tool comes before anything else
+            return {"disagreement": dict(self.disagreement.doc), **doc}
+        return doc
 
 
 def print_report(report: Report, console: Console) -> None:
     """The terminal view: the import's unmapped settings, memory and traffic, the verdict, and the
-    runs beside the prediction."""
+    runs beside the prediction; a disagreement between z3 and the simulation comes first."""
+    if report.disagreement is not None:
+        console.print(escape(report.disagreement.text), highlight=False, soft_wrap=True)
     if report.unmapped:
         console.print("Settings of the imported configuration the composition does not say exactly:")
         for u in report.unmapped:

@@ -1,9 +1,10 @@
 """``check-composition``: the command users run.
 
-Exit codes scripts can rely on: 0 valid, 1 invalid, 2 usage or input error, 3 unknown, and 4
+Exit codes scripts can rely on: 0 valid, 1 invalid, 2 usage or input error, 3 unknown, 4
 an internal error (a bug in this tool, never bad input: one ``error: internal error:`` line;
 ``--debug`` shows the traceback). Nothing a user types or writes in a file gives 4, and a
 closed output pipe (``check-composition ... | head``) ends quietly with the verdict's code.
+5: ``--simulate`` and z3 disagree (a bug in the tool; both answers are printed first).
 """
 
 from __future__ import annotations
@@ -274,7 +275,8 @@ def check(
 ) -> None:
     """Check COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG: memory, communication and verdict.
 
-    Exit codes: 0 valid, 1 invalid (a rule is broken), 2 usage or input error, 3 unknown, 4 internal error."""
+    Exit codes: 0 valid, 1 invalid (a rule is broken), 2 usage or input error, 3 unknown, 4 internal error,
+    5 z3 and --simulate disagree (a bug in the tool)."""
     if as_json and as_csv:
         fail("--json and --csv: choose one")
         return
@@ -325,28 +327,35 @@ def check(
         except InputError as err:
             fail(str(err))
             return
-    simulation = None
-    if simulate:  # the executable reference beside the verdict
-        from checker._simulate import run_simulation
+    simulation = conflict = None
+    code = verdict_exit(verdict)
+    if simulate:  # the executable reference beside the verdict; a disagreement is said first
+        from checker._simulate import EXIT_DISAGREEMENT, disagreement, disagreement_text, run_simulation
 
-        simulation = CrossCheck(*run_simulation(analysis.composition, user))
-    result = Report(analysis, verdict, explain, req.imported, validation, simulation)
+        simulation = CrossCheck(*run_simulation(analysis.composition, user, analysis.model, verdict))
+        found = disagreement(verdict, simulation.doc)
+        if found is not None:
+            conflict = CrossCheck(found, disagreement_text(found))
+            code = EXIT_DISAGREEMENT
+    result = Report(analysis, verdict, explain, req.imported, validation, simulation, conflict)
     doc = result.as_json()
     if report_path is not None:
         try:
             write_report(doc, report_path)
         except InputError as err:
             fail(str(err))
-    set_outcome(verdict_exit(verdict))
+    set_outcome(code)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     elif as_csv:
         from checker._commands_reports import CHECK_CSV_COLUMNS, check_csv_rows, emit
 
+        if conflict is not None:
+            click.echo(conflict.text, err=True)
         emit(check_csv_rows(doc), CHECK_CSV_COLUMNS, "", True, False)
     else:
         print_report(result, terminal())
-    sys.exit(verdict_exit(verdict))
+    sys.exit(code)
 
 
 @main.command("strategies")

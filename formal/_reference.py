@@ -8,8 +8,14 @@ causal linear attention ``z_t = q_t * sum_{t'<=t} k_t' * v_t'`` that mixes posit
 parallelism has keys and values to exchange) and an MLP (``MLP``: two matrices, column then row
 split), each behind a LayerNorm-like element-wise weight (``NORM``, replicated under TP), a final
 norm (``FINAL_NORM``), a word embedding (``EMBEDDING``) and an output head that is the embedding
-itself when tied (used on the first and the last pipeline stage) or ``HEAD`` when not. The loss is
-linear in the logits, ``sum(logits * targets) / tokens``: a mean over the global batch.
+itself when tied (used on the first and the last pipeline stage) or ``HEAD`` when not. With
+``bias`` the linears have biases: QKV's and fc1's split with their columns, the two row-parallel
+linears' (``ROW_BIAS``) added after the reduction and replicated under TP (Megatron-LM's
+``RowParallelLinear``). With ``experts`` the MLP is a mixture of experts: a ``ROUTER`` and
+``EXPERTS`` (each an MLP), top-1 hash routing by token id (``route``), the expert's output gated by
+the router's score of it. The loss is the squared error of the logits against integer targets,
+``sum((logits - targets)^2) / tokens``: a mean over the global batch, and non-linear, so the
+forward's values reach every gradient.
 
 Arithmetic is chosen on purpose (``Arithmetic``): a distributed program sums in a different order
 than one device, so only exact arithmetic makes "matches" mean bit for bit.
@@ -35,7 +41,7 @@ counterexample concretely.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from fractions import Fraction
@@ -45,7 +51,7 @@ import numpy as np
 import numpy.typing as npt
 
 from formal._model import Norm, Transformer
-from formal._vocab import ATTENTION, EMBEDDING, FINAL_NORM, HEAD, MLP, NORM, Group
+from formal._vocab import ATTENTION, EMBEDDING, EXPERTS, FINAL_NORM, HEAD, MLP, NORM, ROUTER, ROW_BIAS, Group
 from formal.errors import InputError
 
 Array = npt.NDArray[Any]
@@ -165,12 +171,16 @@ class ReferenceModel:
     seq: int = 8
     micro_batch: int = 1
     tied: bool = True
+    bias: bool = True  # linear biases: QKV and fc1 split with their columns, ``row_bias`` replicated
+    experts: int = 0  # 0: a dense MLP; otherwise a router and this many experts per layer (top-1)
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "ffn", "vocab", "seq", "micro_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise InputError(f"reference model {name}={value!r}: must be a positive integer")
+        if not isinstance(self.experts, int) or self.experts < 0 or self.experts == 1:
+            raise InputError(f"reference model experts={self.experts!r}: 0 (dense) or at least 2")
 
     def transformer(self) -> Transformer:
         """The same model as the cost model and ``derive_program`` read it."""
@@ -184,10 +194,12 @@ class ReferenceModel:
             micro_batch=self.micro_batch,
             ffn=self.ffn,
             norm=Norm.RMSNORM,
-            bias=False,
+            bias=self.bias,
             learned_positions=False,
             tied_embeddings=self.tied,
             final_norm=True,
+            experts=self.experts,
+            top_k=1 if self.experts else 0,
             source="formal._reference: the executable reference model",
         )
 
@@ -202,19 +214,36 @@ class ReferenceModel:
         return _tensors(self, group)
 
     def _tensors(self, group: Group) -> tuple[Tensor, ...]:
-        L_, h, f, V = self.layers, self.hidden, self.ffn, self.vocab
+        L_, h, f, V, E = self.layers, self.hidden, self.ffn, self.vocab, self.experts
+        b = 1 if self.bias else 0
         if group is ATTENTION:
-            idx = np.arange(L_ * 4 * h * h).reshape(L_, 4 * h * h)
-            return (
+            idx = np.arange(L_ * (4 * h * h + b * 3 * h)).reshape(L_, 4 * h * h + b * 3 * h)
+            out = (
                 Tensor("qkv", idx[:, : 3 * h * h].reshape(L_, h, 3, h), 2),  # columns by head
-                Tensor("out", idx[:, 3 * h * h :].reshape(L_, h, h), 0),
-            )  # rows
-        if group is MLP:
-            idx = np.arange(L_ * 2 * h * f).reshape(L_, 2 * h * f)
-            return (
-                Tensor("fc1", idx[:, : h * f].reshape(L_, h, f), 1),
-                Tensor("fc2", idx[:, h * f :].reshape(L_, f, h), 0),
+                Tensor("out", idx[:, 3 * h * h : 4 * h * h].reshape(L_, h, h), 0),  # rows
             )
+            return out + ((Tensor("qkv_bias", idx[:, 4 * h * h :].reshape(L_, 3, h), 1),) if b else ())
+        if group is MLP and not E:
+            idx = np.arange(L_ * (2 * h * f + b * f)).reshape(L_, 2 * h * f + b * f)
+            out = (
+                Tensor("fc1", idx[:, : h * f].reshape(L_, h, f), 1),
+                Tensor("fc2", idx[:, h * f : 2 * h * f].reshape(L_, f, h), 0),
+            )
+            return out + ((Tensor("fc1_bias", idx[:, 2 * h * f :], 0),) if b else ())
+        if group is ROW_BIAS and b:  # added after the row-parallel reduction: replicated under TP
+            biases = np.arange(L_ * 2 * h).reshape(L_, 2, h)
+            return (Tensor("out_bias", biases[:, 0], None), Tensor("fc2_bias", biases[:, 1], None))
+        if group is ROUTER and E:
+            return (Tensor("router", np.arange(L_ * h * E).reshape(L_, h, E), None),)
+        if group is EXPERTS and E:
+            # Expert-major flat order (expert, layer, element): a flat shard along ep is whole experts.
+            one = 2 * h * f + b * f
+            per = np.arange(E * L_ * one).reshape(E, L_, one).transpose(1, 0, 2)
+            out = (
+                Tensor("expert_fc1", per[..., : h * f].reshape(L_, E, h, f), 2),
+                Tensor("expert_fc2", per[..., h * f : 2 * h * f].reshape(L_, E, f, h), 1),
+            )
+            return out + ((Tensor("expert_fc1_bias", per[..., 2 * h * f :], 1),) if b else ())
         if group is NORM:
             norms = np.arange(L_ * 2 * h).reshape(L_, 2, h)
             return (Tensor("norm1", norms[:, 0], None), Tensor("norm2", norms[:, 1], None))
@@ -225,7 +254,7 @@ class ReferenceModel:
         raise InputError(f"reference model has no group {group}")
 
     def is_layered(self, group: Group) -> bool:
-        return group in (ATTENTION, MLP, NORM)
+        return group in (ATTENTION, MLP, NORM, ROW_BIAS, ROUTER, EXPERTS)
 
     def locate(self, group: Group, position: int) -> str:
         """A flat position as a person reads it: ``layer 1 qkv[3, 0, 5]``."""
@@ -298,41 +327,56 @@ def _head_group(model: ReferenceModel) -> Group:
     return EMBEDDING if model.tied else HEAD
 
 
+def route(model: ReferenceModel, tokens: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """The expert of each position: top-1 hash routing by the input token id (Roller et al. 2021,
+    "Hash Layers For Large Sparse Models"), ``token mod experts``: exact and reproducible in any
+    arithmetic. The router's score of that expert gates its output, so the router is trained."""
+    return np.mod(tokens, model.experts)
+
+
+def _bias(model: ReferenceModel, p: Params, group: Group, which: int, layer: int) -> Array | None:
+    return _w(model, p, group, which, layer) if model.bias else None
+
+
+def _plus(n: Numbers, a: Array, bias: Array | None) -> Array:
+    return a if bias is None else n.add(a, bias)
+
+
 def loss_and_gradients(model: ReferenceModel, p: Params, batch: Batch, numbers: Numbers) -> tuple[Array, Params]:
     """Forward and backward of the whole model on one device: the loss and every gradient.
 
-    Loss = sum over tokens and vocabulary of ``logits * targets``, divided by the token count.
+    Loss = the squared error of the logits against the targets, summed over the vocabulary and
+    averaged over the tokens: ``sum((logits - targets)^2) / tokens``.
     """
     n = numbers
     h = model.hidden
     tokens = batch.tokens
+    route_of = route(model, tokens) if model.experts else None
     x = _w(model, p, EMBEDDING, 0)[tokens]  # (B, s, h)
     saved = []
     for layer in range(model.layers):
         n1 = _w(model, p, NORM, 0, layer)
         n2 = _w(model, p, NORM, 1, layer)
         qkv_w = _w(model, p, ATTENTION, 0, layer)  # (h, 3, h)
+        qkv_b = _bias(model, p, ATTENTION, 2, layer)  # (3, h)
         out_w = _w(model, p, ATTENTION, 1, layer)
-        fc1 = _w(model, p, MLP, 0, layer)
-        fc2 = _w(model, p, MLP, 1, layer)
         u = n.mul(x, n1)
-        q = n.mm(u, qkv_w[:, 0])
-        k = n.mm(u, qkv_w[:, 1])
-        v = n.mm(u, qkv_w[:, 2])
+        q, k, v = (_plus(n, n.mm(u, qkv_w[:, j]), None if qkv_b is None else qkv_b[j]) for j in range(3))
         c = n.cumsum(n.mul(k, v), axis=1)
         z = n.mul(q, c)
-        x_mid = n.add(x, n.mm(z, out_w))
+        x_mid = _plus(n, n.add(x, n.mm(z, out_w)), _bias(model, p, ROW_BIAS, 0, layer))
         w = n.mul(x_mid, n2)
-        y = n.mm(w, fc1)
-        x_out = n.add(x_mid, n.mm(y, fc2))
-        saved.append((x, u, q, k, v, c, z, x_mid, w, y))
+        ffn, ffn_saved = _ffn_forward(model, p, layer, w, route_of, n)
+        x_out = _plus(n, n.add(x_mid, ffn), _bias(model, p, ROW_BIAS, 1, layer))
+        saved.append((x, u, q, k, v, c, z, x_mid, w, ffn_saved))
         x = x_out
     nf = _w(model, p, FINAL_NORM, 0)
     head = _w(model, p, _head_group(model), 0)  # (V, h)
     xf = n.mul(x, nf)
     logits = n.mm(xf, head.T)
     tokens_total = tokens.size
-    loss = n.scale(n.total(n.mul(logits, batch.targets)), Fraction(1, tokens_total))
+    error = n.sub(logits, batch.targets)
+    loss = n.scale(n.total(n.mul(error, error)), Fraction(1, tokens_total))
     grads: Params = {g: n.zeros(model.size(g)) for g in model.groups()}
 
     def put(group: Group, which: int, layer: int | None, value: Array) -> None:
@@ -340,25 +384,24 @@ def loss_and_gradients(model: ReferenceModel, p: Params, batch: Batch, numbers: 
         index = t.index if layer is None else t.index[layer]
         grads[group][index] = n.add(grads[group][index], value)
 
-    dlogits = n.scale(batch.targets, Fraction(1, tokens_total))
+    dlogits = n.scale(error, Fraction(2, tokens_total))
     put(_head_group(model), 0, None, n.mm(dlogits.reshape(-1, model.vocab).T, xf.reshape(-1, h)))
     dxf = n.mm(dlogits, head)
     put(FINAL_NORM, 0, None, n.total(n.mul(dxf, x), axis=(0, 1)))
     dx = n.mul(dxf, nf)
     for layer in reversed(range(model.layers)):
-        x_in, u, q, k, v, c, z, x_mid, w, y = saved[layer]
+        x_in, u, q, k, v, c, z, x_mid, w, ffn_saved = saved[layer]
         n1 = _w(model, p, NORM, 0, layer)
         n2 = _w(model, p, NORM, 1, layer)
         qkv_w = _w(model, p, ATTENTION, 0, layer)
         out_w = _w(model, p, ATTENTION, 1, layer)
-        fc1 = _w(model, p, MLP, 0, layer)
-        fc2 = _w(model, p, MLP, 1, layer)
-        put(MLP, 1, layer, n.mm(y.reshape(-1, model.ffn).T, dx.reshape(-1, h)))
-        dy = n.mm(dx, fc2.T)
-        put(MLP, 0, layer, n.mm(w.reshape(-1, h).T, dy.reshape(-1, model.ffn)))
-        dw = n.mm(dy, fc1.T)
+        if model.bias:
+            put(ROW_BIAS, 1, layer, n.total(dx, axis=(0, 1)))
+        dw = _ffn_backward(model, p, layer, w, dx, ffn_saved, route_of, n, put)
         put(NORM, 1, layer, n.total(n.mul(dw, x_mid), axis=(0, 1)))
         dx = n.add(dx, n.mul(dw, n2))
+        if model.bias:
+            put(ROW_BIAS, 0, layer, n.total(dx, axis=(0, 1)))
         put(ATTENTION, 1, layer, n.mm(z.reshape(-1, h).T, dx.reshape(-1, h)))
         dz = n.mm(dx, out_w.T)
         dq = n.mul(dz, c)
@@ -368,6 +411,8 @@ def loss_and_gradients(model: ReferenceModel, p: Params, batch: Batch, numbers: 
         u2 = u.reshape(-1, h)
         dqkv = np.stack([n.mm(u2.T, d.reshape(-1, h)) for d in (dq, dk, dv)], axis=1)
         put(ATTENTION, 0, layer, dqkv)
+        if model.bias:
+            put(ATTENTION, 2, layer, np.stack([n.total(d, axis=(0, 1)) for d in (dq, dk, dv)]))
         du = n.add(n.add(n.mm(dq, qkv_w[:, 0].T), n.mm(dk, qkv_w[:, 1].T)), n.mm(dv, qkv_w[:, 2].T))
         put(NORM, 0, layer, n.total(n.mul(du, x_in), axis=(0, 1)))
         dx = n.add(dx, n.mul(du, n1))
@@ -375,6 +420,77 @@ def loss_and_gradients(model: ReferenceModel, p: Params, batch: Batch, numbers: 
     np.add.at(d_emb, tokens.reshape(-1), dx.reshape(-1, h))
     put(EMBEDDING, 0, None, n.fix(d_emb))
     return loss, grads
+
+
+def _ffn_forward(
+    model: ReferenceModel, p: Params, layer: int, w: Array, route_of: npt.NDArray[np.int64] | None, n: Numbers
+) -> tuple[Array, tuple[Array, ...]]:
+    """The MLP (``fc2(fc1 w + b1)``), or the MoE block: each position's expert, gated by the router's
+    score of it (``gate * fc2_e(fc1_e w + b1_e)``). Returns the output and what the backward reads."""
+    if route_of is None:
+        y = _plus(n, n.mm(w, _w(model, p, MLP, 0, layer)), _bias(model, p, MLP, 2, layer))
+        return n.mm(y, _w(model, p, MLP, 1, layer)), (y,)
+    scores = n.mm(w, _w(model, p, ROUTER, 0, layer))  # (B, s, E)
+    gate = np.take_along_axis(scores, route_of[..., None], axis=2)[..., 0]
+    expert_out = n.zeros(w.shape)
+    ys = []
+    for e in range(model.experts):
+        at = route_of == e
+        y = n.mm(w[at], _w(model, p, EXPERTS, 0, layer)[e])
+        if model.bias:
+            y = n.add(y, _w(model, p, EXPERTS, 2, layer)[e])
+        expert_out[at] = n.mm(y, _w(model, p, EXPERTS, 1, layer)[e])
+        ys.append(y)
+    return n.mul(expert_out, gate[..., None]), (gate, expert_out, *ys)
+
+
+def _ffn_backward(
+    model: ReferenceModel,
+    p: Params,
+    layer: int,
+    w: Array,
+    dout: Array,
+    saved: tuple[Array, ...],
+    route_of: npt.NDArray[np.int64] | None,
+    n: Numbers,
+    put: Callable[[Group, int, int | None, Array], None],
+) -> Array:
+    """The input gradient of ``_ffn_forward``; the parameter gradients go to ``put``."""
+    h = model.hidden
+    if route_of is None:
+        (y,) = saved
+        fc1, fc2 = _w(model, p, MLP, 0, layer), _w(model, p, MLP, 1, layer)
+        put(MLP, 1, layer, n.mm(y.reshape(-1, model.ffn).T, dout.reshape(-1, h)))
+        dy = n.mm(dout, fc2.T)
+        put(MLP, 0, layer, n.mm(w.reshape(-1, h).T, dy.reshape(-1, model.ffn)))
+        if model.bias:
+            put(MLP, 2, layer, n.total(dy, axis=(0, 1)))
+        return n.mm(dy, fc1.T)
+    gate, expert_out = saved[0], saved[1]
+    ys = saved[2:]
+    router = _w(model, p, ROUTER, 0, layer)
+    dgate = n.total(n.mul(dout, expert_out), axis=2)  # (B, s)
+    dscores = n.zeros((*w.shape[:2], model.experts))
+    np.put_along_axis(dscores, route_of[..., None], dgate[..., None], axis=2)
+    put(ROUTER, 0, layer, n.mm(w.reshape(-1, h).T, dscores.reshape(-1, model.experts)))
+    dw = n.mm(dscores, router.T)
+    dexp = n.mul(dout, gate[..., None])
+    f = model.ffn
+    g1, g2, gb = n.zeros((model.experts, h, f)), n.zeros((model.experts, f, h)), n.zeros((model.experts, f))
+    for e in range(model.experts):
+        at = route_of == e
+        fc1, fc2 = _w(model, p, EXPERTS, 0, layer)[e], _w(model, p, EXPERTS, 1, layer)[e]
+        d_e = dexp[at]
+        g2[e] = n.mm(ys[e].T, d_e)
+        dy = n.mm(d_e, fc2.T)
+        g1[e] = n.mm(w[at].T, dy)
+        gb[e] = n.total(dy, axis=0)
+        dw[at] = n.add(dw[at], n.mm(dy, fc1.T))
+    put(EXPERTS, 0, layer, g1)
+    put(EXPERTS, 1, layer, g2)
+    if model.bias:
+        put(EXPERTS, 2, layer, gb)
+    return dw
 
 
 # --- optimizers ----------------------------------------------------------------------------
@@ -485,5 +601,6 @@ __all__ = [
     "initial_parameters",
     "loss_and_gradients",
     "make_data",
+    "route",
     "train_single_device",
 ]

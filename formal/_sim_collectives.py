@@ -202,12 +202,16 @@ class _StateOps:
                     pieces = []
                     for d in members:
                         piece = piece_of(d)
-                        pieces.append((piece, arrays[d][..., piece].copy()))
+                        alive = live[d][op.group][piece].copy() if op.state is G else None
+                        pieces.append((piece, arrays[d][..., piece].copy(), alive))
                     for d in members:
-                        for piece, values in pieces:
+                        for piece, values, alive in pieces:
                             arrays[d][..., piece] = values
-                            if op.state is G:  # a gathered gradient holds a current value there
-                                live[d][op.group][piece] = True
+                            if alive is not None:
+                                # A gathered gradient shard is as current as on its sender: the
+                                # step's free outside the holding keeps it (a reduce-scatter then
+                                # an all-gather makes the reduced gradient whole again).
+                                live[d][op.group][piece] = alive
                 case OpKind.BROADCAST:
                     src = members[0]
                     for d in members[1:]:

@@ -157,8 +157,14 @@ class _Layout:
         key: tuple[object, ...] = ("compute", group, dev)
         if key not in self._cache:
             split = Axis.TP in self.mesh.degrees and self.pl.computes_sharded(Axis.TP, group)
-            self._cache[key] = self._structural(group, dev, None, split)
+            pos = self._structural(group, dev, None, split)
+            if self._expert_split(group):  # the rank's own experts: a flat shard of the expert-major group
+                pos = _chunk(pos, self.mesh.degree(Axis.EP), self.mesh.coord(dev, Axis.EP))
+            self._cache[key] = pos
         return self._cache[key]
+
+    def _expert_split(self, group: Group) -> bool:
+        return Axis.EP in self.mesh.degrees and self.pl.computes_sharded(Axis.EP, group)
 
     def holding(
         self,
@@ -194,9 +200,12 @@ class _Layout:
             and entries[Axis.TP].mode.is_sharded
             and pl.computes_sharded(Axis.TP, group)
         )
+        # Along ep a group computed split there (the experts) is cut first, into whole experts;
+        # the other axes shard what the rank computes (Megatron-LM's expert data parallelism).
+        first = Axis.EP if self._expert_split(group) else Axis.DPR
         flat = [
             a
-            for a in sorted(self.mesh.axes, key=lambda a: a is not Axis.DPR)
+            for a in sorted(self.mesh.axes, key=lambda a: a is not first)
             if a is not Axis.PP and (entries[a].mode.is_sharded or a is force) and not (a is Axis.TP and tp_split)
         ]
         split = [a for a in flat if self.mesh.degree(a) > 1]
@@ -273,7 +282,8 @@ class _Geometry:
         t = mesh.degree(Axis.TP)
         cp = mesh.degree(Axis.CP)
         sp = (A, LAYER_IO) in set(pl.keys()) and t > 1 and pl.mode(A, LAYER_IO, Axis.TP).is_sharded
-        data_axes = tuple(a for a in mesh.axes if a in (Axis.DP, Axis.DPR))
+        # Expert parallelism splits the batch too: each ep rank routes its own tokens.
+        data_axes = tuple(a for a in mesh.axes if a in (Axis.DP, Axis.DPR, Axis.EP))
         replicas = int(np.prod([mesh.degree(a) for a in data_axes])) if data_axes else 1
         s_chunk = model.seq // cp if model.seq % cp == 0 else 0
         if not s_chunk or (sp and s_chunk % t):

@@ -19,6 +19,7 @@ from formal._placement import Placement, Recompute
 from formal._program import StepProgram
 from formal._reference import Array, Batch, Numbers, ReferenceModel
 from formal._sim_collectives import _Traffic
+from formal._sim_experts import _Experts
 from formal._sim_mesh import Device, PerDevice, _Geometry, _Layout, _Mesh
 from formal._sim_states import _States
 from formal._vocab import (
@@ -32,6 +33,7 @@ from formal._vocab import (
     MLP,
     NORM,
     OUTPUT_IO,
+    ROW_BIAS,
     Axis,
     Group,
     OpKind,
@@ -128,9 +130,11 @@ class _Passes:
         numbers: Numbers,
         states: _States,
         exchanges: _Exchanges,
+        moe: _Experts,
     ) -> None:
         self.model, self.pl, self.mesh, self.layout, self.n = model, pl, mesh, layout, numbers
-        self.states, self.exchanges = states, exchanges
+        self.states, self.exchanges, self.moe = states, exchanges, moe
+        moe.bind(self._sp_split, self._block_out, self._gather_grad, self._block_in_grad)
         self.m, self.t, self.sp, self.s_chunk = geometry.m, geometry.t, geometry.sp, geometry.s_chunk
         self.data_axes = geometry.data_axes
         self._read: Reads = {}  # the parameters the pass reads now: the forward's, then the backward's
@@ -171,8 +175,12 @@ class _Passes:
         q, kv, c, z, a = {}, {}, {}, {}, {}
         for d in x:
             wqkv = self._w(d, ATTENTION, 0, layer)
-            q[d] = n.mm(u_full[d], wqkv[:, 0])
-            kv[d] = np.concatenate([n.mm(u_full[d], wqkv[:, 1]), n.mm(u_full[d], wqkv[:, 2])], axis=2)
+            proj = [n.mm(u_full[d], wqkv[:, j]) for j in range(3)]
+            if self.model.bias:  # the QKV bias, split by columns with its matrix
+                bqkv = self._w(d, ATTENTION, 2, layer)
+                proj = [n.add(proj[j], bqkv[j]) for j in range(3)]
+            q[d] = proj[0]
+            kv[d] = np.concatenate(proj[1:], axis=2)
         kv_all = self.exchanges.act(OpKind.ALL_GATHER, LINEAR_INNER, Axis.CP, phase, kv)
         for d in x:
             half = kv_all[d].shape[2] // 2
@@ -180,15 +188,44 @@ class _Passes:
             c[d] = prefix[:, self._seq_slice(d)]
             z[d] = n.mul(q[d], c[d])
             a[d] = n.mm(z[d], self._w(d, ATTENTION, 1, layer))
-        a = self._block_out(a, phase)
+        a = self._row_bias(self._block_out(a, phase), 0, layer)
         x_mid = {d: n.add(x[d], a[d]) for d in x}
         w = {d: n.mul(x_mid[d], self._w(d, NORM, 1, layer)) for d in x}
         w_full = self.exchanges.act(OpKind.ALL_GATHER, LAYER_IO, t_ax, phase, w) if self.sp else w
-        y = {d: n.mm(w_full[d], self._w(d, MLP, 0, layer)) for d in x}
-        o = self._block_out({d: n.mm(y[d], self._w(d, MLP, 1, layer)) for d in x}, phase)
+        if self.model.experts:  # the block keeps what its backward reads; here its own input stands in
+            o, ffn_saved = self.moe.forward(layer, w, w_full, phase, self._read), w
+        else:
+            y = {d: n.mm(w_full[d], self._w(d, MLP, 0, layer)) for d in x}
+            if self.model.bias:  # fc1's bias, split by columns with its matrix
+                y = {d: n.add(y[d], self._w(d, MLP, 2, layer)) for d in x}
+            o = self._block_out({d: n.mm(y[d], self._w(d, MLP, 1, layer)) for d in x}, phase)
+            ffn_saved = dict(y)
+        o = self._row_bias(o, 1, layer)
         x_out = {d: n.add(x_mid[d], o[d]) for d in x}
-        saved: _Saved = {d: (x[d], u_full[d], q[d], kv_all[d], c[d], z[d], x_mid[d], w_full[d], y[d]) for d in x}
+        saved: _Saved = {
+            d: (x[d], u_full[d], q[d], kv_all[d], c[d], z[d], x_mid[d], w_full[d], ffn_saved[d]) for d in x
+        }
         return x_out, saved
+
+    def _row_bias(self, out: PerDevice, which: int, layer: int) -> PerDevice:
+        """The row-parallel linear's bias, added after its reduction (Megatron's RowParallelLinear):
+        whole on every tp rank, so under sequence parallelism each rank adds it to its sequence shard."""
+        if not self.model.bias:
+            return out
+        return {d: self.n.add(v, self._w(d, ROW_BIAS, which, layer)) for d, v in out.items()}
+
+    def _row_bias_grad(self, dout: PerDevice, which: int, layer: int) -> None:
+        """Its gradient: the sum of the output gradient over the device's tokens (a partial sum
+        across tp under sequence parallelism, whose reduction is an op of the program)."""
+        if self.model.bias:
+            for d, v in dout.items():
+                self._add_grad(d, ROW_BIAS, which, layer, self.n.total(v, axis=(0, 1)))
+
+    def _gather_grad(self, value: PerDevice) -> PerDevice:
+        """Under sequence parallelism, the backward of a reduce-scatter: the shards' all-gather."""
+        if not self.sp:
+            return value
+        return self.exchanges.act(OpKind.ALL_GATHER, LAYER_IO, Axis.TP, Phase.BACKWARD, value)
 
     def _block_out(self, partial: PerDevice, phase: Phase) -> PerDevice:
         """Megatron's g operator: the row-parallel output's partial sums across tp."""
@@ -206,21 +243,29 @@ class _Passes:
         bw = Phase.BACKWARD
         act = self.exchanges.act
         gather = (lambda v: act(OpKind.ALL_GATHER, LAYER_IO, Axis.TP, bw, v)) if self.sp else (lambda v: v)
-        do_full = gather(dx)
-        dw_part = {}
-        for d in dx:
-            x_in, u_full, q, kv_all, c, z, x_mid, w_full, y = saved[d]
-            fc1, fc2 = self._w(d, MLP, 0, layer), self._w(d, MLP, 1, layer)
-            self._add_grad(d, MLP, 1, layer, n.mm(y.reshape(-1, y.shape[-1]).T, do_full[d].reshape(-1, h)))
-            dy = n.mm(do_full[d], fc2.T)
-            self._add_grad(d, MLP, 0, layer, n.mm(w_full.reshape(-1, h).T, dy.reshape(-1, dy.shape[-1])))
-            dw_part[d] = n.mm(dy, fc1.T)
-        dw = self._block_in_grad(dw_part)
+        self._row_bias_grad(dx, 1, layer)
+        if self.model.experts:  # the block gathers its own output gradient (after the gate's)
+            w_own, w_all = {d: saved[d][8] for d in dx}, {d: saved[d][7] for d in dx}
+            dw = self.moe.backward(layer, w_own, w_all, dx, self._read)
+        else:
+            do_full = gather(dx)
+            dw_part = {}
+            for d in dx:
+                w_full, y = saved[d][7], saved[d][8]
+                fc1, fc2 = self._w(d, MLP, 0, layer), self._w(d, MLP, 1, layer)
+                self._add_grad(d, MLP, 1, layer, n.mm(y.reshape(-1, y.shape[-1]).T, do_full[d].reshape(-1, h)))
+                dy = n.mm(do_full[d], fc2.T)
+                self._add_grad(d, MLP, 0, layer, n.mm(w_full.reshape(-1, h).T, dy.reshape(-1, dy.shape[-1])))
+                if self.model.bias:
+                    self._add_grad(d, MLP, 2, layer, n.total(dy, axis=(0, 1)))
+                dw_part[d] = n.mm(dy, fc1.T)
+            dw = self._block_in_grad(dw_part)
         dx2 = {}
         for d in dx:
             x_mid = saved[d][6]
             self._add_grad(d, NORM, 1, layer, n.total(n.mul(dw[d], x_mid), axis=(0, 1)))
             dx2[d] = n.add(dx[d], n.mul(dw[d], self._w(d, NORM, 1, layer)))
+        self._row_bias_grad(dx2, 0, layer)
         da_full = gather(dx2)
         dkv_part, dq = {}, {}
         for d in dx:
@@ -245,6 +290,8 @@ class _Passes:
             u2 = u_full.reshape(-1, h)
             grad = np.stack([n.mm(u2.T, g_.reshape(-1, half)) for g_ in (dq[d], dk, dv)], axis=1)
             self._add_grad(d, ATTENTION, 0, layer, grad)
+            if self.model.bias:
+                self._add_grad(d, ATTENTION, 2, layer, np.stack([n.total(g_, axis=(0, 1)) for g_ in (dq[d], dk, dv)]))
             du_part[d] = n.add(n.add(n.mm(dq[d], wqkv[:, 0].T), n.mm(dk, wqkv[:, 1].T)), n.mm(dv, wqkv[:, 2].T))
         du = self._block_in_grad(du_part)
         out = {}
@@ -273,10 +320,11 @@ class _Passes:
     def micro_batch(self, batch: Batch, mb: int, forward: Reads, backward: Reads) -> None:
         """Forward, loss and backward of micro-batch ``mb``; gradients go to the ``fresh`` buffers.
 
-        The forward reads the parameters as ``forward`` has them, the head and the backward (and
-        its replay under recomputation) as ``backward`` has them.
+        The forward (the head's logits included) reads the parameters as ``forward`` has them, the
+        backward (and its replay under recomputation) as ``backward`` has them.
         """
         self._read = forward
+        self.moe.tokens = {d: self._batch_of(d, batch, mb)[0] for d in self.mesh.devices}
         n, lay = self.n, self.layout
         h = self.model.hidden
         chunks = len(lay.chunk_layers)
@@ -314,14 +362,20 @@ class _Passes:
             xf_full = self.exchanges.act(OpKind.ALL_GATHER, OUTPUT_IO, Axis.TP, Phase.FORWARD, xf)
         else:
             xf_full = xf
+        # The squared error is element-wise in the logits: a vocabulary-split head computes its
+        # slice of the logits and of their gradient with no exchange.
+        errors: PerDevice = {}
+        for d in x:
+            _, targets = self._batch_of(d, batch, mb)
+            lo, hi = self._vocab_range(d) if head_split else (0, self.model.vocab)
+            errors[d] = n.sub(n.mm(xf_full[d], self._w(d, head_group, 0).T), targets[..., lo:hi])
         self._read = backward
         dxf_part: PerDevice = {}
         tokens_local = self.m * self.model.micro_batch * self.s_chunk
         for d in x:
-            _, targets = self._batch_of(d, batch, mb)
             head = self._w(d, head_group, 0)
             lo, hi = self._vocab_range(d) if head_split else (0, self.model.vocab)
-            dlogits = n.scale(targets[..., lo:hi], Fraction(1, tokens_local))
+            dlogits = n.scale(errors[d], Fraction(2, tokens_local))
             grad = n.mm(dlogits.reshape(-1, hi - lo).T, xf_full[d].reshape(-1, h))
             self._add_grad(d, head_group, 0, None, grad)
             dxf_part[d] = n.mm(dlogits, head)

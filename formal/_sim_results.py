@@ -120,6 +120,19 @@ class SimulationResult:
         }
 
 
+@dataclass(frozen=True)
+class NotSimulated:
+    """A program the simulator does not run, and why (a typed answer, never a traceback)."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return f"not simulated: {self.reason}"
+
+    def as_json(self) -> dict[str, object]:
+        return {"matches": None, "not_run": self.reason}
+
+
 class _Diverged(Exception):
     def __init__(self, divergence: Divergence) -> None:
         super().__init__(str(divergence))

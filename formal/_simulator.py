@@ -38,8 +38,10 @@ This module keeps the entry points and the step loop; the work is done by collab
 owning its state: ``formal._sim_mesh`` (the mesh, which elements each device holds, how the
 batch divides), ``formal._sim_states`` (the devices' buffers and the host store),
 ``formal._sim_collectives`` (the program's ops on model states, the traffic tallies),
-``formal._sim_passes`` (the model's forward and backward with its activation exchanges) and
-``formal._sim_results`` (the results, and the judge of every read).
+``formal._sim_passes`` (the model's forward and backward with its activation exchanges),
+``formal._sim_experts`` (the mixture-of-experts block, its experts split along ep and its tokens
+routed by the program's all-to-all) and ``formal._sim_results`` (the results, the judge of every
+read, and ``NotSimulated``: what the simulator does not run, and why).
 """
 
 from __future__ import annotations
@@ -63,12 +65,13 @@ from formal._reference import (
     train_single_device,
 )
 from formal._sim_collectives import _StateOps, _Traffic
+from formal._sim_experts import _Experts
 from formal._sim_mesh import _Geometry, _Layout, _Mesh
 from formal._sim_passes import Reads, _Exchanges, _Passes
-from formal._sim_results import Divergence, OpTraffic, SimulationResult, _Diverged, _Judge
+from formal._sim_results import Divergence, NotSimulated, OpTraffic, SimulationResult, _Diverged, _Judge
 from formal._sim_states import _States
 from formal._strategies import Composition
-from formal._vocab import Axis, Buffer, Group, OpKind, Phase, State, gradient_buffer
+from formal._vocab import EXPERTS, Axis, Buffer, Group, OpKind, Phase, State, gradient_buffer
 from formal.errors import SimulationError
 
 P, O, G = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS  # noqa: E741
@@ -99,14 +102,16 @@ class Simulator:
             if not isinstance(d, sp.Integer) and not isinstance(d, int):
                 raise SimulationError(f"{axis.value}: symbolic degree {d}; the simulator needs numbers")
         self.mesh = _Mesh(pl)
-        if self.mesh.degree(Axis.EP) > 1:
-            raise SimulationError("ep: expert parallelism is not modelled (the reference model has no experts)")
-        unknown = set(pl.groups(P)) - set(model.groups())
+        unknown = set(pl.groups(P)) ^ set(model.groups())
         if unknown:
-            raise SimulationError(f"groups {sorted(g.name for g in unknown)} are not in the reference model")
+            raise SimulationError(
+                f"groups {sorted(g.name for g in unknown)}: the program and the reference model differ in them"
+            )
         for axis in self.mesh.axes:
-            split = any(pl.computes_sharded(axis, g) for g in model.groups())
-            if axis is not Axis.TP and axis is not Axis.PP and split:
+            split = [g for g in model.groups() if pl.computes_sharded(axis, g)]
+            if axis is Axis.EP and split and split != [EXPERTS]:
+                raise SimulationError(f"ep: only the experts' computation is split along ep, not {split}")
+            if axis not in (Axis.TP, Axis.PP, Axis.EP) and split:
                 raise SimulationError(f"{axis.value}: computation split along this axis is not modelled")
         self.layout = _Layout(model, pl, self.mesh)
         self.geometry = _Geometry.of(model, pl, self.mesh)
@@ -125,7 +130,10 @@ class Simulator:
             program, self.mesh, self.layout, self.states, self.tallies, self.judge, optimizer, numbers, precision
         )
         self.exchanges = _Exchanges(program, self.mesh, numbers, self.tallies)
-        self.passes = _Passes(model, pl, self.mesh, self.layout, self.geometry, numbers, self.states, self.exchanges)
+        moe = _Experts(model, pl, program, self.mesh, numbers, self.states, self.tallies)
+        self.passes = _Passes(
+            model, pl, self.mesh, self.layout, self.geometry, numbers, self.states, self.exchanges, moe
+        )
 
     # ---- one step ----------------------------------------------------------------------------
     def _phase_ops(self, phase: Phase, states: tuple[State, ...]) -> list[int]:
@@ -327,10 +335,11 @@ def simulate(
 
 def reference_for(composition: Composition, base: ReferenceModel | None = None) -> ReferenceModel:
     """The smallest reference model the composition's degrees divide (layers by pp x chunks,
-    hidden, heads, ffn and vocabulary by tp, sequence by cp (x tp under sequence parallelism))."""
+    hidden, heads, ffn and vocabulary by tp, sequence by cp (x tp under sequence parallelism),
+    experts by ep, with four experts when ep splits a dense ``base``); biases as ``base`` has them."""
     base = base or ReferenceModel()
     mesh = composition.mesh()
-    t, p, cp = mesh.get(Axis.TP, 1), mesh.get(Axis.PP, 1), mesh.get(Axis.CP, 1)
+    t, p, cp, ep = mesh.get(Axis.TP, 1), mesh.get(Axis.PP, 1), mesh.get(Axis.CP, 1), mesh.get(Axis.EP, 1)
     v = composition.options.virtual_stages
     layers = _multiple(base.layers, p * v)
     hidden = _multiple(base.hidden, t)
@@ -347,6 +356,8 @@ def reference_for(composition: Composition, base: ReferenceModel | None = None) 
         seq=seq,
         micro_batch=base.micro_batch,
         tied=base.tied,
+        bias=base.bias,
+        experts=_multiple(base.experts or (4 if ep > 1 else 0), ep),
     )
 
 
@@ -356,6 +367,7 @@ def _multiple(value: int, k: int) -> int:
 
 __all__ = [
     "Divergence",
+    "NotSimulated",
     "OpTraffic",
     "SimulationResult",
     "Simulator",

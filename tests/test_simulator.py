@@ -240,7 +240,7 @@ def test_sequence_parallel_norm_gradients_are_partial_along_tp() -> None:
     program = _derived(composition, model)
     broken = program.with_ops(op for op in program.ops if not (op.state is State.GRADIENTS and op.axis is Axis.TP))
     d = simulate_program(broken, model).divergence
-    assert d is not None and d.state is State.GRADIENTS and d.group.name in ("norm", "final_norm")
+    assert d is not None and d.state is State.GRADIENTS and d.group.name in ("norm", "final_norm", "row_bias")
 
 
 def test_the_host_store_is_separate() -> None:
@@ -255,9 +255,9 @@ def test_the_host_store_is_separate() -> None:
     assert d is not None and (d.step, d.state) == (2, State.PARAMETERS)
 
 
-def test_expert_parallelism_is_reported_as_not_modelled() -> None:
-    with pytest.raises(SimulationError, match="ep"):
-        simulate(parse("ep2"))
+def test_a_model_that_does_not_split_is_reported_as_not_modelled() -> None:
+    with pytest.raises(SimulationError, match="do not split"):
+        simulate(parse("ep3"), ReferenceModel(experts=4))
 
 
 @given(compositions(max_devices=4))
@@ -304,5 +304,5 @@ def test_cli_simulate_reports_the_first_divergence_of_a_user_program() -> None:
 
 
 def test_cli_simulate_says_why_it_did_not_run() -> None:
-    sim = _cli("tp2xep2", "--model", "mixtral-8x7b")  # the reference model has no experts
-    assert sim["matches"] is None and "not_run" in sim
+    sim = _cli("dp256")  # beyond the simulator's device limit
+    assert sim["matches"] is None and "at most 128" in str(sim["not_run"])

@@ -93,8 +93,10 @@ class AxisKind:
     ``splits_sequence``: the sequence is split (the activations' per-sample length).
     ``splits_computation``: a layer's computation is split (groups in ``compute_sharded``).
     ``is_pipeline``: layers are split into stages (memory by stage, sends between them).
-    ``hosts_vocabulary``: the embedding and head are vocabulary-parallel along it, and sequence
-    parallelism splits its replicated activations (Korthikanti et al. 2022, section 4.2.2).
+    ``hosts_vocabulary``: the embedding and head are vocabulary-parallel along it (Shoeybi et al.
+    2019, section 3). ``sequence_parallel``: sequence parallelism splits its replicated layer
+    activations along the sequence (Korthikanti et al. 2022, section 4.2.2). ``places_experts``:
+    whole experts are placed along it (GShard), so the model must have them.
     ``data_order``: position among the data axes (the outer HSDP replicate axis first), or None.
     ``exchanges``: the activation exchanges a split along the axis brings (``Exchange``), run in
     ``exchange_rank`` order among the axes (tensor, context, expert, pipeline).
@@ -107,6 +109,8 @@ class AxisKind:
     splits_computation: bool = False
     is_pipeline: bool = False
     hosts_vocabulary: bool = False
+    sequence_parallel: bool = False
+    places_experts: bool = False
     data_order: int | None = None
     exchanges: tuple[Exchange, ...] = ()
     exchange_rank: int = 0
@@ -238,12 +242,19 @@ TENSOR = AxisKind(
     "tensor",
     splits_computation=True,
     hosts_vocabulary=True,
+    sequence_parallel=True,
     exchanges=_tensor_layer(_F) + _tensor_layer(_B) + _TENSOR_VOCABULARY,
     exchange_rank=0,
 )
 CONTEXT = AxisKind("context", splits_data=True, splits_sequence=True, exchanges=_CONTEXT, exchange_rank=1)
 EXPERT = AxisKind(
-    "expert", splits_data=True, splits_batch=True, splits_computation=True, exchanges=_EXPERT, exchange_rank=2
+    "expert",
+    splits_data=True,
+    splits_batch=True,
+    splits_computation=True,
+    places_experts=True,
+    exchanges=_EXPERT,
+    exchange_rank=2,
 )
 PIPELINE = AxisKind("pipeline", is_pipeline=True, exchanges=_PIPELINE, exchange_rank=3)
 

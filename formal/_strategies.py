@@ -323,10 +323,11 @@ class Composition:
 def _layer_share(model: Model, options: Options, degrees: dict[Axis, sp.Expr]) -> sp.Expr | None:
     """Declared uneven stages: the fullest stage holds ceil(L/p) of the L layers (Megatron-LM's
     layout; Llama 3 405B puts 126 layers on 16 stages, 8 on the fullest). None: even split."""
-    if not options.uneven_stages or not isinstance(model, Transformer) or Axis.PP not in degrees:
+    pipeline = next((a for a in degrees if a.kind.is_pipeline), None)
+    if not options.uneven_stages or not isinstance(model, Transformer) or pipeline is None:
         return None
     layers = sp.Integer(model.layers)
-    return sp.ceiling(layers / degrees[Axis.PP]) / layers
+    return sp.ceiling(layers / degrees[pipeline]) / layers
 
 
 def _apply_strategy(rows: dict[Key, dict[Axis, Entry]], strategy: Strategy) -> None:
@@ -339,17 +340,18 @@ def _apply_sequence_parallel(rows: dict[Key, dict[Axis, Entry]]) -> None:
     # split along the sequence across the tensor-parallel group; section 4.3: so are the input
     # embeddings' dropout and the final LayerNorm's and output projection's inputs.
     for group in (LAYER_IO, EMBEDDING_IO, OUTPUT_IO):
-        key = (A, group)
-        if key in rows and Axis.TP in rows[key]:
-            rows[key][Axis.TP] = S
+        for axis in rows.get((A, group), {}):
+            if axis.kind.sequence_parallel:
+                rows[(A, group)][axis] = S
 
 
 def _apply_tied_embeddings(rows: dict[Key, dict[Axis, Entry]], model: Model, mesh: dict[Axis, int]) -> frozenset[Group]:
-    if not model.tied_embeddings or Axis.PP not in mesh:
+    pipeline = next((a for a in mesh if a.kind.is_pipeline), None)
+    if not model.tied_embeddings or pipeline is None:
         return frozenset()
     for st in (P, O, G):
         if (st, EMBEDDING) in rows:
-            rows[(st, EMBEDDING)][Axis.PP] = R  # held by the first and the last stage
+            rows[(st, EMBEDDING)][pipeline] = R  # held by the first and the last stage
     return frozenset({EMBEDDING})
 
 

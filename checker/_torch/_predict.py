@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import sympy as sp
 
 from checker._torch._record import Call
+from formal._axes import DATA, TENSOR, AxisKind
 from formal._costs import (
     activation_memory,
     holds_io_activations,
@@ -225,8 +226,13 @@ def _sequence_parallel_gathered_inputs(
     return exact(extra * (in_flight_micro_batches(pl, stage) if index is None else stage_in_flight(pl, index)))
 
 
+def _on(op: Op, kind: AxisKind) -> bool:
+    """Whether ``op`` runs along an axis of ``kind`` (PyTorch's engines are chosen by kind)."""
+    return op.axis is not None and op.axis.kind is kind
+
+
 def _has_ddp_buckets(program: StepProgram) -> bool:
-    return any(op.kind is OpKind.ALL_REDUCE and op.state is G and op.axis is Axis.DP for op in program.ops)
+    return any(op.kind is OpKind.ALL_REDUCE and op.state is G and _on(op, DATA) for op in program.ops)
 
 
 def _ddp_reduced_bytes(program: StepProgram, precision: Precision) -> sp.Expr:
@@ -234,7 +240,7 @@ def _ddp_reduced_bytes(program: StepProgram, precision: Precision) -> sp.Expr:
         (
             op.elements * precision.bytes_of(G)
             for op in program.ops
-            if op.kind is OpKind.ALL_REDUCE and op.state is G and op.axis is Axis.DP
+            if op.kind is OpKind.ALL_REDUCE and op.state is G and _on(op, DATA)
         ),
         sp.Integer(0),
     )
@@ -243,14 +249,15 @@ def _ddp_reduced_bytes(program: StepProgram, precision: Precision) -> sp.Expr:
 def _embedding_gradient_replicas(pl: Placement, model: Transformer, precision: Precision, stage: Stage) -> sp.Expr:
     """The full-vocabulary gradient DTensor keeps on each tp rank, beyond the rank's shard,
     while the gradient is the persistent one (not reduce-scattered away by FSDP)."""
-    if Axis.TP not in pl.axes or EMBEDDING not in pl.groups(G) or not pl.computes_sharded(Axis.TP, EMBEDDING):
+    tp = pl.axis_where(lambda kind: kind is TENSOR)
+    if tp is None or EMBEDDING not in pl.groups(G) or not pl.computes_sharded(tp, EMBEDDING):
         return sp.Integer(0)
     if any(pl.mode(G, EMBEDDING, ax).is_sharded for ax in pl.axes if ax.splits_data):
         return sp.Integer(0)
     if stage != Stage.FIRST and int(pl.degree(Axis.PP)) > 1:
         return sp.Integer(0)
     shard = shard_elements(pl, G, EMBEDDING, sp.Integer(model.group_elements()[EMBEDDING]), None, stage)
-    return (shard * pl.degree(Axis.TP) - shard) * precision.bytes_of(G)
+    return (shard * pl.degree(tp) - shard) * precision.bytes_of(G)
 
 
 def _calls(
@@ -288,13 +295,13 @@ def _state_calls(
     pl: Placement, op: Op, n: int, wire: int, count: int, ts: list[Tensor], impl: Implementation
 ) -> Iterator[Call]:
     """Per-tensor calls (DTensor); FSDP-unit and DDP-bucket calls are emitted elsewhere."""
-    if op.axis in (Axis.DP, Axis.DPR) and op.state in (P, G):
+    if op.axis is not None and op.axis.kind.is_data and op.state in (P, G):
         return  # cut into FSDP units or DDP buckets below
-    if op.axis is Axis.TP and op.kind is OpKind.ALL_REDUCE and op.state is G:
+    if _on(op, TENSOR) and op.kind is OpKind.ALL_REDUCE and op.state is G:
         if op.group is ROW_BIAS and impl.tp_row_bias_before_reduction:
             return
         for t in ts:
-            elements = shard_elements(pl, G, t.group, sp.Integer(t.elements), Axis.TP)
+            elements = shard_elements(pl, G, t.group, sp.Integer(t.elements), op.axis)
             yield from [Call(op.kind, n, _int(elements) * wire)] * count
         return
     raise AssertionError(f"no engine mapping for {op}")
@@ -314,9 +321,9 @@ def _fsdp_unit_calls(
 ) -> Iterator[Call]:
     seen: set[tuple[OpKind, Axis, str]] = set()
     for op in program.ops:
-        if op.axis not in (Axis.DP, Axis.DPR) or op.state not in (P, G):
+        if op.axis is None or not op.axis.kind.is_data or op.state not in (P, G):
             continue
-        if op.kind is OpKind.ALL_REDUCE and op.axis is Axis.DP:
+        if op.kind is OpKind.ALL_REDUCE and _on(op, DATA):
             continue  # DDP buckets
         key = (op.kind, op.axis, op.phase.value)
         if key in seen:

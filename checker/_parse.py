@@ -140,7 +140,7 @@ def _default_micro_batches(found: list[Strategy]) -> int:
     """Without ``m<N>``: one micro-batch, or 4p under a pipeline (1F1B bubble (p-1)/4p < 1/4)."""
     p = 1
     for s in found:
-        if s.axis.value == "pp":
+        if s.axis.kind.is_pipeline:
             p *= s.degree or 1
     return 4 * p if p > 1 else 1
 

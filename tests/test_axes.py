@@ -21,7 +21,7 @@ from formal._activation_flow import required_sites
 from formal._axes import Axis, Origin, Split, data_axes
 from formal._exchanges import exchanges
 from formal._program import derive_program
-from formal._vocab import Group, OpKind, Reduce, State
+from formal._vocab import Group, OpKind, Phase, Reduce, State
 
 # (splits data, splits the batch, splits the sequence, splits computation, pipeline, vocabulary/SP, experts)
 PUBLISHED: dict[Axis, tuple[bool, bool, bool, bool, bool, bool, bool]] = {
@@ -93,7 +93,9 @@ def test_gradient_origins(
     assert got is origin
 
 
-def _activation_key(op_kind: OpKind, group: Group, axis: Axis | None, phase: object) -> tuple[object, ...]:
+def _activation_key(
+    op_kind: OpKind, group: Group, axis: Axis | None, phase: Phase
+) -> tuple[OpKind, Group, Axis | None, Phase]:
     return (op_kind, group, axis, phase)
 
 

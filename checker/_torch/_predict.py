@@ -166,13 +166,13 @@ def _int(x: sp.Expr) -> int:
 
 
 def stage_of(pl: Placement, rank: int) -> Stage:
-    return Stage.of(rank, int(pl.degree(Axis.PP)))
+    return Stage.of(rank, int(pl.pipeline_degree))
 
 
 def on_stage(pl: Placement, t: Tensor, rank: int) -> bool:
     """Whether pipeline rank ``rank`` holds tensor ``t`` (layers split evenly, first-stage and
     last-stage groups on their stage)."""
-    model_p = int(pl.degree(Axis.PP))
+    model_p = int(pl.pipeline_degree)
     if model_p == 1:
         return True
     stage = stage_of(pl, rank)
@@ -198,7 +198,7 @@ def predict(
         grads += _ddp_reduced_bytes(program, precision)
     if impl.tp_embedding_full_gradient:
         grads += _embedding_gradient_replicas(pl, model, precision, stage)
-    index = rank if int(pl.degree(Axis.PP)) > 1 else None  # pipeline rank r runs stage r
+    index = rank if int(pl.pipeline_degree) > 1 else None  # pipeline rank r runs stage r
     act = activation_memory(pl, model, precision, stage, index)
     assert act is not None
     act += _sequence_parallel_gathered_inputs(pl, model, impl, precision, stage, index)
@@ -214,11 +214,12 @@ def _sequence_parallel_gathered_inputs(
     stage: Stage,
     index: int | None = None,
 ) -> sp.Expr:
-    t = pl.degree(Axis.TP)
-    if not impl.sp_saves_gathered_inputs or t == 1 or not pl.mode(A, _layer_io(), Axis.TP).is_sharded:
+    tp = pl.axis_where(lambda kind: kind is TENSOR)
+    t = sp.Integer(1) if tp is None else pl.degree(tp)
+    if not impl.sp_saves_gathered_inputs or tp is None or t == 1 or not pl.mode(A, _layer_io(), tp).is_sharded:
         return sp.Integer(0)
     sbh = sp.Integer(model.seq * model.micro_batch * model.hidden)
-    layers = sp.Integer(model.layers) / pl.degree(Axis.PP)
+    layers = sp.Integer(model.layers) / pl.pipeline_degree
     whole = precision.activations * sbh * (1 - 1 / t)  # one gathered input beyond its shard
     extra = 2 * whole * layers  # the QKV and FC1 inputs
     if holds_io_activations(pl, OUTPUT_IO, stage):
@@ -254,7 +255,7 @@ def _embedding_gradient_replicas(pl: Placement, model: Transformer, precision: P
         return sp.Integer(0)
     if any(pl.mode(G, EMBEDDING, ax).is_sharded for ax in pl.axes if ax.splits_data):
         return sp.Integer(0)
-    if stage != Stage.FIRST and int(pl.degree(Axis.PP)) > 1:
+    if stage != Stage.FIRST and int(pl.pipeline_degree) > 1:
         return sp.Integer(0)
     shard = shard_elements(pl, G, EMBEDDING, sp.Integer(model.group_elements()[EMBEDDING]), None, stage)
     return (shard * pl.degree(tp) - shard) * precision.bytes_of(G)
@@ -265,7 +266,7 @@ def _calls(
 ) -> Iterator[Call]:
     tensors = parameter_tensors(model)
     stage = stage_of(pl, rank)
-    p = int(pl.degree(Axis.PP))
+    p = int(pl.pipeline_degree)
     per_stage = model.layers // p
     my_layers = set(range(rank * per_stage, (rank + 1) * per_stage)) if p > 1 else set(range(model.layers))
     # Registration order is kept: DDP's buckets follow it (reversed).
@@ -349,12 +350,14 @@ def _ddp_bucket_calls(
 ) -> Iterator[Call]:
     if not _has_ddp_buckets(program):
         return
-    n = int(pl.degree(Axis.DP))
+    dp = pl.axis_where(lambda kind: kind is DATA)
+    assert dp is not None  # DDP buckets run along the data axis
+    n = int(pl.degree(dp))
     wire = precision.wire_bytes_of(G)
     caps = [impl.ddp_first_bucket_bytes]
     size = 0
     for t in reversed(ts):
-        size += _int(shard_elements(pl, G, t.group, sp.Integer(t.elements), Axis.DP)) * wire
+        size += _int(shard_elements(pl, G, t.group, sp.Integer(t.elements), dp)) * wire
         if size >= caps[-1]:
             yield Call(OpKind.ALL_REDUCE, n, size)
             caps.append(impl.ddp_bucket_bytes)
@@ -365,9 +368,10 @@ def _ddp_bucket_calls(
 
 def _loss_parallel_calls(pl: Placement, model: Transformer, impl: Implementation, stage: Stage) -> Iterator[Call]:
     """``loss_parallel``'s fp32 per-token all-reduces on the last stage, when tp splits the head."""
-    t = int(pl.degree(Axis.TP))
+    tp = pl.axis_where(lambda kind: kind is TENSOR)
+    t = 1 if tp is None else int(pl.degree(tp))
     head = HEAD if HEAD in pl.groups(P) else EMBEDDING
-    if t == 1 or not holds_io_activations(pl, OUTPUT_IO, stage) or not pl.computes_sharded(Axis.TP, head):
+    if tp is None or t == 1 or not holds_io_activations(pl, OUTPUT_IO, stage) or not pl.computes_sharded(tp, head):
         return
     tokens = model.micro_batch * model.seq * 4  # the loss's statistics are fp32
     yield from [Call(OpKind.ALL_REDUCE, t, tokens)] * (impl.tp_loss_reductions * pl.options.micro_batches)

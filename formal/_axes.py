@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from formal._terms import EMBEDDING_IO, LAYER_IO, LINEAR_INNER, OUTPUT_IO, Group, OpKind, Phase
+from formal._terms import EMBEDDING_IO, LAYER_IO, LINEAR_INNER, OUTPUT_IO, Group, Mode, OpKind, Phase
 
 
 class Origin(StrEnum):
@@ -96,7 +96,10 @@ class AxisKind:
     ``hosts_vocabulary``: the embedding and head are vocabulary-parallel along it (Shoeybi et al.
     2019, section 3). ``sequence_parallel``: sequence parallelism splits its replicated layer
     activations along the sequence (Korthikanti et al. 2022, section 4.2.2). ``places_experts``:
-    whole experts are placed along it (GShard), so the model must have them.
+    whole experts are placed along it (GShard), so the model must have them. ``activations``:
+    how a strategy on the axis holds activations unless it says otherwise: split (each device
+    its own samples, tokens, sequence chunk or stage's layers), or whole on every rank (the
+    tensor-parallel layer inputs, Megatron's replicated ``f``/``g`` boundaries).
     ``data_order``: position among the data axes (the outer HSDP replicate axis first), or None.
     ``exchanges``: the activation exchanges a split along the axis brings (``Exchange``), run in
     ``exchange_rank`` order among the axes (tensor, context, expert, pipeline).
@@ -111,6 +114,7 @@ class AxisKind:
     hosts_vocabulary: bool = False
     sequence_parallel: bool = False
     places_experts: bool = False
+    activations: Mode = Mode.SHARDED
     data_order: int | None = None
     exchanges: tuple[Exchange, ...] = ()
     exchange_rank: int = 0
@@ -243,6 +247,7 @@ TENSOR = AxisKind(
     splits_computation=True,
     hosts_vocabulary=True,
     sequence_parallel=True,
+    activations=Mode.REPLICATED,
     exchanges=_tensor_layer(_F) + _tensor_layer(_B) + _TENSOR_VOCABULARY,
     exchange_rank=0,
 )

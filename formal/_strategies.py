@@ -47,15 +47,24 @@ from formal.errors import CompositionError
 
 P, O, G, A = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS, State.ACTIVATIONS  # noqa: E741 (the paper's P/O/G/A)
 
-# Activations are split along every data axis (each replica holds its own samples/tokens).
-_ACT_SPLIT = ((A, None), S)
+
+def _activations(axis: Axis) -> tuple[tuple[State, Group | None], Entry]:
+    """Every activation group as the axis' kind holds it by default (``AxisKind.activations``):
+    split along data, context, expert and pipeline axes, whole along tensor-parallel ones."""
+    return ((A, None), Entry(axis.kind.activations))
 
 
 def _data_parallel(
     name: str, p: Entry, o: Entry, g: Entry, description: str, source: str, axis: Axis = Axis.DP
 ) -> Strategy:
     return Strategy(
-        name, axis, None, (((P, None), p), ((O, None), o), ((G, None), g), _ACT_SPLIT), frozenset(), description, source
+        name,
+        axis,
+        None,
+        (((P, None), p), ((O, None), o), ((G, None), g), _activations(axis)),
+        frozenset(),
+        description,
+        source,
     )
 
 
@@ -190,7 +199,7 @@ def pp() -> Strategy:
         "pp",
         Axis.PP,
         None,
-        (((P, None), S), ((O, None), S), ((G, None), S), ((A, None), S)),
+        (((P, None), S), ((O, None), S), ((G, None), S), _activations(Axis.PP)),
         None,
         "pipeline parallelism: layers split into stages",
         "Narayanan et al. 2021, PTD-P, section 2.2",
@@ -202,7 +211,7 @@ def cp() -> Strategy:
         "cp",
         Axis.CP,
         None,
-        (((P, None), R), ((O, None), R), ((G, None), R), _ACT_SPLIT),
+        (((P, None), R), ((O, None), R), ((G, None), R), _activations(Axis.CP)),
         frozenset(),
         "context parallelism: sequence split, K/V exchanged in attention",
         "Megatron-LM context parallelism (ring attention)",
@@ -210,7 +219,9 @@ def cp() -> Strategy:
 
 
 def ep() -> Strategy:
-    entries: list[tuple[tuple[State, Group | None], Entry]] = [((st, EXPERTS), S) for st in (P, O, G)] + [_ACT_SPLIT]
+    entries: list[tuple[tuple[State, Group | None], Entry]] = [((st, EXPERTS), S) for st in (P, O, G)] + [
+        _activations(Axis.EP)
+    ]
     return Strategy(
         "ep",
         Axis.EP,

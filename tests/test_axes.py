@@ -21,7 +21,7 @@ from formal._activation_flow import required_sites
 from formal._axes import Axis, Origin, Split, data_axes
 from formal._exchanges import exchanges
 from formal._program import derive_program
-from formal._vocab import Group, OpKind, Phase, Reduce, State
+from formal._vocab import Group, Mode, OpKind, Phase, Reduce, State
 
 # (splits data, splits the batch, splits the sequence, splits computation, pipeline, vocabulary/SP, experts)
 PUBLISHED: dict[Axis, tuple[bool, bool, bool, bool, bool, bool, bool]] = {
@@ -58,6 +58,8 @@ def test_each_kind_states_what_its_parallelism_does(axis: Axis) -> None:
     assert axis.splits_data == k.splits_data
     assert k.averages_gradients == k.splits_data  # DDP averages; tp and pp partial sums are added
     assert k.is_data == (axis in (Axis.DP, Axis.DPR))
+    # every device holds its own samples, tokens, chunk or stage; tp's layer inputs are whole on each rank
+    assert (k.activations is Mode.SHARDED) == (axis is not Axis.TP)
 
 
 @pytest.mark.parametrize("axis", list(Axis))

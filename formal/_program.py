@@ -187,7 +187,8 @@ def gradient_origins(pl: Placement) -> dict[tuple[Group, Axis], Origin]:
 
 
 def _origin(pl: Placement, group: Group, axis: Axis) -> Origin:
-    in_region = group in SEQUENCE_REGION_GROUPS and (A, LAYER_IO) in set(pl.keys())
+    # Sequence parallelism on the axis splits the layer inputs (A.layer_io) along the sequence.
+    in_region = axis.kind.sequence_parallel and group in SEQUENCE_REGION_GROUPS and (A, LAYER_IO) in set(pl.keys())
     return axis.kind.gradient_origin(
         computes_sharded=pl.computes_sharded(axis, group),
         sequence_region=in_region and pl.mode(A, LAYER_IO, axis).is_sharded,

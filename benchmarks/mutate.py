@@ -68,6 +68,8 @@ DEFAULT_TIMEOUT_S = 300  # per mutant: several times the subset's own run time
 
 SMT = "formal/_smt.py"
 FLOW = "formal/_activation_flow.py"
+AXES = "formal/_axes.py"
+EXCHANGES = "formal/_exchanges.py"
 COSTS = "formal/_costs.py"
 PROGRAM = "formal/_program.py"
 RULES = "formal/_rules.py"
@@ -124,23 +126,34 @@ CATALOGUE: tuple[Mutant, ...] = (
     ),
     _smt(
         "hidden-by-tp rule dropped",
-        '    _divides("hidden", lambda m: _transformer(m).hidden, (Axis.TP,),\n'
-        '             "tensor parallelism splits the hidden dimension"),\n',
+        (
+            '        _divides("hidden", lambda m: _transformer(m).hidden, (tp,), "tensor'
+            ' parallelism splits the hidden dimension"),\n'
+        ),
         "",
         file=RULES,
     ),
     _smt(
         "heads-by-tp rule dropped",
-        '    _divides("heads", lambda m: _transformer(m).heads, (Axis.TP,), "tensor parallelism splits attention '
-        'heads"),\n',
+        (
+            '        _divides("heads", lambda m: _transformer(m).heads, (tp,), "tensor'
+            ' parallelism splits attention heads"),\n'
+        ),
         "",
         file=RULES,
     ),
     _smt(
         "kv_heads-by-tp rule dropped",
-        '    _divides("kv_heads", lambda m: _transformer(m).kv_heads_, (Axis.TP,), "each tp rank needs whole '
-        'key/value heads",\n             when=lambda s: _transformer(s.model).kv_heads_ != '
-        "_transformer(s.model).heads),\n",
+        (
+            "        _divides(\n"
+            '            "kv_heads",\n'
+            "            lambda m: _transformer(m).kv_heads_,\n"
+            "            (tp,),\n"
+            '            "each tp rank needs whole key/value heads",\n'
+            "            when=lambda s: _transformer(s.model).kv_heads_ !="
+            " _transformer(s.model).heads,\n"
+            "        ),\n"
+        ),
         "",
         file=RULES,
     ),
@@ -152,15 +165,24 @@ CATALOGUE: tuple[Mutant, ...] = (
     ),
     _smt(
         "ffn-by-tp rule dropped",
-        '    _divides("ffn", lambda m: _transformer(m).ffn_, (Axis.TP,), "tensor parallelism splits the FFN '
-        'dimension"),\n',
+        (
+            '        _divides("ffn", lambda m: _transformer(m).ffn_, (tp,), "tensor'
+            ' parallelism splits the FFN dimension"),\n'
+        ),
         "",
         file=RULES,
     ),
     _smt(
         "vocab-by-tp rule dropped",
-        '    _divides("vocab", lambda m: _transformer(m).vocab, (Axis.TP,),\n'
-        '             "the vocabulary-parallel embedding splits the vocabulary (Megatron-LM #1754)"),\n',
+        (
+            "        _divides(\n"
+            '            "vocab",\n'
+            "            lambda m: _transformer(m).vocab,\n"
+            "            (tp,),\n"
+            '            "the vocabulary-parallel embedding splits the vocabulary'
+            ' (Megatron-LM #1754)",\n'
+            "        ),\n"
+        ),
         "",
         file=RULES,
     ),
@@ -196,64 +218,87 @@ CATALOGUE: tuple[Mutant, ...] = (
     ),
     _smt(
         "layer rules apply whether or not stages are declared uneven",
-        "and Axis.PP in s.axes and s.options.uneven_stages == uneven",
-        "and Axis.PP in s.axes",
+        "and pp in s.axes and s.options.uneven_stages == uneven",
+        "and pp in s.axes",
         file=RULES,
     ),
     _smt(
         "seq-by-cp rule dropped",
-        '    _divides("seq", lambda m: _transformer(m).seq, (Axis.CP,), "context parallelism splits the sequence"),\n',
+        (
+            "    *(\n"
+            '        _divides("seq", lambda m: _transformer(m).seq, (cp,), "context'
+            ' parallelism splits the sequence")\n'
+            "        for cp in _SEQUENCE\n"
+            "    ),\n"
+        ),
         "",
         file=RULES,
     ),
     _smt(
         "seq-by-tp under sequence parallelism dropped",
-        '    _divides("seq", lambda m: _transformer(m).seq, (Axis.CP, Axis.TP),\n'
-        '             "sequence parallelism splits the sequence across tp",\n'
-        "             when=lambda s: s.options.sequence_parallel and Axis.TP in s.axes),\n",
+        (
+            "    _divides(\n"
+            '        "seq",\n'
+            "        lambda m: _transformer(m).seq,\n"
+            "        _SEQUENCE + _SEQUENCE_PARALLEL,\n"
+            '        "sequence parallelism splits the sequence across tp",\n'
+            "        when=lambda s: s.options.sequence_parallel and any(a in s.axes for a in"
+            " _SEQUENCE_PARALLEL),\n"
+            "    ),\n"
+        ),
         "",
         file=RULES,
     ),
     _smt(
         "seq-by-tp under sequence parallelism ignores cp",
-        "_transformer(m).seq, (Axis.CP, Axis.TP),",
-        "_transformer(m).seq, (Axis.TP,),",
+        "_SEQUENCE + _SEQUENCE_PARALLEL,",
+        "_SEQUENCE_PARALLEL,",
         file=RULES,
     ),
     _smt(
         "seq-by-tp applies without sequence parallelism",
-        "when=lambda s: s.options.sequence_parallel and Axis.TP in s.axes),",
-        "when=lambda s: Axis.TP in s.axes),",
+        "when=lambda s: s.options.sequence_parallel and any(a in s.axes for a in _SEQUENCE_PARALLEL),",
+        "when=lambda s: any(a in s.axes for a in _SEQUENCE_PARALLEL),",
         file=RULES,
     ),
     _smt(
         "experts-by-ep rule dropped",
-        '    _divides("experts", lambda m: _transformer(m).experts, (Axis.EP,), "expert parallelism places whole '
-        'experts",\n             when=lambda s: _is_moe(s.model)),\n',
+        (
+            "    *(\n"
+            "        _divides(\n"
+            '            "experts",\n'
+            "            lambda m: _transformer(m).experts,\n"
+            "            (ep,),\n"
+            '            "expert parallelism places whole experts",\n'
+            "            when=lambda s: _is_moe(s.model),\n"
+            "        )\n"
+            "        for ep in _EXPERTS\n"
+            "    ),\n"
+        ),
         "",
         file=RULES,
     ),
     _smt(
         "sp_needs_tp always holds",
-        'lambda t, s: t.implies(t.flag("sequence_parallel", True), t.present(Axis.TP)),',
+        'lambda t, s: t.implies(t.flag("sequence_parallel", True), t.present(tp)),',
         "lambda t, s: True,",
         file=RULES,
     ),
     _smt(
         "ep_needs_moe always holds",
-        'lambda t, s: t.implies(t.present(Axis.EP), t.flag("moe", _is_moe(s.model))),',
+        'lambda t, s: t.implies(t.present(ep), t.flag("moe", _is_moe(s.model))),',
         "lambda t, s: True,",
         file=RULES,
     ),
     _smt(
         "cp_needs_attention always holds",
-        'lambda t, s: t.implies(t.present(Axis.CP), t.flag("attention", isinstance(s.model, Transformer))),',
+        'lambda t, s: t.implies(t.present(cp), t.flag("attention", isinstance(s.model, Transformer))),',
         "lambda t, s: True,",
         file=RULES,
     ),
     _smt(
         "interleaved_needs_pp always holds",
-        'lambda t, s: t.implies(t.size("interleaved_chunks", s.chunks) > 1, t.present(Axis.PP)),',
+        'lambda t, s: t.implies(t.size("interleaved_chunks", s.chunks) > 1, t.present(pp)),',
         "lambda t, s: True,",
         file=RULES,
     ),
@@ -277,8 +322,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     ),
     _smt(
         "Megatron's interleaved m % pp rule applies to every pipeline schedule",
-        "lambda s: s.chunks > 1 and Axis.PP in s.axes,",
-        "lambda s: Axis.PP in s.axes,",
+        "lambda s: s.chunks > 1 and pp in s.axes,",
+        "lambda s: pp in s.axes,",
         file=RULES,
     ),
     _smt(
@@ -712,38 +757,43 @@ CATALOGUE: tuple[Mutant, ...] = (
     ),
     _smt(
         "no cp re-gather required under full recomputation",
-        "if pl.options.recompute is Recompute.FULL:\n            out.append(Site(Axis.CP",
-        "if False:\n            out.append(Site(Axis.CP",
+        "for axis, e in exchanges(program.placement, model, required=True)",
+        "for axis, e in exchanges(program.placement, model, required=True) if not e.recompute",
         file=FLOW,
     ),
-    _smt("no ep all-to-all required", "if split(Axis.EP) and any(", "if False and any(", file=FLOW),
+    _smt(
+        "no ep all-to-all required",
+        "for axis, e in exchanges(program.placement, model, required=True)",
+        "for axis, e in exchanges(program.placement, model, required=True) if e.kind is not OpKind.ALL_TO_ALL",
+        file=FLOW,
+    ),
     _smt(
         "sequence parallelism's shard sites replaced by an all-reduce site",
-        "if sequence:\n                out.append(Site(Axis.TP, ph, LAYER_IO, OpKind.REDUCE_SCATTER",
-        "if False:\n                out.append(Site(Axis.TP, ph, LAYER_IO, OpKind.REDUCE_SCATTER",
-        file=FLOW,
+        "if exchange.sequence is not None and sequence_split(pl, exchange.group, axis) != exchange.sequence:",
+        (
+            "if exchange.sequence is not None and (sequence_split(pl, exchange.group, axis)"
+            " and not required) != exchange.sequence:"
+        ),
+        file=EXCHANGES,
     ),
     _smt(
         "the vocabulary-parallel embedding's output needs no sum",
-        "if pl.computes_sharded(Axis.TP, EMBEDDING):",
-        "if False:",
-        file=FLOW,
+        "return pl.computes_sharded(axis, EMBEDDING)",
+        "return not required and pl.computes_sharded(axis, EMBEDDING)",
+        file=EXCHANGES,
     ),
     _smt(
         "the vocabulary-parallel head's input gradient needs no sum",
-        "if pl.computes_sharded(Axis.TP, head):",
-        "if False:",
-        file=FLOW,
+        "return pl.computes_sharded(axis, head_group(pl))",
+        "return not required and pl.computes_sharded(axis, head_group(pl))",
+        file=EXCHANGES,
     ),
     _smt(
         "the embedding output gradient's shards need no gather under SP",
+        "for axis, e in exchanges(program.placement, model, required=True)",
         (
-            "        if seq:\n            out.append(\n                Site(\n"
-            "                    Axis.TP,\n                    Phase.BACKWARD,\n                    EMBEDDING_IO,"
-        ),
-        (
-            "        if False:\n            out.append(\n                Site(\n"
-            "                    Axis.TP,\n                    Phase.BACKWARD,\n                    EMBEDDING_IO,"
+            "for axis, e in exchanges(program.placement, model, required=True) if not"
+            ' (e.group.name == "embedding_io" and e.kind is OpKind.ALL_GATHER)'
         ),
         file=FLOW,
     ),
@@ -917,8 +967,13 @@ CATALOGUE: tuple[Mutant, ...] = (
     ),
     _cost(
         "an ep factor applied to activations",
-        "if axis in (Axis.PP, Axis.DP, Axis.DPR, Axis.EP):\n            continue  # b is one",
-        "if axis in (Axis.PP, Axis.DP, Axis.DPR):\n            continue  # b is one",
+        "if axis.kind.is_pipeline or axis.kind.splits_batch:\n            continue  # b is one",
+        (
+            "if axis.kind.is_pipeline or (axis.kind.splits_batch and not"
+            " axis.kind.places_experts):\n"
+            "            continue  # b is one"
+        ),
+        file=COSTS,
     ),
     _cost(
         "recomputed activation groups still counted",
@@ -1009,34 +1064,39 @@ CATALOGUE: tuple[Mutant, ...] = (
     ),
     _cost(
         "the tied embedding's all-reduce spans the whole pp group",
-        "participants = sp.Integer(2) if axis is Axis.PP and d != 1 else None",
+        "participants = sp.Integer(2) if axis.kind.is_pipeline and d != 1 else None",
         "participants = None",
         file=PROGRAM,
     ),
     _cost(
         "full recomputation does not replay tp collectives",
-        "per_layer = 2 * per_layer  # full recomputation",
-        "per_layer = per_layer  # full recomputation",
+        "return 2 * count if exchange.replayed and again else count",
+        "return count",
         file=PROGRAM,
     ),
     _cost(
         "cp keys and values not re-gathered under full recomputation",
-        "return [gather, scatter] if self.pl.options.recompute is Recompute.FULL else [scatter]",
-        "return [scatter]",
-        file=PROGRAM,
+        "if exchange.recompute and pl.options.recompute is not Recompute.FULL:",
+        "if exchange.recompute and (not required or pl.options.recompute is not Recompute.FULL):",
+        file=EXCHANGES,
     ),
     _cost(
         "an ep all-to-all once per layer, not each way",
-        "tokens, 2 * self._layers_per_stage() * self.m,",
-        "tokens, self._layers_per_stage() * self.m,",
+        "split=Split.LAYER, width=Width.ROUTED, per_layer=2,",
+        "split=Split.LAYER, width=Width.ROUTED, per_layer=1,",
+        file=AXES,
+    ),
+    _cost(
+        "pipeline sends ignore interleaved chunks",
+        "return self.m * sp.Integer(options.pipeline_schedule.boundary_sends(options.chunks))",
+        "return self.m",
         file=PROGRAM,
     ),
-    _cost("pipeline sends ignore interleaved chunks", "bsh, self.m * sends,", "bsh, self.m,", file=PROGRAM),
     _cost(
         "sequence-parallel collectives once per layer, not per block",
-        "bsh, 2 * per_layer),\n                    Op(OpKind.REDUCE_SCATTER",
-        "bsh, per_layer),\n                    Op(OpKind.REDUCE_SCATTER",
-        file=PROGRAM,
+        "split=Split.LAYER, sequence=sequence, per_layer=2, replayed=True",
+        "split=Split.LAYER, sequence=sequence, per_layer=1 if sequence else 2, replayed=True",
+        file=AXES,
     ),
     _cost(
         "per-micro-batch gradient reduction counted once per step",

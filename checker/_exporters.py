@@ -387,7 +387,7 @@ _TP_DIMS: dict[Group, str] = {
 
 
 def _shard(axis: Axis, group: Group) -> str:
-    if axis is Axis.TP:
+    if axis.kind.splits_matrices:
         return _TP_DIMS.get(group, "Shard(0)")
     return "Shard(0)"  # FSDP2 and expert parallelism shard dim 0 (rows, or the expert index)
 
@@ -413,7 +413,7 @@ def dtensor_placements(pl: Placement) -> dict[str, Any]:
     where the step program's gradient origin is partial (mean along data axes, sum otherwise).
     ``gradients``: after the gradient synchronisation. Offloaded states say ``host``.
     """
-    mesh = [axis for axis in pl.axes if axis is not Axis.PP]
+    mesh = [axis for axis in pl.axes if not axis.kind.is_pipeline]
     origins = gradient_origins(pl)
     groups: dict[str, Any] = {}
     for group in pl.groups(State.PARAMETERS):
@@ -433,7 +433,7 @@ def dtensor_placements(pl: Placement) -> dict[str, Any]:
             else _placement_name(pl.mode(State.GRADIENTS, group, axis), axis, group)
             for axis in mesh
         ]
-        if Axis.PP in pl.axes:
+        if pl.pipelined:
             row["pp"] = "stage-local module (pipeline stages are separate modules, not a DTensor mesh dim)"
             if group in pl.tied:
                 row["pp"] = "on the first and last stage; gradients summed across them"

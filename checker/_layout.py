@@ -13,6 +13,7 @@ from enum import StrEnum
 
 from checker._numbers import MAX_DEGREE
 from checker._parse import _default_micro_batches
+from formal._axes import DATA, data_axes
 from formal._model import Model
 from formal._placement import Options, Recompute, Strategy
 from formal._strategies import LIBRARY, Composition
@@ -132,11 +133,12 @@ def _default_micro_batches_for(degree: int) -> int:
 def data_sharding(comp: Composition, model: Model) -> DataSharding:
     """Classify the dp axis by its placement (so ``fsdp`` and ``zero3`` are the same thing)."""
     pl = comp.placement(model)
-    if Axis.DP not in pl.axes:
+    dp = next((a for a in data_axes(pl.axes) if a.kind is DATA), None)  # the inner (sharding) data axis
+    if dp is None:
         return DataSharding.NONE
     kinds = set()
     for group in pl.groups(State.PARAMETERS):
-        p, o, g = (pl.entry(st, group, Axis.DP) for st in (State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS))
+        p, o, g = (pl.entry(st, group, dp) for st in (State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS))
         kinds.add(_classify(p.mode, p.keep_gathered, o.mode, g.mode))
     if len(kinds) != 1 or None in kinds:
         raise ExportError(f"{comp}: the data-parallel placement is not one of DDP, ZeRO-1/2/3 or FSDP")

@@ -12,10 +12,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from checker._numbers import MAX_DEGREE, parse_int
+from formal._axes import DATA_REPLICATE
 from formal._placement import Options, Recompute, Schedule, Strategy
 from formal._schedules import for_term, modifier_help
 from formal._strategies import LIBRARY, Composition, hpz_dpr
-from formal._vocab import Axis
 from formal.errors import CompositionError, InputError
 
 MAX_TERMS = 32  # more terms than any mesh has axes and modifiers: a typo or a generated string
@@ -121,7 +121,7 @@ def _hierarchical_partitioning(found: list[Strategy], node_size: int) -> list[St
         raise CompositionError(
             f"hpz: needs a {' or '.join(_HPZ_BASES)} term (hpZ partitions ZeRO-3's parameters within and across nodes)"
         )
-    taken = [s for s in found if s.axis is Axis.DPR]
+    taken = [s for s in found if s.axis.kind is DATA_REPLICATE]
     if taken:
         raise CompositionError(f"hpz: {taken[0]} already uses the dpr axis, where hpz places the nodes")
     i = base[0]
@@ -140,7 +140,7 @@ def _default_micro_batches(found: list[Strategy]) -> int:
     """Without ``m<N>``: one micro-batch, or 4p under a pipeline (1F1B bubble (p-1)/4p < 1/4)."""
     p = 1
     for s in found:
-        if s.axis.value == "pp":
+        if s.axis.kind.is_pipeline:
             p *= s.degree or 1
     return 4 * p if p > 1 else 1
 

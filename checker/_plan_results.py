@@ -305,7 +305,7 @@ def family_of(composition: Composition) -> tuple[Family, tuple[int, ...]]:
     o = composition.options
     offload = Offload.ALL if o.offload_parameters else Offload.OPTIMIZER if o.offload_optimizer else Offload.NONE
     pipeline = None
-    if Axis.PP in mesh:
+    if any(a.kind.is_pipeline for a in mesh):
         pipeline = Pipeline(o.schedule, o.virtual_stages)
     family = Family(data, offload, pipeline, o.sequence_parallel, o.recompute)
     return family, tuple(mesh.get(a, 1) for a in AXES)

@@ -220,6 +220,7 @@ class Space:
         Pipeline(Schedule.GPIPE),
         Pipeline(Schedule.INTERLEAVED, 2),
         Pipeline(Schedule.INTERLEAVED, 4),
+        Pipeline(Schedule.ZERO_BUBBLE_H1),
     )
     sequence_parallel: tuple[bool, ...] = (False, True)
     recompute: tuple[Recompute, ...] = tuple(Recompute)

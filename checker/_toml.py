@@ -237,7 +237,7 @@ def _strategy(where: str, name: object, body: object) -> Strategy:
             entries.append(((STATES[key], Group(group_name)), _entry(f"{g_at}.{key}", value)))
     if not any(state is not State.ACTIVATIONS for (state, _), _ in entries):
         raise StrategyFileError(f"{at}: gives no mode for P, O or G")
-    compute = _compute_sharded(at, body.get("compute_sharded", "all" if axis is Axis.PP else []))
+    compute = _compute_sharded(at, body.get("compute_sharded", "all" if axis.kind.is_pipeline else []))
     for text_key in ("description", "source"):
         if text_key in body and not isinstance(body[text_key], str):
             raise StrategyFileError(f"{at}.{text_key}: must be a string")
@@ -465,7 +465,7 @@ def _spec_op(spec: OpSpec, g: Group, pl: Placement, size: sp.Expr, m: sp.Expr) -
             )
         case OpKind.ALL_REDUCE | OpKind.REDUCE_SCATTER | OpKind.ALL_GATHER | OpKind.BROADCAST:
             assert spec.axis is not None  # validated when the file was read
-            participants = sp.Integer(2) if spec.axis is Axis.PP and g in pl.tied else None
+            participants = sp.Integer(2) if spec.axis.kind.is_pipeline and g in pl.tied else None
             return Op(
                 spec.kind,
                 spec.state,

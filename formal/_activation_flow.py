@@ -40,18 +40,12 @@ from typing import Any
 import sympy as sp
 import z3
 
-from formal._model import Model, Transformer
-from formal._placement import Placement, Recompute
+from formal._exchanges import exchanges
+from formal._model import Model
 from formal._program import Op, StepProgram
 from formal._solver import Solver
 from formal._verdict import Condition, Obligation, Status, Violation
 from formal._vocab import (
-    EMBEDDING,
-    EMBEDDING_IO,
-    HEAD,
-    LAYER_IO,
-    LINEAR_INNER,
-    OUTPUT_IO,
     Axis,
     Group,
     OpKind,
@@ -80,167 +74,12 @@ class Site:
 
 
 def required_sites(program: StepProgram, model: Model) -> list[Site]:
-    """The exchanges the program's placement needs, read from the placement alone."""
-    pl = program.placement
-    if not isinstance(model, Transformer):
-        return []
-    out: list[Site] = []
-    phases = (Phase.FORWARD, Phase.BACKWARD)
-
-    def split(axis: Axis) -> bool:
-        return axis in pl.axes and _degree(pl.degree(axis)) > 1
-
-    if split(Axis.TP) and any(pl.computes_sharded(Axis.TP, g) for g in pl.groups(State.PARAMETERS)):
-        sequence = (State.ACTIVATIONS, LAYER_IO) in set(pl.keys()) and pl.mode(
-            State.ACTIVATIONS, LAYER_IO, Axis.TP
-        ).is_sharded
-        for ph in phases:
-            partial = "row-parallel outputs" if ph is Phase.FORWARD else "column-parallel input gradients"
-            if sequence:
-                out.append(
-                    Site(
-                        Axis.TP,
-                        ph,
-                        LAYER_IO,
-                        OpKind.REDUCE_SCATTER,
-                        "shard-sum",
-                        f"{partial} (partial sums, to sequence shards)",
-                    )
-                )
-                out.append(
-                    Site(
-                        Axis.TP,
-                        ph,
-                        LAYER_IO,
-                        OpKind.ALL_GATHER,
-                        "gather",
-                        "sequence shards read whole by the next column-parallel matrix",
-                    )
-                )
-            else:
-                out.append(Site(Axis.TP, ph, LAYER_IO, OpKind.ALL_REDUCE, "sum", f"{partial} (partial sums)"))
-    if split(Axis.TP):
-        out += _vocab_sites(pl)
-    if split(Axis.CP):
-        out.append(
-            Site(
-                Axis.CP,
-                Phase.FORWARD,
-                LINEAR_INNER,
-                OpKind.ALL_GATHER,
-                "gather",
-                "keys and values of every sequence chunk",
-            )
-        )
-        out.append(
-            Site(
-                Axis.CP,
-                Phase.BACKWARD,
-                LINEAR_INNER,
-                OpKind.REDUCE_SCATTER,
-                "shard-sum",
-                "key and value gradients (partial sums over query chunks)",
-            )
-        )
-        if pl.options.recompute is Recompute.FULL:
-            out.append(
-                Site(
-                    Axis.CP,
-                    Phase.BACKWARD,
-                    LINEAR_INNER,
-                    OpKind.ALL_GATHER,
-                    "gather",
-                    "keys and values of every chunk, for the recomputed forward",
-                )
-            )
-    if split(Axis.EP) and any(pl.computes_sharded(Axis.EP, g) for g in pl.groups(State.PARAMETERS)):
-        for ph in phases:
-            out.append(
-                Site(Axis.EP, ph, LAYER_IO, OpKind.ALL_TO_ALL, "all-to-all", "tokens routed to their experts' devices")
-            )
-    if split(Axis.PP):
-        out.append(
-            Site(Axis.PP, Phase.FORWARD, LAYER_IO, OpKind.SEND_RECV, "send", "each stage's output to the next stage")
-        )
-        out.append(
-            Site(
-                Axis.PP,
-                Phase.BACKWARD,
-                LAYER_IO,
-                OpKind.SEND_RECV,
-                "send",
-                "each stage's input gradient to the previous stage",
-            )
-        )
-    return out
-
-
-def _vocab_sites(pl: Placement) -> list[Site]:
-    """The vocabulary-parallel embedding (first stage) and head (last stage) along tp."""
-    keys = set(pl.keys())
-    groups = pl.groups(State.PARAMETERS)
-    head = HEAD if HEAD in groups else EMBEDDING
-
-    def sequence(group: Group) -> bool:
-        source = group if (State.ACTIVATIONS, group) in keys else LAYER_IO
-        return (State.ACTIVATIONS, source) in keys and pl.mode(State.ACTIVATIONS, source, Axis.TP).is_sharded
-
-    out: list[Site] = []
-    if EMBEDDING in groups:
-        seq = sequence(EMBEDDING_IO)
-        if pl.computes_sharded(Axis.TP, EMBEDDING):
-            what = "vocabulary-parallel embedding output (partial sums of each rank's rows)"
-            out.append(
-                Site(
-                    Axis.TP,
-                    Phase.FORWARD,
-                    EMBEDDING_IO,
-                    OpKind.REDUCE_SCATTER,
-                    "shard-sum",
-                    f"{what}, to sequence shards",
-                )
-                if seq
-                else Site(Axis.TP, Phase.FORWARD, EMBEDDING_IO, OpKind.ALL_REDUCE, "sum", what)
-            )
-        if seq:
-            out.append(
-                Site(
-                    Axis.TP,
-                    Phase.BACKWARD,
-                    EMBEDDING_IO,
-                    OpKind.ALL_GATHER,
-                    "gather",
-                    "sequence shards of the embedding output's gradient, read whole by its backward",
-                )
-            )
-    if head in groups:
-        seq = sequence(OUTPUT_IO)
-        if seq:
-            out.append(
-                Site(
-                    Axis.TP,
-                    Phase.FORWARD,
-                    OUTPUT_IO,
-                    OpKind.ALL_GATHER,
-                    "gather",
-                    "sequence shards of the head's input, read whole by the head",
-                )
-            )
-        if pl.computes_sharded(Axis.TP, head):
-            what = "vocabulary-parallel head's input gradient (partial sums over vocabulary shards)"
-            out.append(
-                Site(
-                    Axis.TP,
-                    Phase.BACKWARD,
-                    OUTPUT_IO,
-                    OpKind.REDUCE_SCATTER,
-                    "shard-sum",
-                    f"{what}, to sequence shards",
-                )
-                if seq
-                else Site(Axis.TP, Phase.BACKWARD, OUTPUT_IO, OpKind.ALL_REDUCE, "sum", what)
-            )
-    return out
+    """The exchanges the program's placement needs, read from the placement alone: the axis
+    kinds' exchange table (``formal._axes``) as ``formal._exchanges`` reads it for a placement."""
+    return [
+        Site(axis, e.phase, e.group, e.kind, e.need, e.what)
+        for axis, e in exchanges(program.placement, model, required=True)
+    ]
 
 
 def _degree(d: object) -> int:

@@ -98,7 +98,7 @@ def _axes_factor(pl: Placement, state: State, group: Group, stage: Stage) -> sp.
     for axis, d in pl.mesh:
         entry = pl.entry(state, group, axis)
         out = out * (
-            pipeline_factor(group, entry, d, stage, pl.layer_share) if axis is Axis.PP else axis_factor(entry, d)
+            pipeline_factor(group, entry, d, stage, pl.layer_share) if axis.kind.is_pipeline else axis_factor(entry, d)
         )
     return out
 
@@ -126,9 +126,9 @@ def in_flight_micro_batches(pl: Placement, stage: Stage = Stage.FIRST) -> sp.Exp
     """Micro-batches whose activations a pipeline stage holds at its peak (in whole-stage units):
     the schedule's count for the first or last stage (``PipelineSchedule.in_flight``; a middle
     stage gets the first stage's, an upper bound). No pipeline: 1."""
-    p = pl.degree(Axis.PP)
+    p = pl.pipeline_degree
     m = sp.sympify(pl.options.micro_batches)  # a symbol in the planner's derivations
-    if Axis.PP not in pl.axes or p == 1:
+    if not pl.pipelined or p == 1:
         return sp.Integer(1)
     v = sp.Integer(pl.options.virtual_stages)
     return pl.options.pipeline_schedule.in_flight(p, m, v, stage)
@@ -138,9 +138,9 @@ def stage_in_flight(pl: Placement, index: int) -> sp.Expr:
     """Micro-batches pipeline stage ``index`` (0 .. p-1) holds at its peak, in whole-stage units
     (``PipelineSchedule.stage_in_flight``). At i = 0 and i = p - 1 these are
     ``in_flight_micro_batches``' first and last stage."""
-    p = pl.degree(Axis.PP)
+    p = pl.pipeline_degree
     m = sp.sympify(pl.options.micro_batches)
-    if Axis.PP not in pl.axes or p == 1:
+    if not pl.pipelined or p == 1:
         return sp.Integer(1)
     if not 0 <= index < p:
         raise ValueError(f"stage {index} of a {p}-stage pipeline")
@@ -155,9 +155,9 @@ def peak_activations(
     the schedule's (``PipelineSchedule.peak_activations``) from ``whole``, the bytes one
     micro-batch holds until its backward, and ``deferred``, what it keeps after it for work the
     schedule defers. No pipeline: one micro-batch at a time."""
-    p = pl.degree(Axis.PP)
+    p = pl.pipeline_degree
     m = sp.sympify(pl.options.micro_batches)
-    if Axis.PP not in pl.axes or p == 1:
+    if not pl.pipelined or p == 1:
         return whole
     if index is not None and not 0 <= index < p:
         raise ValueError(f"stage {index} of a {p}-stage pipeline")
@@ -202,8 +202,8 @@ def holds_io_activations(pl: Placement, group: Group, stage: Stage) -> bool:
     """Whether a device of ``stage`` keeps an input/output-layer activation group: the input
     embeddings' on the first stage, the output layer's and the loss's on the last, all of them
     without a pipeline. A symbolic pp degree (the planner) means a pipeline of two or more."""
-    p = pl.degree(Axis.PP)
-    if Axis.PP not in pl.axes or (p.is_number and p == 1):
+    p = pl.pipeline_degree
+    if not pl.pipelined or (p.is_number and p == 1):
         return True
     if group in FIRST_STAGE_ACTIVATIONS:
         return stage == Stage.FIRST
@@ -242,14 +242,14 @@ def layer_activations(pl: Placement, per_layer: Mapping[Group, sp.Expr], sbh: sp
 def _tensor_factor(pl: Placement, group: Group) -> sp.Expr:
     out: sp.Expr = sp.Integer(1)
     for axis, d in pl.mesh:
-        if axis in (Axis.PP, Axis.DP, Axis.DPR, Axis.EP):
+        if axis.kind.is_pipeline or axis.kind.splits_batch:
             continue  # b is one replica's micro-batch already; pp splits layers (counted above)
         out = out * axis_factor(pl.entry(State.ACTIVATIONS, group, axis), d)
     return out
 
 
 def _cp_factor(pl: Placement) -> sp.Expr:
-    return 1 / pl.degree(Axis.CP) if Axis.CP in pl.axes else sp.Integer(1)
+    return 1 / pl.degree_where(lambda kind: kind.splits_sequence)
 
 
 def buffer_memory(
@@ -334,7 +334,7 @@ def memory(
 def most_loaded(pl: Placement, model: Model, precision: Precision, sizes: Mapping[Group, sp.Expr]) -> Memory:
     """The device with the largest total: pipeline stage 0 (embedding, most in-flight
     activations) unless the last stage's head outweighs it. Without pp there is one kind."""
-    if Axis.PP not in pl.axes or pl.degree(Axis.PP) == 1:
+    if not pl.pipelined or pl.pipeline_degree == 1:
         return memory(pl, model, precision, sizes, Stage.FIRST)
     candidates = [memory(pl, model, precision, sizes, st) for st in (Stage.FIRST, Stage.LAST)]
     if any(not m.total.is_number for m in candidates):
@@ -382,8 +382,8 @@ class Traffic:
 def pipeline_stages(pl: Placement) -> tuple[Stage, ...]:
     """The kinds of pipeline stage a placement has: one without a pipeline, first and last with
     two stages, and a middle one beyond (a symbolic degree: all three)."""
-    p = pl.degree(Axis.PP)
-    if Axis.PP not in pl.axes or (p.is_number and p == 1):
+    p = pl.pipeline_degree
+    if not pl.pipelined or (p.is_number and p == 1):
         return (Stage.FIRST,)
     if p.is_number and p == 2:
         return (Stage.FIRST, Stage.LAST)
@@ -402,7 +402,7 @@ def op_stage_factor(op: Op, pl: Placement, stage: Stage) -> sp.Expr:
     """
     if len(pipeline_stages(pl)) == 1:
         return sp.Integer(1)
-    if op.kind is OpKind.SEND_RECV and op.axis is Axis.PP:
+    if op.kind is OpKind.SEND_RECV and op.axis is not None and op.axis.kind.is_pipeline:
         sends = pl.options.pipeline_schedule.boundary_sends(pl.options.chunks)
         ends = int(stage == Stage.FIRST) + int(stage == Stage.LAST)
         return sp.Rational(2 * sends - ends, sends)
@@ -476,8 +476,8 @@ def bubble_fraction(pl: Placement) -> sp.Expr:
     """Pipeline bubble: a stage's idle time over its compute time in one step, the schedule's
     (``PipelineSchedule.bubble_fraction``; (p-1)/m for 1F1B and GPipe, (p-1)/(v m) interleaved,
     Narayanan et al. 2021, section 2.2). No pipeline: 0."""
-    p = pl.degree(Axis.PP)
+    p = pl.pipeline_degree
     m = sp.sympify(pl.options.micro_batches)  # a symbol in the planner's derivations
-    if Axis.PP not in pl.axes:
+    if not pl.pipelined:
         return sp.Integer(0)
     return pl.options.pipeline_schedule.bubble_fraction(p, m, sp.Integer(pl.options.virtual_stages))

@@ -8,7 +8,7 @@ that the step program, the cost model, the z3 encoding, the simulator and the re
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -17,6 +17,7 @@ import sympy as sp
 from formal._schedules import DEFAULT_SCHEDULE, PipelineSchedule, Schedule, schedule_of
 from formal._vocab import (
     Axis,
+    AxisKind,
     Group,
     Mode,
     State,
@@ -153,8 +154,30 @@ class Placement:
     def stage_layers(self, layers: int) -> sp.Expr:
         """Transformer layers on the fullest pipeline stage: L/p, or ceil(L/p) when uneven."""
         if self.layer_share is None:
-            return sp.Integer(layers) / self.degree(Axis.PP)
+            return sp.Integer(layers) / self.pipeline_degree
         return sp.Integer(layers) * self.layer_share
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the mesh has a pipeline axis (of any degree)."""
+        return any(a.kind.is_pipeline for a in self.axes)
+
+    @property
+    def pipeline_degree(self) -> sp.Expr:
+        """Pipeline stages (the pipeline axis' degree; 1 without one)."""
+        return self.degree_where(lambda kind: kind.is_pipeline)
+
+    def degree_where(self, test: Callable[[AxisKind], bool]) -> sp.Expr:
+        """The product of the degrees of the axes whose kind passes ``test`` (1 if none does)."""
+        out: sp.Expr = sp.Integer(1)
+        for axis, d in self.mesh:
+            if test(axis.kind):
+                out = out * d
+        return out
+
+    def axis_where(self, test: Callable[[AxisKind], bool]) -> Axis | None:
+        """The first axis of the mesh whose kind passes ``test``, or None."""
+        return next((a for a in self.axes if test(a.kind)), None)
 
     @property
     def axes(self) -> tuple[Axis, ...]:

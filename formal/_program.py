@@ -7,26 +7,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 
 import sympy as sp
 
+from formal._axes import Exchange, Origin, Width
 from formal._exact import exact
+from formal._exchanges import exchanged_group, program_exchanges
 from formal._model import Model, Transformer
 from formal._placement import Entry, Placement, Recompute
 from formal._vocab import (
     EMBEDDING,
-    EMBEDDING_IO,
     EXPERTS,
     FINAL_NORM,
     FIRST_STAGE_GROUPS,
-    HEAD,
     LAST_STAGE_GROUPS,
     LAYER_GROUPS,
     LAYER_IO,
-    LINEAR_INNER,
     NORM,
-    OUTPUT_IO,
     ROUTER,
     ROW_BIAS,
     Axis,
@@ -46,14 +43,6 @@ P, O, G, A = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS, State.ACTIVATIO
 # their inputs are split along the sequence across tp, so their gradients are partial sums
 # there (Korthikanti et al. 2022 section 4.2.2; Megatron-LM issue #1446 when forgotten).
 SEQUENCE_REGION_GROUPS: frozenset[Group] = frozenset({NORM, ROW_BIAS, FINAL_NORM, ROUTER})
-
-
-class Origin(StrEnum):
-    """What one device holds of a gradient along one axis right after backward."""
-
-    COMPLETE = "complete"  # the value itself (contributions not split along the axis)
-    PARTIAL = "partial"  # a summand: device i holds contribution i
-    SUMMED = "summed"  # every device holds the sum of all contributions, each locally normalised
 
 
 @dataclass(frozen=True)
@@ -182,7 +171,7 @@ def shard_elements(
         entry = pl.entry(state, group, axis)
         if entry.mode in (Mode.OFFLOADED, Mode.MATERIALIZED):
             entry = Entry(Mode.REPLICATED)
-        if axis is Axis.PP:
+        if axis.kind.is_pipeline:
             out = out * pipeline_factor(group, entry, d, stage, pl.layer_share)
         else:
             out = out * axis_factor(entry, d)
@@ -199,22 +188,13 @@ def gradient_origins(pl: Placement) -> dict[tuple[Group, Axis], Origin]:
 
 
 def _origin(pl: Placement, group: Group, axis: Axis) -> Origin:
-    match axis:
-        case Axis.DP | Axis.DPR | Axis.CP:
-            return Origin.PARTIAL
-        case Axis.EP:
-            # Tokens are split along ep; an expert receives (all-to-all) the tokens of every
-            # rank, each rank's loss normalised by its own batch: the sum of all contributions.
-            return Origin.SUMMED if pl.computes_sharded(axis, group) else Origin.PARTIAL
-        case Axis.TP:
-            seq_split = (A, LAYER_IO) in set(pl.keys()) and pl.mode(A, LAYER_IO, Axis.TP).is_sharded
-            if seq_split and group in SEQUENCE_REGION_GROUPS and not pl.computes_sharded(axis, group):
-                return Origin.PARTIAL
-            return Origin.COMPLETE
-        case Axis.PP:
-            return Origin.PARTIAL if group in pl.tied else Origin.COMPLETE
-        case _:
-            raise AssertionError(axis)
+    # Sequence parallelism on the axis splits the layer inputs (A.layer_io) along the sequence.
+    in_region = axis.kind.sequence_parallel and group in SEQUENCE_REGION_GROUPS and (A, LAYER_IO) in set(pl.keys())
+    return axis.kind.gradient_origin(
+        computes_sharded=pl.computes_sharded(axis, group),
+        sequence_region=in_region and pl.mode(A, LAYER_IO, axis).is_sharded,
+        tied=group in pl.tied,
+    )
 
 
 def derive_program(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr] | None = None) -> StepProgram:
@@ -340,11 +320,11 @@ def _sync_gradients(
             continue
         if origin is not Origin.PARTIAL:
             continue
-        how = Reduce.MEAN if axis.splits_data else Reduce.SUM
+        how = Reduce.MEAN if axis.kind.averages_gradients else Reduce.SUM
         entry = pl.entry(G, g, axis)
         elements = shard_elements(pl, G, g, size, axis)
         # the first and the last stage (a tied embedding); one stage when pp has degree 1
-        participants = sp.Integer(2) if axis is Axis.PP and d != 1 else None
+        participants = sp.Integer(2) if axis.kind.is_pipeline and d != 1 else None
         o_entry = pl.entry(O, g, axis)
         if entry.mode.is_sharded:
             scatter.append(
@@ -432,258 +412,64 @@ def _refresh_parameters(pl: Placement, g: Group, size: sp.Expr) -> list[Op]:
 class _ActivationOps:
     """Collectives on activations (per layer, per micro-batch), from the activation placement.
 
-    Like the first- and last-stage parameter groups' ops, the activation ops are a union over
-    pipeline stages: the per-layer ones (``A.layer_io``, ``A.linear_inner``) run on every stage,
-    ``count`` = the fullest stage's layers x m; the vocabulary-parallel embedding's
-    (``A.embedding_io``) on the first stage only and the head's (``A.output_io``) on the last only,
-    ``count`` = m (once per micro-batch). ``communication(program, precision, stage)`` gives one
-    device of a stage its own (``formal._costs.op_stage_factor``); without ``stage`` it sums the
-    union, as the simulator's per-op cost check reads it.
+    Which ones: the axis kinds' exchange table (``formal._axes``, read for this placement by
+    ``formal._exchanges.program_exchanges``); here only their sizes and counts. Like the first-
+    and last-stage parameter groups' ops, the activation ops are a union over pipeline stages:
+    the per-layer ones run on every stage, ``count`` = the fullest stage's layers x m (x2 in
+    backward for a layer exchange full recomputation replays); the vocabulary-parallel
+    embedding's (``A.embedding_io``) on the first stage only and the head's (``A.output_io``) on
+    the last only, ``count`` = m (once per micro-batch); a pipeline send once per micro-batch
+    per boundary crossing the schedule makes. ``communication(program, precision, stage)``
+    gives one device of a stage its own (``formal._costs.op_stage_factor``); without ``stage``
+    it sums the union, as the simulator's per-op cost check reads it.
     """
 
     def __init__(self, pl: Placement, model: Model, m: sp.Expr) -> None:
         self.pl, self.model, self.m = pl, model, m
-        self.enabled = isinstance(model, Transformer)
-
-    def _layers_per_stage(self) -> sp.Expr:
-        assert isinstance(self.model, Transformer)
-        return self.pl.stage_layers(self.model.layers)
 
     def _tensor(self, group: Group, skip: Axis, per_token: sp.Expr) -> sp.Expr:
         """Elements of one activation tensor of one micro-batch on one device (bsh-sized)."""
         assert isinstance(self.model, Transformer)
         out: sp.Expr = sp.Integer(self.model.seq * self.model.micro_batch) * per_token
         for axis, d in self.pl.mesh:
-            if axis in (skip, Axis.PP) or axis in (Axis.DP, Axis.DPR, Axis.EP):
+            if axis == skip or axis.kind.is_pipeline or axis.kind.splits_batch:
                 continue  # b is already one replica's micro-batch; pp splits layers, not tensors
             out = out * axis_factor(self.pl.entry(A, group, axis), d)
         return exact(out)
 
-    def _tp_ops(self, phase: Phase, recompute_again: bool) -> list[Op]:
-        t = self.pl.degree(Axis.TP)
-        if Axis.TP not in self.pl.axes or t == 1:
-            return []
+    def _width(self, width: Width) -> sp.Expr:
         assert isinstance(self.model, Transformer)
-        per_layer = self._layers_per_stage() * self.m
-        if recompute_again:
-            per_layer = 2 * per_layer  # full recomputation replays the forward's collectives
-        bsh = self._tensor(LAYER_IO, Axis.TP, sp.Integer(self.model.hidden))
-        if self.pl.mode(A, LAYER_IO, Axis.TP).is_sharded:
-            # Sequence parallelism: all-gather before, reduce-scatter after, each block
-            # (Korthikanti et al. 2022 section 4.2.2): same volume as the all-reduces. ``bsh``
-            # skipped tp, so it is already the full (gathered) tensor, not a sequence shard.
-            return [
-                Op(OpKind.ALL_GATHER, A, LAYER_IO, Axis.TP, phase, bsh, 2 * per_layer),
-                Op(OpKind.REDUCE_SCATTER, A, LAYER_IO, Axis.TP, phase, bsh, 2 * per_layer, Reduce.SUM),
-            ]
-        # Megatron: f/g operators, one all-reduce per attention and per MLP block each way.
-        return [Op(OpKind.ALL_REDUCE, A, LAYER_IO, Axis.TP, phase, bsh, 2 * per_layer, Reduce.SUM)]
+        match width:
+            case Width.HIDDEN:
+                return sp.Integer(self.model.hidden)
+            case Width.KEYS_VALUES:
+                return sp.Integer(2 * self.model.kv_heads_ * self.model.head_dim)
+            case Width.ROUTED:
+                return sp.Integer(self.model.hidden * max(self.model.top_k, 1))
+            case _:
+                raise AssertionError(width)
 
-    def _vocab_setup(self, group: Group) -> tuple[bool, sp.Expr]:
-        """(sequence parallelism at this input/output layer, bsh elements of one micro-batch)."""
+    def _count(self, exchange: Exchange) -> sp.Expr:
         assert isinstance(self.model, Transformer)
-        source = group if (A, group) in set(self.pl.keys()) else LAYER_IO
-        seq = (A, source) in set(self.pl.keys()) and self.pl.mode(A, source, Axis.TP).is_sharded
-        return seq, self._tensor(source, Axis.TP, sp.Integer(self.model.hidden))
+        if exchange.per_boundary:
+            options = self.pl.options
+            return self.m * sp.Integer(options.pipeline_schedule.boundary_sends(options.chunks))
+        if not exchange.per_layer:
+            return self.m
+        count = exchange.per_layer * self.pl.stage_layers(self.model.layers) * self.m
+        again = exchange.phase is Phase.BACKWARD and self.pl.options.recompute is Recompute.FULL
+        return 2 * count if exchange.replayed and again else count
 
-    def _vocab_split(self) -> bool:
-        t = self.pl.degree(Axis.TP)
-        return Axis.TP in self.pl.axes and t != 1
-
-    def _embedding_ops(self, phase: Phase) -> list[Op]:
-        """The vocabulary-parallel embedding's collectives (first stage), once per micro-batch.
-
-        Rows split by vocabulary (Shoeybi et al. 2019, section 3): each rank looks up only its
-        rows, so the output is a partial sum across tp, all-reduced in forward; with sequence
-        parallelism (``A.embedding_io`` sharded along tp; Korthikanti et al. 2022, section 4.3)
-        reduce-scattered to sequence shards, and in backward the gradient's shards all-gathered
-        before the lookup's backward (needed for an unsplit embedding too). ``bsh``: one
-        replica's micro-batch, the whole sequence (of its cp chunk).
-        """
-        if not self._vocab_split() or EMBEDDING not in self.pl.groups(P):
-            return []
-        seq, bsh = self._vocab_setup(EMBEDDING_IO)
-        if phase is Phase.FORWARD:
-            if not self.pl.computes_sharded(Axis.TP, EMBEDDING):
-                return []
-            kind = OpKind.REDUCE_SCATTER if seq else OpKind.ALL_REDUCE
-            return [
-                Op(
-                    kind,
-                    A,
-                    EMBEDDING_IO,
-                    Axis.TP,
-                    phase,
-                    bsh,
-                    self.m,
-                    Reduce.SUM,
-                    note="vocabulary-parallel embedding output (partial sums), first stage",
-                )
-            ]
-        return (
-            [
-                Op(
-                    OpKind.ALL_GATHER,
-                    A,
-                    EMBEDDING_IO,
-                    Axis.TP,
-                    phase,
-                    bsh,
-                    self.m,
-                    note="sequence shards of the embedding's output gradient, first stage",
-                )
-            ]
-            if seq
-            else []
-        )
-
-    def _head_ops(self, phase: Phase) -> list[Op]:
-        """The vocabulary-parallel head's collectives (last stage; with tied embeddings the
-        embedding), once per micro-batch.
-
-        The logits are split by vocabulary, so the head's input gradient is a partial sum across
-        tp, all-reduced in backward; with sequence parallelism (``A.output_io`` sharded along tp)
-        the input's shards are all-gathered in forward (needed for an unsplit head too) and the
-        gradient reduce-scattered back to them. The loss's fp32 per-token reductions (max, sum
-        of exponentials, target logit) are not ops of the program.
-        """
-        groups = self.pl.groups(P)
-        head = HEAD if HEAD in groups else EMBEDDING
-        if not self._vocab_split() or head not in groups:
-            return []
-        seq, bsh = self._vocab_setup(OUTPUT_IO)
-        if phase is Phase.FORWARD:
-            return (
-                [
-                    Op(
-                        OpKind.ALL_GATHER,
-                        A,
-                        OUTPUT_IO,
-                        Axis.TP,
-                        phase,
-                        bsh,
-                        self.m,
-                        note="sequence shards of the head's input, last stage",
-                    )
-                ]
-                if seq
-                else []
-            )
-        if not self.pl.computes_sharded(Axis.TP, head):
-            return []
-        kind = OpKind.REDUCE_SCATTER if seq else OpKind.ALL_REDUCE
-        return [
-            Op(
-                kind,
-                A,
-                OUTPUT_IO,
-                Axis.TP,
-                phase,
-                bsh,
-                self.m,
-                Reduce.SUM,
-                note="vocabulary-parallel head's input gradient (partial sums), last stage",
-            )
-        ]
-
-    def _cp_ops(self, phase: Phase) -> list[Op]:
-        if Axis.CP not in self.pl.axes or self.pl.degree(Axis.CP) == 1:
-            return []
-        assert isinstance(self.model, Transformer)
-        kv = sp.Integer(2 * self.model.kv_heads_ * self.model.head_dim)
-        full = self._tensor(LINEAR_INNER, Axis.CP, kv)
-        count = self._layers_per_stage() * self.m
-        gather = Op(
-            OpKind.ALL_GATHER,
-            A,
-            LINEAR_INNER,
-            Axis.CP,
-            phase,
-            full,
-            count,
-            note="keys and values across the context-parallel group",
-        )
-        if phase is Phase.FORWARD:
-            return [gather]
-        scatter = Op(
-            OpKind.REDUCE_SCATTER,
-            A,
-            LINEAR_INNER,
-            Axis.CP,
-            phase,
-            full,
-            count,
-            Reduce.SUM,
-            note="key and value gradients back to their context-parallel owners",
-        )
-        # Full recomputation replays the forward in backward, keys and values exchange included.
-        return [gather, scatter] if self.pl.options.recompute is Recompute.FULL else [scatter]
-
-    def _ep_ops(self, phase: Phase) -> list[Op]:
-        if Axis.EP not in self.pl.axes or self.pl.degree(Axis.EP) == 1:
-            return []
-        assert isinstance(self.model, Transformer)
-        tokens = self._tensor(LAYER_IO, Axis.EP, sp.Integer(self.model.hidden * max(self.model.top_k, 1)))
-        return [
-            Op(
-                OpKind.ALL_TO_ALL,
-                A,
-                LAYER_IO,
-                Axis.EP,
-                phase,
-                tokens,
-                2 * self._layers_per_stage() * self.m,
-                note="token dispatch and combine",
-            )
-        ]
-
-    def _pp_ops(self, phase: Phase) -> list[Op]:
-        p = self.pl.degree(Axis.PP)
-        if Axis.PP not in self.pl.axes or p == 1:
-            return []
-        assert isinstance(self.model, Transformer)
-        # Once per micro-batch per boundary crossing the schedule makes (once per model chunk).
-        sends = sp.Integer(self.pl.options.pipeline_schedule.boundary_sends(self.pl.options.chunks))
-        bsh = self._tensor(LAYER_IO, Axis.PP, sp.Integer(self.model.hidden))
-        return [
-            Op(
-                OpKind.SEND_RECV,
-                A,
-                LAYER_IO,
-                Axis.PP,
-                phase,
-                bsh,
-                self.m * sends,
-                note="activation (forward) or its gradient (backward) to the next stage",
-            )
-        ]
+    def _op(self, axis: Axis, e: Exchange) -> Op:
+        elements = self._tensor(exchanged_group(self.pl, axis, e), axis, self._width(e.width))
+        how = Reduce.SUM if e.kind.is_reduction else None
+        return Op(e.kind, A, e.group, axis, e.phase, elements, self._count(e), how, note=e.note)
 
     def forward(self) -> list[Op]:
-        if not self.enabled:
-            return []
-        ph = Phase.FORWARD
-        return (
-            self._embedding_ops(ph)
-            + self._tp_ops(ph, False)
-            + self._cp_ops(ph)
-            + self._ep_ops(ph)
-            + self._pp_ops(ph)
-            + self._head_ops(ph)
-        )
+        return [self._op(a, e) for a, e in program_exchanges(self.pl, self.model, Phase.FORWARD)]
 
     def backward(self) -> list[Op]:
-        if not self.enabled:
-            return []
-        ph = Phase.BACKWARD
-        again = self.pl.options.recompute is Recompute.FULL  # the embedding and head are not replayed
-        return (
-            self._head_ops(ph)
-            + self._tp_ops(ph, again)
-            + self._cp_ops(ph)
-            + self._ep_ops(ph)
-            + self._pp_ops(ph)
-            + self._embedding_ops(ph)
-        )
+        return [self._op(a, e) for a, e in program_exchanges(self.pl, self.model, Phase.BACKWARD)]
 
 
 __all__ = [

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 from formal._model import Model, Transformer
 from formal._placement import Options
 from formal._strategies import Composition
-from formal._vocab import Axis
+from formal._vocab import Axis, AxisKind
 
 
 class Provenance(StrEnum):
@@ -173,35 +173,35 @@ def _device_count_witness(mesh: Mapping[Axis, int], s: Setting) -> dict[str, Any
     return {"degrees": {a.value: d for a, d in mesh.items()}, "product": total, "devices": s.devices}
 
 
-def _layers_rule(uneven: bool) -> Rule:
+def _layers_rule(pp: Axis, uneven: bool) -> Rule:
     def applies(s: Setting) -> bool:
-        return isinstance(s.model, Transformer) and Axis.PP in s.axes and s.options.uneven_stages == uneven
+        return isinstance(s.model, Transformer) and pp in s.axes and s.options.uneven_stages == uneven
 
     def stages(t: Terms, s: Setting) -> Any:
-        return t.degree(Axis.PP) * t.size("chunks", s.chunks)
+        return t.degree(pp) * t.size("chunks", s.chunks)
 
     def layers(t: Terms, s: Setting) -> Any:
         return t.size("layers", _transformer(s.model).layers)
 
     if uneven:  # declared uneven stages: every (virtual) stage holds a whole layer
         return Rule(
-            f"stages_hold_layers[{Axis.PP.value}]",
+            f"stages_hold_layers[{pp.value}]",
             Provenance.CORRECTNESS,
-            Axis.PP,
+            pp,
             applies,
             lambda t, s: stages(t, s) <= layers(t, s),
             lambda mesh, s: (
-                f"pp {mesh[Axis.PP]} x chunks {s.chunks} = {mesh[Axis.PP] * s.chunks} stages exceed "
+                f"pp {mesh[pp]} x chunks {s.chunks} = {mesh[pp] * s.chunks} stages exceed "
                 f"the {_transformer(s.model).layers} layers; uneven stages still hold at least one "
                 "whole layer each"
             ),
-            lambda mesh, s: {"layers": _transformer(s.model).layers, "pp": mesh[Axis.PP], "chunks": s.chunks},
+            lambda mesh, s: {"layers": _transformer(s.model).layers, "pp": mesh[pp], "chunks": s.chunks},
         )
 
     def explain(mesh: Mapping[Axis, int], s: Setting) -> str:
-        n, st = _transformer(s.model).layers, mesh[Axis.PP] * s.chunks
+        n, st = _transformer(s.model).layers, mesh[pp] * s.chunks
         return (
-            f"layers {n} are not divisible by pp {mesh[Axis.PP]} x chunks {s.chunks} "
+            f"layers {n} are not divisible by pp {mesh[pp]} x chunks {s.chunks} "
             f"({n} = {n // st} x {st} + {n % st}); stages hold whole layers "
             "(declare uneven stages with the 'uneven' modifier)"
         )
@@ -209,21 +209,124 @@ def _layers_rule(uneven: bool) -> Rule:
     return Rule(
         "divides[layers, pp]",
         Provenance.CORRECTNESS,
-        Axis.PP,
+        pp,
         applies,
         lambda t, s: layers(t, s) % stages(t, s) == 0,
         explain,
         lambda mesh, s: {
             "layers": _transformer(s.model).layers,
-            "pp": mesh[Axis.PP],
+            "pp": mesh[pp],
             "chunks": s.chunks,
-            "remainder": _transformer(s.model).layers % (mesh[Axis.PP] * s.chunks),
+            "remainder": _transformer(s.model).layers % (mesh[pp] * s.chunks),
         },
     )
 
 
 def _is_moe(m: Model) -> bool:
     return isinstance(m, Transformer) and m.is_moe
+
+
+def _axes_of(test: Callable[[AxisKind], bool]) -> tuple[Axis, ...]:
+    """The axes whose kind passes ``test``, in ``Axis`` order: the rules a kind brings live on them."""
+    return tuple(a for a in Axis if test(a.kind))
+
+
+_VOCABULARY = _axes_of(lambda k: k.hosts_vocabulary)  # matrices, heads and vocabulary split (Megatron tp)
+_PIPELINE = _axes_of(lambda k: k.is_pipeline)
+_SEQUENCE = _axes_of(lambda k: k.splits_sequence)  # context parallelism
+_SEQUENCE_PARALLEL = _axes_of(lambda k: k.sequence_parallel)
+_EXPERTS = _axes_of(lambda k: k.places_experts)
+
+
+def _tensor_rules(tp: Axis) -> tuple[Rule, ...]:
+    """What a tensor-parallel split needs of the model's sizes (Shoeybi et al. 2019, section 3)."""
+    return (
+        _divides("hidden", lambda m: _transformer(m).hidden, (tp,), "tensor parallelism splits the hidden dimension"),
+        _divides("heads", lambda m: _transformer(m).heads, (tp,), "tensor parallelism splits attention heads"),
+        _divides(
+            "kv_heads",
+            lambda m: _transformer(m).kv_heads_,
+            (tp,),
+            "each tp rank needs whole key/value heads",
+            when=lambda s: _transformer(s.model).kv_heads_ != _transformer(s.model).heads,
+        ),
+        _divides("ffn", lambda m: _transformer(m).ffn_, (tp,), "tensor parallelism splits the FFN dimension"),
+        _divides(
+            "vocab",
+            lambda m: _transformer(m).vocab,
+            (tp,),
+            "the vocabulary-parallel embedding splits the vocabulary (Megatron-LM #1754)",
+        ),
+    )
+
+
+def _sp_needs_tp(tp: Axis) -> Rule:
+    return Rule(
+        "sp_needs_tp",
+        Provenance.CORRECTNESS,
+        tp,
+        lambda s: s.options.sequence_parallel,
+        lambda t, s: t.implies(t.flag("sequence_parallel", True), t.present(tp)),
+        lambda mesh, s: "sequence parallelism splits activations across the tp group, and there is no tp axis",
+        lambda mesh, s: {"sequence_parallel": True, "tp": False},
+    )
+
+
+def _ep_needs_moe(ep: Axis) -> Rule:
+    return Rule(
+        "ep_needs_moe",
+        Provenance.CORRECTNESS,
+        ep,
+        lambda s: ep in s.axes,
+        lambda t, s: t.implies(t.present(ep), t.flag("moe", _is_moe(s.model))),
+        lambda mesh, s: "expert parallelism needs a mixture-of-experts model, and this model is dense",
+        lambda mesh, s: {"ep": mesh.get(ep, 1), "experts": getattr(s.model, "experts", 0)},
+    )
+
+
+def _cp_needs_attention(cp: Axis) -> Rule:
+    return Rule(
+        "cp_needs_attention",
+        Provenance.CORRECTNESS,
+        cp,
+        lambda s: cp in s.axes,
+        lambda t, s: t.implies(t.present(cp), t.flag("attention", isinstance(s.model, Transformer))),
+        lambda mesh, s: (
+            "context parallelism exchanges keys and values in attention, and a bare "
+            "parameter count has no attention to split"
+        ),
+        lambda mesh, s: {"cp": mesh.get(cp, 1), "model": type(s.model).__name__},
+    )
+
+
+def _interleaved_rules(pp: Axis) -> tuple[Rule, ...]:
+    return (
+        Rule(
+            "interleaved_needs_pp",
+            Provenance.CORRECTNESS,
+            pp,
+            lambda s: s.chunks > 1,
+            lambda t, s: t.implies(t.size("interleaved_chunks", s.chunks) > 1, t.present(pp)),
+            lambda mesh, s: f"an interleaved schedule (v{s.chunks}) splits pipeline stages, and there is no pp axis",
+            lambda mesh, s: {"chunks": s.chunks, "pp": False},
+        ),
+        # Megatron-LM's interleaved schedule (megatron/core/pipeline_parallel/schedules.py,
+        # forward_backward_pipelining_with_interleaving) raises "number of microbatches is not
+        # divisible by pipeline-model-parallel-size when using interleaved schedule". The
+        # mathematics does not need it: any m >= 1 trains the same model.
+        Rule(
+            "megatron_interleaved_m_multiple_of_pp",
+            Provenance.FRAMEWORK,
+            pp,
+            lambda s: s.chunks > 1 and pp in s.axes,
+            lambda t, s: t.micro_batches % t.degree(pp) == 0,
+            lambda mesh, s: (
+                f"Megatron-LM's interleaved schedule needs the micro-batch count to be a multiple of pp "
+                f"(m {s.options.micro_batches}, pp {mesh.get(pp, 1)}); other engines run it as is"
+            ),
+            lambda mesh, s: {"micro_batches": s.options.micro_batches, "pp": mesh.get(pp, 1)},
+        ),
+    )
 
 
 RULES: tuple[Rule, ...] = (
@@ -237,94 +340,33 @@ RULES: tuple[Rule, ...] = (
         _device_count_explain,
         _device_count_witness,
     ),
-    _divides("hidden", lambda m: _transformer(m).hidden, (Axis.TP,), "tensor parallelism splits the hidden dimension"),
-    _divides("heads", lambda m: _transformer(m).heads, (Axis.TP,), "tensor parallelism splits attention heads"),
-    _divides(
-        "kv_heads",
-        lambda m: _transformer(m).kv_heads_,
-        (Axis.TP,),
-        "each tp rank needs whole key/value heads",
-        when=lambda s: _transformer(s.model).kv_heads_ != _transformer(s.model).heads,
+    *(r for tp in _VOCABULARY for r in _tensor_rules(tp)),
+    *(_layers_rule(pp, uneven) for pp in _PIPELINE for uneven in (False, True)),
+    *(
+        _divides("seq", lambda m: _transformer(m).seq, (cp,), "context parallelism splits the sequence")
+        for cp in _SEQUENCE
     ),
-    _divides("ffn", lambda m: _transformer(m).ffn_, (Axis.TP,), "tensor parallelism splits the FFN dimension"),
-    _divides(
-        "vocab",
-        lambda m: _transformer(m).vocab,
-        (Axis.TP,),
-        "the vocabulary-parallel embedding splits the vocabulary (Megatron-LM #1754)",
-    ),
-    _layers_rule(uneven=False),
-    _layers_rule(uneven=True),
-    _divides("seq", lambda m: _transformer(m).seq, (Axis.CP,), "context parallelism splits the sequence"),
     _divides(
         "seq",
         lambda m: _transformer(m).seq,
-        (Axis.CP, Axis.TP),
+        _SEQUENCE + _SEQUENCE_PARALLEL,
         "sequence parallelism splits the sequence across tp",
-        when=lambda s: s.options.sequence_parallel and Axis.TP in s.axes,
+        when=lambda s: s.options.sequence_parallel and any(a in s.axes for a in _SEQUENCE_PARALLEL),
     ),
-    _divides(
-        "experts",
-        lambda m: _transformer(m).experts,
-        (Axis.EP,),
-        "expert parallelism places whole experts",
-        when=lambda s: _is_moe(s.model),
+    *(
+        _divides(
+            "experts",
+            lambda m: _transformer(m).experts,
+            (ep,),
+            "expert parallelism places whole experts",
+            when=lambda s: _is_moe(s.model),
+        )
+        for ep in _EXPERTS
     ),
-    Rule(
-        "sp_needs_tp",
-        Provenance.CORRECTNESS,
-        Axis.TP,
-        lambda s: s.options.sequence_parallel,
-        lambda t, s: t.implies(t.flag("sequence_parallel", True), t.present(Axis.TP)),
-        lambda mesh, s: "sequence parallelism splits activations across the tp group, and there is no tp axis",
-        lambda mesh, s: {"sequence_parallel": True, "tp": False},
-    ),
-    Rule(
-        "ep_needs_moe",
-        Provenance.CORRECTNESS,
-        Axis.EP,
-        lambda s: Axis.EP in s.axes,
-        lambda t, s: t.implies(t.present(Axis.EP), t.flag("moe", _is_moe(s.model))),
-        lambda mesh, s: "expert parallelism needs a mixture-of-experts model, and this model is dense",
-        lambda mesh, s: {"ep": mesh.get(Axis.EP, 1), "experts": getattr(s.model, "experts", 0)},
-    ),
-    Rule(
-        "cp_needs_attention",
-        Provenance.CORRECTNESS,
-        Axis.CP,
-        lambda s: Axis.CP in s.axes,
-        lambda t, s: t.implies(t.present(Axis.CP), t.flag("attention", isinstance(s.model, Transformer))),
-        lambda mesh, s: (
-            "context parallelism exchanges keys and values in attention, and a bare "
-            "parameter count has no attention to split"
-        ),
-        lambda mesh, s: {"cp": mesh.get(Axis.CP, 1), "model": type(s.model).__name__},
-    ),
-    Rule(
-        "interleaved_needs_pp",
-        Provenance.CORRECTNESS,
-        Axis.PP,
-        lambda s: s.chunks > 1,
-        lambda t, s: t.implies(t.size("interleaved_chunks", s.chunks) > 1, t.present(Axis.PP)),
-        lambda mesh, s: f"an interleaved schedule (v{s.chunks}) splits pipeline stages, and there is no pp axis",
-        lambda mesh, s: {"chunks": s.chunks, "pp": False},
-    ),
-    # Megatron-LM's interleaved schedule (megatron/core/pipeline_parallel/schedules.py,
-    # forward_backward_pipelining_with_interleaving) raises "number of microbatches is not
-    # divisible by pipeline-model-parallel-size when using interleaved schedule". The
-    # mathematics does not need it: any m >= 1 trains the same model.
-    Rule(
-        "megatron_interleaved_m_multiple_of_pp",
-        Provenance.FRAMEWORK,
-        Axis.PP,
-        lambda s: s.chunks > 1 and Axis.PP in s.axes,
-        lambda t, s: t.micro_batches % t.degree(Axis.PP) == 0,
-        lambda mesh, s: (
-            f"Megatron-LM's interleaved schedule needs the micro-batch count to be a multiple of pp "
-            f"(m {s.options.micro_batches}, pp {mesh.get(Axis.PP, 1)}); other engines run it as is"
-        ),
-        lambda mesh, s: {"micro_batches": s.options.micro_batches, "pp": mesh.get(Axis.PP, 1)},
-    ),
+    *(_sp_needs_tp(tp) for tp in _SEQUENCE_PARALLEL),
+    *(_ep_needs_moe(ep) for ep in _EXPERTS),
+    *(_cp_needs_attention(cp) for cp in _SEQUENCE),
+    *(r for pp in _PIPELINE for r in _interleaved_rules(pp)),
 )
 
 

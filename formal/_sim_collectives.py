@@ -156,9 +156,9 @@ class _StateOps:
             # a device's piece is its own slice, not a flat shard: offsets do not apply.
             # A tied embedding is whole on the first and the last stage: along pp its pieces are
             # flat shards between those two (the participants), as for any replicated group.
-            tied = axis is Axis.PP and op.group in self.pl.tied
-            structural = (axis is Axis.PP and not tied) or (
-                axis is Axis.TP and self.pl.computes_sharded(Axis.TP, op.group)
+            tied = axis.kind.is_pipeline and op.group in self.pl.tied
+            structural = (axis.kind.is_pipeline and not tied) or (
+                axis.kind.splits_matrices and self.pl.computes_sharded(axis, op.group)
             )
 
             def piece_of(

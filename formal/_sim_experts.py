@@ -74,7 +74,8 @@ class _Experts:
                 if op.kind is OpKind.ALL_TO_ALL
                 and op.state is State.ACTIVATIONS
                 and op.group == LAYER_IO
-                and op.axis is Axis.EP
+                and op.axis is not None
+                and op.axis.kind.places_experts
                 and op.phase is phase
             ]
             for phase in (Phase.FORWARD, Phase.BACKWARD)

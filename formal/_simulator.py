@@ -109,9 +109,9 @@ class Simulator:
             )
         for axis in self.mesh.axes:
             split = [g for g in model.groups() if pl.computes_sharded(axis, g)]
-            if axis is Axis.EP and split and split != [EXPERTS]:
-                raise SimulationError(f"ep: only the experts' computation is split along ep, not {split}")
-            if axis not in (Axis.TP, Axis.PP, Axis.EP) and split:
+            if axis.kind.places_experts and split and split != [EXPERTS]:
+                raise SimulationError(f"{axis.value}: only the experts' computation is split along it, not {split}")
+            if not (axis.kind.splits_computation or axis.kind.is_pipeline) and split:
                 raise SimulationError(f"{axis.value}: computation split along this axis is not modelled")
         self.layout = _Layout(model, pl, self.mesh)
         self.geometry = _Geometry.of(model, pl, self.mesh)

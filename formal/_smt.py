@@ -97,7 +97,7 @@ from formal._solver import (
 )
 from formal._strategies import Composition
 from formal._verdict import Obligation, Status, Verdict, Violation
-from formal._vocab import Axis, Group, Mode
+from formal._vocab import Group, Mode
 
 DEEPSPEED_PP_NOTE = (
     "DeepSpeed refuses ZeRO-2/3 with pipeline parallelism (DeepSpeed issues #1629, #4164); "
@@ -112,7 +112,7 @@ def _notes(composition: Composition, program: StepProgram) -> list[str]:
     pl = program.placement
     notes: list[str] = []
     m = pl.options.micro_batches
-    if Axis.PP in pl.axes and _int_degree(pl.degree(Axis.PP)) > 1 and isinstance(m, int) and m > 1:
+    if pl.pipelined and _int_degree(pl.pipeline_degree) > 1 and isinstance(m, int) and m > 1:
         sharded = sorted(
             {
                 a.value

@@ -127,7 +127,7 @@ class _IntegrityCase:
 
 def _integrity_case(index: _Index, group: Group, axis: Axis) -> _IntegrityCase:
     degree = index.degrees[axis]
-    if axis is Axis.PP and group in index.placement.tied:
+    if axis.kind.is_pipeline and group in index.placement.tied:
         degree = min(degree, 2)  # a tied embedding lives on the first and the last stage
     host = _reads_host_gradient(index, group)
     entry = index.entry(G, group, axis)

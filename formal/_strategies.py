@@ -47,15 +47,24 @@ from formal.errors import CompositionError
 
 P, O, G, A = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS, State.ACTIVATIONS  # noqa: E741 (the paper's P/O/G/A)
 
-# Activations are split along every data axis (each replica holds its own samples/tokens).
-_ACT_SPLIT = ((A, None), S)
+
+def _activations(axis: Axis) -> tuple[tuple[State, Group | None], Entry]:
+    """Every activation group as the axis' kind holds it by default (``AxisKind.activations``):
+    split along data, context, expert and pipeline axes, whole along tensor-parallel ones."""
+    return ((A, None), Entry(axis.kind.activations))
 
 
 def _data_parallel(
     name: str, p: Entry, o: Entry, g: Entry, description: str, source: str, axis: Axis = Axis.DP
 ) -> Strategy:
     return Strategy(
-        name, axis, None, (((P, None), p), ((O, None), o), ((G, None), g), _ACT_SPLIT), frozenset(), description, source
+        name,
+        axis,
+        None,
+        (((P, None), p), ((O, None), o), ((G, None), g), _activations(axis)),
+        frozenset(),
+        description,
+        source,
     )
 
 
@@ -190,7 +199,7 @@ def pp() -> Strategy:
         "pp",
         Axis.PP,
         None,
-        (((P, None), S), ((O, None), S), ((G, None), S), ((A, None), S)),
+        (((P, None), S), ((O, None), S), ((G, None), S), _activations(Axis.PP)),
         None,
         "pipeline parallelism: layers split into stages",
         "Narayanan et al. 2021, PTD-P, section 2.2",
@@ -202,7 +211,7 @@ def cp() -> Strategy:
         "cp",
         Axis.CP,
         None,
-        (((P, None), R), ((O, None), R), ((G, None), R), _ACT_SPLIT),
+        (((P, None), R), ((O, None), R), ((G, None), R), _activations(Axis.CP)),
         frozenset(),
         "context parallelism: sequence split, K/V exchanged in attention",
         "Megatron-LM context parallelism (ring attention)",
@@ -210,7 +219,9 @@ def cp() -> Strategy:
 
 
 def ep() -> Strategy:
-    entries: list[tuple[tuple[State, Group | None], Entry]] = [((st, EXPERTS), S) for st in (P, O, G)] + [_ACT_SPLIT]
+    entries: list[tuple[tuple[State, Group | None], Entry]] = [((st, EXPERTS), S) for st in (P, O, G)] + [
+        _activations(Axis.EP)
+    ]
     return Strategy(
         "ep",
         Axis.EP,
@@ -323,10 +334,11 @@ class Composition:
 def _layer_share(model: Model, options: Options, degrees: dict[Axis, sp.Expr]) -> sp.Expr | None:
     """Declared uneven stages: the fullest stage holds ceil(L/p) of the L layers (Megatron-LM's
     layout; Llama 3 405B puts 126 layers on 16 stages, 8 on the fullest). None: even split."""
-    if not options.uneven_stages or not isinstance(model, Transformer) or Axis.PP not in degrees:
+    pipeline = next((a for a in degrees if a.kind.is_pipeline), None)
+    if not options.uneven_stages or not isinstance(model, Transformer) or pipeline is None:
         return None
     layers = sp.Integer(model.layers)
-    return sp.ceiling(layers / degrees[Axis.PP]) / layers
+    return sp.ceiling(layers / degrees[pipeline]) / layers
 
 
 def _apply_strategy(rows: dict[Key, dict[Axis, Entry]], strategy: Strategy) -> None:
@@ -339,17 +351,18 @@ def _apply_sequence_parallel(rows: dict[Key, dict[Axis, Entry]]) -> None:
     # split along the sequence across the tensor-parallel group; section 4.3: so are the input
     # embeddings' dropout and the final LayerNorm's and output projection's inputs.
     for group in (LAYER_IO, EMBEDDING_IO, OUTPUT_IO):
-        key = (A, group)
-        if key in rows and Axis.TP in rows[key]:
-            rows[key][Axis.TP] = S
+        for axis in rows.get((A, group), {}):
+            if axis.kind.sequence_parallel:
+                rows[(A, group)][axis] = S
 
 
 def _apply_tied_embeddings(rows: dict[Key, dict[Axis, Entry]], model: Model, mesh: dict[Axis, int]) -> frozenset[Group]:
-    if not model.tied_embeddings or Axis.PP not in mesh:
+    pipeline = next((a for a in mesh if a.kind.is_pipeline), None)
+    if not model.tied_embeddings or pipeline is None:
         return frozenset()
     for st in (P, O, G):
         if (st, EMBEDDING) in rows:
-            rows[(st, EMBEDDING)][Axis.PP] = R  # held by the first and the last stage
+            rows[(st, EMBEDDING)][pipeline] = R  # held by the first and the last stage
     return frozenset({EMBEDDING})
 
 

@@ -33,7 +33,7 @@ def axis_class(program: StepProgram, group: Group, axis: Axis) -> AxisClass:
     pl = program.placement
     match program.origin(group, axis):
         case Origin.PARTIAL:
-            if axis is Axis.CP:
+            if axis.kind.splits_sequence:
                 return AxisClass.SEQUENCE
             return AxisClass.DATA if axis.splits_data else AxisClass.PART
         case Origin.SUMMED:
@@ -61,7 +61,7 @@ def translate(program: StepProgram, group: Group) -> Translated:
         reductions = [op for op in mine if op.state is G and op.kind.is_reduction and op.phase is Phase.GRAD_SYNC]
         if reductions and reductions[0].participants is not None:
             degree = int(reductions[0].participants)  # the tied weight: the two stages holding it
-        elif cls is AxisClass.PART and axis is Axis.PP:
+        elif cls is AxisClass.PART and axis.kind.is_pipeline:
             degree = 2
         if degree == 1:
             continue

@@ -24,7 +24,7 @@ from formal._reference import ReferenceModel
 from formal._simulator import reference_for, simulate_program
 from formal._strategies import LIBRARY, Composition
 from formal._verdict import Status
-from formal._vocab import Axis, State
+from formal._vocab import State
 from proofs._obligation import Obligation, Outcome
 
 SHAPE = Transformer("shape", layers=24, hidden=48, heads=12, vocab=48, seq=24, ffn=96)
@@ -40,7 +40,6 @@ SPLITS: dict[str, tuple[tuple[str, ...], Options]] = {
     "ep": (("ep", "dp"), Options()),
     "pp": (("pp",), Options(micro_batches=4)),
 }
-SIMULATED = {Axis.TP, Axis.CP, Axis.PP}  # the numpy simulator has no experts
 
 
 def _composition(split: str, degree: int) -> Composition:
@@ -49,7 +48,7 @@ def _composition(split: str, degree: int) -> Composition:
 
 
 def _program(comp: Composition) -> tuple[Transformer, StepProgram]:
-    model = MOE_SHAPE if any(s.axis is Axis.EP for s in comp.strategies) else SHAPE
+    model = MOE_SHAPE if any(s.axis.kind.places_experts for s in comp.strategies) else SHAPE
     return model, derive_program(comp.placement(model), model)
 
 
@@ -134,7 +133,7 @@ def necessity(split: str, rule: str) -> Outcome:
         f"{rule}: without its {site.kind.value}, device {witness['device']} holds "
         f"{witness['device_value']} where one device has {witness['single_device']} (replayed exactly)"
     )
-    if site.axis in SIMULATED:
+    if not site.axis.kind.places_experts:  # the numpy simulator has no experts
         reference = reference_for(comp, ReferenceModel())
         transformer = reference.transformer()
         sim_program = _without(derive_program(comp.placement(transformer), transformer), site)

@@ -215,7 +215,12 @@ VIOLATIONS: tuple[Violation, ...] = (
         "missing_kv_exchange",
         "gradient integrity (the loss itself)",
         "context parallelism without the key/value exchange: each block attends only to itself",
-        lambda: _program((("cp", 2),), MLP, Options(), _without(lambda op: op.state is A and op.axis is Axis.CP)),
+        lambda: _program(
+            (("cp", 2),),
+            MLP,
+            Options(),
+            _without(lambda op: op.state is A and op.axis is not None and op.axis.kind.splits_sequence),
+        ),
     ),
     Violation(
         "indivisible_shards",

@@ -1,4 +1,4 @@
-"""The project's structural rules: no module over 700 lines, no import cycle.
+"""The project's structural rules: no module over 700 lines, no import cycle, no axis-name match.
 
 Covers every module of ``formal``, ``checker`` (with ``checker._torch``) and ``proofs``. An
 import counts wherever it is written: at the top of a module, inside a function, or under
@@ -14,6 +14,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("formal", "checker", "proofs")
 MAX_LINES = 700
@@ -23,6 +25,17 @@ OVERSIZED_ALLOWED: dict[str, str] = {}
 
 # Import cycles still present (each one strongly connected set of modules), and why.
 CYCLES_ALLOWED: dict[frozenset[str], str] = {}
+
+# Where the axis kinds (``formal/_axes.py``) say which axis name is which parallelism.
+AXIS_NAME_OWNERS = frozenset({"formal/_vocab.py", "formal/_axes.py"})
+AXIS_MEMBERS = frozenset({"DP", "DPR", "TP", "PP", "CP", "EP"})
+AXIS_VALUES = frozenset({"dp", "dpr", "tp", "pp", "cp", "ep"})
+
+# Modules that still match on axis names, with their count: other work owns them now (the
+# simulator, the z3 encodings, the TOML reader, the exporters). A count may only fall.
+AXIS_NAME_MATCHES_ALLOWED: dict[str, int] = {
+    "formal/_sim_mesh.py": 15,
+}
 
 
 def _modules(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
@@ -154,3 +167,108 @@ def test_the_scanner_sees_function_level_and_type_checking_imports(tmp_path: Pat
     assert graph["pkg.a"] == {"pkg.b"} and graph["pkg.b"] == {"pkg.sub.c"} and graph["pkg.sub.c"] == {"pkg.a"}
     assert graph["pkg.d"] == {"pkg.a"}
     assert cycles(graph) == [frozenset({"pkg.a", "pkg.b", "pkg.sub.c"})]
+
+
+def _is_axis_name(node: ast.expr) -> bool:
+    return (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "Axis"
+        and node.attr in AXIS_MEMBERS
+    )
+
+
+def _names_in(node: ast.expr) -> list[ast.expr]:
+    """``Axis.X`` itself, or the ``Axis.X`` elements of a tuple or list display (a set display
+    is counted where it stands, below)."""
+    if _is_axis_name(node):
+        return [node]
+    if isinstance(node, ast.Tuple | ast.List):
+        return [e for e in node.elts if _is_axis_name(e)]
+    return []
+
+
+def _is_axis_value_test(node: ast.Compare) -> bool:
+    """A comparison of something's ``.value`` with a string that spells an axis (``a.value == "pp"``)."""
+    operands = [node.left, *node.comparators]
+    spelled = any(isinstance(o, ast.Constant) and o.value in AXIS_VALUES for o in operands)
+    return spelled and any(isinstance(o, ast.Attribute) and o.attr == "value" for o in operands)
+
+
+def axis_name_matches(source: str) -> list[int]:
+    """Lines where ``source`` matches on an axis name instead of asking the axis' kind.
+
+    A match is (1) ``Axis.TP`` (any member) as an operand of a comparison (``==``, ``!=``,
+    ``is``, ``is not``, ``in``, ``not in``, orderings), alone or inside a tuple, list or set
+    display there (``axis in (Axis.DP, Axis.DPR)``, ``axes == {Axis.PP}``); (2) ``Axis.TP`` as
+    a ``match`` case pattern (``case Axis.DP | Axis.CP:``); (3) ``Axis.TP`` in a set display
+    anywhere (``{Axis.TP, Axis.CP}``: a set of names kept for a membership test later); (4) an
+    ``x.value`` compared with a string that spells an axis (``axis.value == "pp"``).
+
+    Not a match, and allowed: naming an axis where the name is the data, i.e. constructing
+    (``Strategy("tp", Axis.TP, ...)``, ``Op(..., Axis.TP, ...)``), looking up or passing
+    (``mesh[Axis.PP]``, ``pl.degree(Axis.TP)``, ``{Axis.TP: 8}`` as pins), parsing and printing.
+    Comparing two axis variables (``op.axis is axis``) is not a name match either.
+    """
+    lines: list[int] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            for operand in (node.left, *node.comparators):
+                lines += [n.lineno for n in _names_in(operand)]
+            if _is_axis_value_test(node):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.MatchValue):
+            lines += [n.lineno for n in _names_in(node.value)]
+        elif isinstance(node, ast.Set):
+            lines += [e.lineno for e in node.elts if _is_axis_name(e)]
+    return sorted(lines)
+
+
+def _axis_name_counts() -> dict[str, int]:
+    out: dict[str, int] = {}
+    for path in _modules(ROOT, PACKAGES).values():
+        name = path.relative_to(ROOT).as_posix()
+        if name in AXIS_NAME_OWNERS:
+            continue
+        found = len(axis_name_matches(path.read_text(encoding="utf-8")))
+        if found:
+            out[name] = found
+    return out
+
+
+def test_no_module_matches_on_an_axis_name() -> None:
+    """Consumers ask ``axis.kind`` (``formal/_axes.py``) what an axis does; only ``formal/_axes.py``
+    and ``formal/_vocab.py`` say which name is which kind. Listed modules may not add matches."""
+    counts = _axis_name_counts()
+    grown = {
+        f: (n, AXIS_NAME_MATCHES_ALLOWED.get(f, 0))
+        for f, n in counts.items()
+        if n > AXIS_NAME_MATCHES_ALLOWED.get(f, 0)
+    }
+    assert not grown, f"modules matching on axis names (found, allowed): ask axis.kind instead: {grown}"
+
+
+def test_every_axis_name_match_allowed_is_still_there() -> None:
+    counts = _axis_name_counts()
+    fallen = {f: (counts.get(f, 0), n) for f, n in AXIS_NAME_MATCHES_ALLOWED.items() if counts.get(f, 0) < n}
+    assert not fallen, (
+        f"fewer axis-name matches than allowed (found, allowed): lower AXIS_NAME_MATCHES_ALLOWED: {fallen}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "lines"),
+    [
+        ("if axis is Axis.PP:\n    pass\n", [1]),
+        ("ok = Axis.TP not in pl.axes\n", [1]),
+        ("ok = op.axis in (Axis.DP,\n Axis.DPR)\n", [1, 2]),
+        ("ok = axes == {Axis.DP, Axis.TP}\n", [1, 1]),
+        ("match a:\n    case Axis.DP | Axis.CP:\n        pass\n", [2, 2]),
+        ("NAMES = {Axis.TP, Axis.CP}\n", [1, 1]),
+        ('ok = s.axis.value == "pp"\n', [1]),
+        ("s = Strategy('tp', Axis.TP)\nd = pl.degree(Axis.PP)\nm = mesh[Axis.CP]\npins = {Axis.TP: 8}\n", []),
+        ("ok = op.axis is axis\nok = axis.kind.is_pipeline\nok = name == 'pp'\n", []),
+    ],
+)
+def test_the_axis_name_scanner(source: str, lines: list[int]) -> None:
+    assert axis_name_matches(source) == lines

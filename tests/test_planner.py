@@ -275,6 +275,40 @@ def test_step_time_counts_the_bubble() -> None:
         assert c.bubble_s == pytest.approx(c.compute_s * (p - 1) / m)  # 1F1B, PTD-P section 2.2
 
 
+def test_the_default_space_plans_zero_bubble_pipelines() -> None:
+    """``plan`` considers ZB-H1 (``zb``) beside 1F1B, GPipe and the interleaved schedule, and a zb
+    candidate's costs are the schedule's: its bubble is ZB-H1's (p - 1 + max(0, p - m)) / (3m) of
+    the compute (Qi et al., ICLR 2024, section 2: a third of 1F1B's (p - 1)/m once m >= p), and its
+    vectorised memory and traffic equal the core's exact ones for the same composition."""
+    zb = Pipeline(Schedule.ZERO_BUBBLE_H1)
+    assert {Pipeline(Schedule.ONE_F_ONE_B), Pipeline(Schedule.INTERLEAVED, 2), zb} <= set(Space().pipelines)
+    model = PRESETS["llama2-7b"]
+    assert any(f.pipeline == zb for f in Space().families(model))
+    result = plan(
+        model,
+        Cluster(64, 80 * GB),
+        Workload(256, (1,)),
+        decide=None,
+        space=Space(
+            data=(DataParallel.DP,),
+            pipelines=(zb,),
+            sequence_parallel=(False,),
+            recompute=(Recompute.NONE,),
+            offload=(Offload.NONE,),
+            pins=((Axis.TP, 1),),
+        ),
+    )
+    assert len(result.order)
+    for row in result.order[:6]:
+        c = result.candidate(int(row))
+        assert "xzb" in c.text and family_of(parse(c.text))[0].pipeline == zb
+        p, m = c.degrees[AXES.index(Axis.PP)], c.micro_batches
+        assert c.bubble_s == pytest.approx(c.compute_s * (p - 1 + max(0, p - m)) / (3 * m))
+        mem, comm, _, _ = exact_costs(c, model, result.precision)
+        assert abs(c.memory - mem) <= 1e-9 * mem + 1, c.text
+        assert abs(c.communication - comm) <= 1e-9 * comm + 1, c.text
+
+
 def test_cli_plan_llama3_70b_on_512() -> None:
     _decide_or_skip()
     out = CliRunner().invoke(

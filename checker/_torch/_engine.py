@@ -20,6 +20,7 @@ from torch import nn
 
 from checker._torch._net import Net, NetConfig, batch, init_exact_, loss_fn
 from checker._torch._record import Call, CommRecorder, SavedActivations, local, storage_bytes
+from formal._axes import DATA, DATA_REPLICATE, PIPELINE, TENSOR
 from formal._strategies import Composition
 from formal._vocab import Axis, Mode, Stage, State
 from formal.errors import CompositionError
@@ -40,26 +41,30 @@ class Engine(StrEnum):
 def engine_for(comp: Composition) -> Engine:
     """The engine that implements ``comp``; a composition PyTorch has no engine for is an error."""
     mesh = {a: d for a, d in comp.mesh().items() if d > 1}
-    names = {s.axis: s.name for s in comp.strategies if (s.degree or 1) > 1}
-    axes = set(mesh)
-    dp_name = names.get(Axis.DP)
+    names = {s.axis.kind: s.name for s in comp.strategies if (s.degree or 1) > 1}
+    kinds = {a.kind for a in mesh}  # the harness has an engine per set of parallelism kinds
+    dp_name = names.get(DATA)
     if comp.options.offload_optimizer or comp.options.offload_parameters or comp.options.recompute.value != "none":
         raise CompositionError(f"{comp}: offload and recomputation have no engine in this harness")
-    if axes == {Axis.PP}:
+    if kinds == {PIPELINE}:
         if comp.options.pipeline_schedule.pytorch is None:
             raise CompositionError(f"{comp}: {comp.options.schedule.value} schedules are not run by this harness")
         return Engine.PIPELINE
-    if axes == {Axis.TP}:
+    if kinds == {TENSOR}:
         return Engine.TP
-    if axes == {Axis.DP} and dp_name in ("dp", "ddp"):
+    if kinds == {DATA} and dp_name in ("dp", "ddp"):
         return Engine.DDP
-    if axes == {Axis.DP} and dp_name == "zero1":
+    if kinds == {DATA} and dp_name == "zero1":
         return Engine.ZERO1
-    if axes == {Axis.DP} and dp_name in ("fsdp", "fsdp-sgo", "zero3", "hsdp"):
+    if kinds == {DATA} and dp_name in ("fsdp", "fsdp-sgo", "zero3", "hsdp"):
         return Engine.FSDP
-    if axes == {Axis.DP, Axis.TP} and dp_name in ("fsdp", "fsdp-sgo", "zero3"):
+    if kinds == {DATA, TENSOR} and dp_name in ("fsdp", "fsdp-sgo", "zero3"):
         return Engine.FSDP_TP
-    if axes == {Axis.DP, Axis.DPR} and dp_name in ("fsdp", "fsdp-sgo", "zero3", "hsdp") and names[Axis.DPR] == "dpr":
+    if (
+        kinds == {DATA, DATA_REPLICATE}
+        and dp_name in ("fsdp", "fsdp-sgo", "zero3", "hsdp")
+        and names[DATA_REPLICATE] == "dpr"
+    ):
         return Engine.HSDP
     raise CompositionError(
         f"{comp}: no PyTorch engine for this composition in the harness (DDP, ZeRO-1, FSDP, TP, FSDP+TP, HSDP, PP)"

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import sympy as sp
 
 from checker._torch._record import Call
+from formal._axes import DATA, TENSOR, AxisKind
 from formal._costs import (
     activation_memory,
     holds_io_activations,
@@ -165,13 +166,13 @@ def _int(x: sp.Expr) -> int:
 
 
 def stage_of(pl: Placement, rank: int) -> Stage:
-    return Stage.of(rank, int(pl.degree(Axis.PP)))
+    return Stage.of(rank, int(pl.pipeline_degree))
 
 
 def on_stage(pl: Placement, t: Tensor, rank: int) -> bool:
     """Whether pipeline rank ``rank`` holds tensor ``t`` (layers split evenly, first-stage and
     last-stage groups on their stage)."""
-    model_p = int(pl.degree(Axis.PP))
+    model_p = int(pl.pipeline_degree)
     if model_p == 1:
         return True
     stage = stage_of(pl, rank)
@@ -197,7 +198,7 @@ def predict(
         grads += _ddp_reduced_bytes(program, precision)
     if impl.tp_embedding_full_gradient:
         grads += _embedding_gradient_replicas(pl, model, precision, stage)
-    index = rank if int(pl.degree(Axis.PP)) > 1 else None  # pipeline rank r runs stage r
+    index = rank if int(pl.pipeline_degree) > 1 else None  # pipeline rank r runs stage r
     act = activation_memory(pl, model, precision, stage, index)
     assert act is not None
     act += _sequence_parallel_gathered_inputs(pl, model, impl, precision, stage, index)
@@ -213,11 +214,12 @@ def _sequence_parallel_gathered_inputs(
     stage: Stage,
     index: int | None = None,
 ) -> sp.Expr:
-    t = pl.degree(Axis.TP)
-    if not impl.sp_saves_gathered_inputs or t == 1 or not pl.mode(A, _layer_io(), Axis.TP).is_sharded:
+    tp = pl.axis_where(lambda kind: kind is TENSOR)
+    t = sp.Integer(1) if tp is None else pl.degree(tp)
+    if not impl.sp_saves_gathered_inputs or tp is None or t == 1 or not pl.mode(A, _layer_io(), tp).is_sharded:
         return sp.Integer(0)
     sbh = sp.Integer(model.seq * model.micro_batch * model.hidden)
-    layers = sp.Integer(model.layers) / pl.degree(Axis.PP)
+    layers = sp.Integer(model.layers) / pl.pipeline_degree
     whole = precision.activations * sbh * (1 - 1 / t)  # one gathered input beyond its shard
     extra = 2 * whole * layers  # the QKV and FC1 inputs
     if holds_io_activations(pl, OUTPUT_IO, stage):
@@ -225,8 +227,13 @@ def _sequence_parallel_gathered_inputs(
     return exact(extra * (in_flight_micro_batches(pl, stage) if index is None else stage_in_flight(pl, index)))
 
 
+def _on(op: Op, kind: AxisKind) -> bool:
+    """Whether ``op`` runs along an axis of ``kind`` (PyTorch's engines are chosen by kind)."""
+    return op.axis is not None and op.axis.kind is kind
+
+
 def _has_ddp_buckets(program: StepProgram) -> bool:
-    return any(op.kind is OpKind.ALL_REDUCE and op.state is G and op.axis is Axis.DP for op in program.ops)
+    return any(op.kind is OpKind.ALL_REDUCE and op.state is G and _on(op, DATA) for op in program.ops)
 
 
 def _ddp_reduced_bytes(program: StepProgram, precision: Precision) -> sp.Expr:
@@ -234,7 +241,7 @@ def _ddp_reduced_bytes(program: StepProgram, precision: Precision) -> sp.Expr:
         (
             op.elements * precision.bytes_of(G)
             for op in program.ops
-            if op.kind is OpKind.ALL_REDUCE and op.state is G and op.axis is Axis.DP
+            if op.kind is OpKind.ALL_REDUCE and op.state is G and _on(op, DATA)
         ),
         sp.Integer(0),
     )
@@ -243,14 +250,15 @@ def _ddp_reduced_bytes(program: StepProgram, precision: Precision) -> sp.Expr:
 def _embedding_gradient_replicas(pl: Placement, model: Transformer, precision: Precision, stage: Stage) -> sp.Expr:
     """The full-vocabulary gradient DTensor keeps on each tp rank, beyond the rank's shard,
     while the gradient is the persistent one (not reduce-scattered away by FSDP)."""
-    if Axis.TP not in pl.axes or EMBEDDING not in pl.groups(G) or not pl.computes_sharded(Axis.TP, EMBEDDING):
+    tp = pl.axis_where(lambda kind: kind is TENSOR)
+    if tp is None or EMBEDDING not in pl.groups(G) or not pl.computes_sharded(tp, EMBEDDING):
         return sp.Integer(0)
     if any(pl.mode(G, EMBEDDING, ax).is_sharded for ax in pl.axes if ax.splits_data):
         return sp.Integer(0)
-    if stage != Stage.FIRST and int(pl.degree(Axis.PP)) > 1:
+    if stage != Stage.FIRST and int(pl.pipeline_degree) > 1:
         return sp.Integer(0)
     shard = shard_elements(pl, G, EMBEDDING, sp.Integer(model.group_elements()[EMBEDDING]), None, stage)
-    return (shard * pl.degree(Axis.TP) - shard) * precision.bytes_of(G)
+    return (shard * pl.degree(tp) - shard) * precision.bytes_of(G)
 
 
 def _calls(
@@ -258,7 +266,7 @@ def _calls(
 ) -> Iterator[Call]:
     tensors = parameter_tensors(model)
     stage = stage_of(pl, rank)
-    p = int(pl.degree(Axis.PP))
+    p = int(pl.pipeline_degree)
     per_stage = model.layers // p
     my_layers = set(range(rank * per_stage, (rank + 1) * per_stage)) if p > 1 else set(range(model.layers))
     # Registration order is kept: DDP's buckets follow it (reversed).
@@ -288,13 +296,13 @@ def _state_calls(
     pl: Placement, op: Op, n: int, wire: int, count: int, ts: list[Tensor], impl: Implementation
 ) -> Iterator[Call]:
     """Per-tensor calls (DTensor); FSDP-unit and DDP-bucket calls are emitted elsewhere."""
-    if op.axis in (Axis.DP, Axis.DPR) and op.state in (P, G):
+    if op.axis is not None and op.axis.kind.is_data and op.state in (P, G):
         return  # cut into FSDP units or DDP buckets below
-    if op.axis is Axis.TP and op.kind is OpKind.ALL_REDUCE and op.state is G:
+    if _on(op, TENSOR) and op.kind is OpKind.ALL_REDUCE and op.state is G:
         if op.group is ROW_BIAS and impl.tp_row_bias_before_reduction:
             return
         for t in ts:
-            elements = shard_elements(pl, G, t.group, sp.Integer(t.elements), Axis.TP)
+            elements = shard_elements(pl, G, t.group, sp.Integer(t.elements), op.axis)
             yield from [Call(op.kind, n, _int(elements) * wire)] * count
         return
     raise AssertionError(f"no engine mapping for {op}")
@@ -314,9 +322,9 @@ def _fsdp_unit_calls(
 ) -> Iterator[Call]:
     seen: set[tuple[OpKind, Axis, str]] = set()
     for op in program.ops:
-        if op.axis not in (Axis.DP, Axis.DPR) or op.state not in (P, G):
+        if op.axis is None or not op.axis.kind.is_data or op.state not in (P, G):
             continue
-        if op.kind is OpKind.ALL_REDUCE and op.axis is Axis.DP:
+        if op.kind is OpKind.ALL_REDUCE and _on(op, DATA):
             continue  # DDP buckets
         key = (op.kind, op.axis, op.phase.value)
         if key in seen:
@@ -342,12 +350,14 @@ def _ddp_bucket_calls(
 ) -> Iterator[Call]:
     if not _has_ddp_buckets(program):
         return
-    n = int(pl.degree(Axis.DP))
+    dp = pl.axis_where(lambda kind: kind is DATA)
+    assert dp is not None  # DDP buckets run along the data axis
+    n = int(pl.degree(dp))
     wire = precision.wire_bytes_of(G)
     caps = [impl.ddp_first_bucket_bytes]
     size = 0
     for t in reversed(ts):
-        size += _int(shard_elements(pl, G, t.group, sp.Integer(t.elements), Axis.DP)) * wire
+        size += _int(shard_elements(pl, G, t.group, sp.Integer(t.elements), dp)) * wire
         if size >= caps[-1]:
             yield Call(OpKind.ALL_REDUCE, n, size)
             caps.append(impl.ddp_bucket_bytes)
@@ -358,9 +368,10 @@ def _ddp_bucket_calls(
 
 def _loss_parallel_calls(pl: Placement, model: Transformer, impl: Implementation, stage: Stage) -> Iterator[Call]:
     """``loss_parallel``'s fp32 per-token all-reduces on the last stage, when tp splits the head."""
-    t = int(pl.degree(Axis.TP))
+    tp = pl.axis_where(lambda kind: kind is TENSOR)
+    t = 1 if tp is None else int(pl.degree(tp))
     head = HEAD if HEAD in pl.groups(P) else EMBEDDING
-    if t == 1 or not holds_io_activations(pl, OUTPUT_IO, stage) or not pl.computes_sharded(Axis.TP, head):
+    if tp is None or t == 1 or not holds_io_activations(pl, OUTPUT_IO, stage) or not pl.computes_sharded(tp, head):
         return
     tokens = model.micro_batch * model.seq * 4  # the loss's statistics are fp32
     yield from [Call(OpKind.ALL_REDUCE, t, tokens)] * (impl.tp_loss_reductions * pl.options.micro_batches)

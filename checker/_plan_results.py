@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from checker._numbers import gb
-from checker._parse import parse
 from checker._plan_costs import StepTimeModel
 from checker._plan_space import (
     _CP,
@@ -83,7 +82,7 @@ class Candidate:
         return self.compute_s + self.bubble_s + self.communication_s + self.host_s
 
     def composition(self) -> Composition:
-        return parse(self.text)
+        return self.family.composition(self.degrees, self.micro_batches, self.uneven)
 
     def framework_notes(self, model: Model) -> tuple[str, ...]:
         """The framework rules this candidate breaks (``check`` prints the same notes)."""

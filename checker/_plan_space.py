@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 import numpy as np
@@ -19,7 +19,7 @@ import sympy as sp
 from formal._model import Model, ParameterCount
 from formal._placement import Options, Recompute, Schedule, Strategy
 from formal._schedules import schedule_of
-from formal._strategies import LIBRARY
+from formal._strategies import LIBRARY, Composition
 from formal._vocab import Axis
 from formal.errors import InputError
 
@@ -133,21 +133,41 @@ class Family:
             micro_batches=micro_batches,
         )
 
+    def composition(self, degrees: Sequence[int], micro_batches: int, uneven: bool = False) -> Composition:
+        """The family's member at ``degrees`` (in ``AXES`` order), built directly: the planner's
+        one route from a family to a ``Composition``. Degree-1 axes are left out, as the
+        canonical text leaves them out. ``uneven``: the layers do not divide by pp, so the
+        composition declares uneven stages."""
+        d = dict(zip(AXES, degrees, strict=True))
+        strategies: list[Strategy] = [
+            LIBRARY[axis.value]().with_degree(d[axis]) for axis in (Axis.TP, Axis.CP, Axis.EP) if d[axis] > 1
+        ]
+        data = self.data.strategies()
+        if self.data is DataParallel.HSDP:
+            strategies += [data[0].with_degree(d[Axis.DP]), data[1].with_degree(d[Axis.DPR])]
+        elif d[Axis.DP] > 1 or self.data is not DataParallel.DP:
+            strategies.append(data[0].with_degree(d[Axis.DP]))
+        if self.pipeline is not None:
+            strategies.append(LIBRARY["pp"]().with_degree(d[Axis.PP]))
+        if not strategies:
+            strategies.append(LIBRARY["dp"]().with_degree(1))  # one device: a strategy is needed
+        options = replace(
+            self.options(micro_batches),
+            sequence_parallel=self.sequence_parallel and d[Axis.TP] > 1,
+            uneven_stages=uneven and self.pipeline is not None,
+        )
+        return Composition(tuple(strategies), options, self._modifier_terms(d[Axis.TP], micro_batches, uneven))
+
     def text(self, degrees: Sequence[int], micro_batches: int, uneven: bool = False) -> str:
         """The composition in the composition language, canonical (``str(parse(text)) == text``):
-        strategies, then modifiers; degree-1 axes are left out. ``uneven``: the layers do not
-        divide by pp, so the composition declares uneven stages."""
-        d = dict(zip(AXES, degrees, strict=True))
-        terms: list[str] = [f"{axis.value}{d[axis]}" for axis in (Axis.TP, Axis.CP, Axis.EP) if d[axis] > 1]
-        if self.data is DataParallel.HSDP:
-            terms += [f"hsdp{d[Axis.DP]}", f"dpr{d[Axis.DPR]}"]
-        elif d[Axis.DP] > 1 or self.data is not DataParallel.DP:
-            terms.append(f"{self.data.value}{d[Axis.DP]}")
-        if self.pipeline is not None:
-            terms.append(f"pp{d[Axis.PP]}")
-        if not terms:
-            terms.append("dp1")  # one device: the composition language needs a strategy
-        if self.sequence_parallel and d[Axis.TP] > 1:
+        strategies, then modifiers; degree-1 axes are left out."""
+        return str(self.composition(degrees, micro_batches, uneven))
+
+    def _modifier_terms(self, tp: int, micro_batches: int, uneven: bool) -> tuple[str, ...]:
+        """The modifier terms of a member, in the planner's order: sp, the schedule, uneven, m,
+        recomputation, offload."""
+        terms: list[str] = []
+        if self.sequence_parallel and tp > 1:
             terms.append("sp")
         if self.pipeline is not None:
             terms += self.pipeline.modifiers
@@ -165,7 +185,7 @@ class Family:
             case _:
                 raise AssertionError(self.recompute)
         terms += self.offload.modifiers
-        return "x".join(terms)
+        return tuple(terms)
 
 
 # --- inputs -------------------------------------------------------------------------------

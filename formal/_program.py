@@ -16,6 +16,7 @@ from formal._exact import exact
 from formal._model import Model, Transformer
 from formal._placement import Entry, Placement, Recompute
 from formal._vocab import (
+    ATTENTION,
     EMBEDDING,
     EMBEDDING_IO,
     EXPERTS,
@@ -26,6 +27,7 @@ from formal._vocab import (
     LAYER_GROUPS,
     LAYER_IO,
     LINEAR_INNER,
+    MLP,
     NORM,
     OUTPUT_IO,
     ROUTER,
@@ -39,6 +41,7 @@ from formal._vocab import (
     Stage,
     State,
 )
+from formal.errors import InputError
 
 P, O, G, A = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS, State.ACTIVATIONS  # noqa: E741 (the paper's P/O/G/A)
 
@@ -269,22 +272,12 @@ def derive_program(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr] |
 
 
 def _fetch_parameters(pl: Placement, g: Group, size: sp.Expr, m: sp.Expr, phase: Phase) -> list[Op]:
-    ops: list[Op] = []
     # An offloaded shard comes to the device before it can be gathered (ZeRO-Infinity); the
     # other order gathers shards that are not there yet (found by the simulator).
-    if pl.local_mode(P, g) is Mode.OFFLOADED:
-        ops.append(
-            Op(
-                OpKind.HOST_TO_DEVICE,
-                P,
-                g,
-                None,
-                phase,
-                shard_elements(pl, P, g, size, None),
-                m,
-                note="fetch offloaded parameters",
-            )
-        )
+    fetch = Op(
+        OpKind.HOST_TO_DEVICE, P, g, None, phase, shard_elements(pl, P, g, size, None), m, note="fetch offloaded"
+    )
+    ops: list[Op] = [fetch] if pl.local_mode(P, g) is Mode.OFFLOADED else []
     # Gathers along several axes run in mesh order, each on what the earlier ones (and, in the
     # backward, the forward's held ones) made whole: ZeRO++ hpZ's forward gathers within the node,
     # then across nodes, and its backward within the node only, from the held secondary copy.
@@ -460,8 +453,12 @@ class _ActivationOps:
 
     def _tp_ops(self, phase: Phase, recompute_again: bool) -> list[Op]:
         t = self.pl.degree(Axis.TP)
-        if Axis.TP not in self.pl.axes or t == 1:
-            return []
+        blocks = {ATTENTION, MLP, EXPERTS} & set(self.pl.groups(P))  # a layer's attention and FFN
+        split = {self.pl.computes_sharded(Axis.TP, g) for g in blocks}
+        if Axis.TP not in self.pl.axes or t == 1 or (True not in split and not self.pl.options.sequence_parallel):
+            return []  # whole blocks on every rank: nothing to sum
+        if len(split) != 1 or True not in split:  # Megatron's f/g pairs around both blocks, or none
+            raise InputError("tp: the computation of attention and mlp must both be split (or neither, without sp)")
         assert isinstance(self.model, Transformer)
         per_layer = self._layers_per_stage() * self.m
         if recompute_again:

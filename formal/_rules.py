@@ -267,7 +267,7 @@ def _split_compute_rule(axis: Axis) -> Rule:
     replica, each rank's gradient is right on its own slice only, and the update it drives leaves
     the rest of its replicated parameters stale (one device updates all of them every step).
     Sharding the gradient along the axis (G = "S") is what Megatron-LM's tensor parallelism does;
-    sharded parameters are then refreshed from it by the derived program (or already sharded)."""
+    parameters left replicated are then refreshed from the sharded update by the derived program."""
     count = f"split_groups_replicated_gradient_{axis.value}"
 
     def explain(mesh: Mapping[Axis, int], s: Setting) -> str:

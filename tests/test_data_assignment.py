@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from checker._parse import parse
 from checker._plan_rules import _ArrayTerms, family_rules
 from checker._planner import AXES, DataParallel, Family, Offload
-from formal._model import DEFAULT_PRECISION, Transformer
+from formal._model import DEFAULT_PRECISION, Model
 from formal._placement import Entry, Options, Recompute, Strategy
 from formal._presets import PRESETS
 from formal._program import StepProgram, derive_program
@@ -56,7 +56,7 @@ MODES = {"R": Entry(Mode.REPLICATED), "S": Entry(Mode.SHARDED), "S*": Entry(Mode
 DATA_PLACEMENTS = (("R", "R", "R"), ("R", "S", "R"), ("R", "S", "S"), ("S*", "S", "S"))
 
 
-def verdict_of(composition: Composition, model: Transformer = GPT) -> Verdict:
+def verdict_of(composition: Composition, model: Model = GPT) -> Verdict:
     return decide(composition, derive_program(composition.placement(model), model), model)
 
 

@@ -260,7 +260,12 @@ class _AxisRun:
                             self.hold[(False, i, op.state)].update(self.hold[(True, i, op.state)])
                     case OpKind.DEVICE_TO_HOST:
                         for i in range(self.d):
-                            self.hold[(True, i, op.state)].update(self.hold[(False, i, op.state)])
+                            host, device = self.hold[(True, i, op.state)], self.hold[(False, i, op.state)]
+                            # The copy writes the whole host buffer: where the device holds nothing
+                            # (freed, never fetched) the host gets the device buffer's junk.
+                            for k in host.keys() - device.keys():
+                                host[k] = self.fresh_junk()
+                            host.update(device)
                     case OpKind.COMPUTE:
                         self.compute(op, gradient, where)
                         produced = produced or op.phase is Phase.BACKWARD

@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -292,3 +293,19 @@ def test_the_cli_proves_zero2_with_parameter_offload_and_the_simulator_agrees() 
     doc = json.loads(result.stdout)
     assert doc["verdict"]["status"] == "proved"
     assert doc["simulation"]["matches"] is True
+
+
+@pytest.mark.parametrize("text", ["zero32xoffload-params", "zero22xoffload-params"])
+def test_a_copy_to_the_host_of_parameters_the_device_does_not_hold_is_refuted(text: str) -> None:
+    """Was a z3 false proof, found by the differential run once the refresh above went through
+    the device: a device-to-host copy of offloaded parameters before the step's first fetch
+    writes the device buffer's junk over the host copy, so the fetch then reads junk where one
+    device reads its parameters. z3 took it for a no-op (the simulator diverged): now refuted."""
+    composition = parse(text)
+    for model in (GPT, reference_for(composition).transformer()):
+        program = derive_program(composition.placement(model), model)
+        early = replace(next(op for op in program.ops if op.kind is OpKind.HOST_TO_DEVICE), kind=OpKind.DEVICE_TO_HOST)
+        mutated = program.with_ops([early, *program.ops])
+        assert decide(composition, mutated, model).status is Status.REFUTED, text
+    result = simulate_program(mutated, reference_for(composition), steps=1)
+    assert not result.matches and result.divergence is not None and result.divergence.state is P

@@ -188,8 +188,9 @@ def test_split_computation_over_a_replicated_gradient_is_refuted_and_diverges(
     diverges); a sharded gradient is exactly the slice (proved, matches). At degree 1 the one
     slice is the whole group; with neither block split every rank computes the whole layer, and
     summing block outputs across tp would count it d times, so the derived program sums nothing
-    (proved, matches; the derivation summed them, and z3, blind to activation values, proved it
-    while the simulator diverged). One block split alone is refused, not guessed."""
+    (proved, matches; the derivation summed them, and z3, whose activation obligations ask for
+    the sums a split needs, not against sums nothing needs, proved it while the simulator
+    diverged). One block split alone is refused, not guessed."""
     composition, stale, representable = case
     if not representable:
         with pytest.raises(InputError, match="attention and mlp"):

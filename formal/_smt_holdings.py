@@ -369,9 +369,17 @@ class _AxisRun:
                 own = self.partition(entry, i)
                 self.hold[(False, i, P)] = {k: v for k, v in self.hold[(False, i, P)].items() if k in own}
 
+    def in_place(self, updater: Holder, chunk: int) -> bool:
+        """Offloaded parameters live on the host: an optimizer on the device reads and writes them
+        there in place, whatever transient copy the device holds (as the simulator does)."""
+        host, device, state = updater
+        return not host and state is P and self.local[P] is Mode.OFFLOADED and chunk in self.hold[(True, device, P)]
+
     def read_for_update(self, updater: Holder, chunk: int) -> _T:
         """What an update reads for ``chunk``: its copy, else its one shard (misaligned), else junk."""
         host, device, state = updater
+        if self.in_place(updater, chunk):
+            return self.hold[(True, device, P)][chunk]
         held = self.hold[updater]
         if chunk in held:
             return held[chunk]
@@ -410,6 +418,8 @@ class _AxisRun:
 
     def write_target(self, updater: Holder, chunk: int) -> tuple[Holder, int] | None:
         host, device, state = updater
+        if self.in_place(updater, chunk):
+            return (True, device, P), chunk
         if chunk in self.hold[updater]:
             return updater, chunk
         if not host and chunk in self.hold[(True, device, state)]:

@@ -310,3 +310,22 @@ def test_a_copy_to_the_host_of_parameters_the_device_does_not_hold_is_refuted(te
         assert decide(composition, mutated, model).status is Status.REFUTED, text
     result = simulate_program(mutated, reference_for(composition), steps=1)
     assert not result.matches and result.divergence is not None and result.divergence.state is P
+
+
+def test_an_optimizer_on_the_device_updates_offloaded_parameters_where_they_live() -> None:
+    """Was a z3 false refutation, found by the same run: FSDP SHARD_GRAD_OP with offloaded
+    parameters, the backward's (redundant) fetch moved after the backward. The device then holds
+    a transient copy of its shard at the optimizer step; the parameters live on the host, so the
+    update goes there, the next forward fetches the updated values, and one device's training is
+    reproduced (the simulator matched). z3 updated the device copy and left the host stale."""
+    composition = parse("fsdp-sgo2xoffload-params")
+    model = reference_for(composition).transformer()
+    program = derive_program(composition.placement(model), model)
+    ops = list(program.ops)
+    i = next(k for k, op in enumerate(ops) if op.kind is OpKind.HOST_TO_DEVICE and op.phase is Phase.BACKWARD)
+    fetch = ops.pop(i)
+    j = next(k for k, op in enumerate(ops) if op.phase is Phase.GRAD_SYNC)
+    ops.insert(j, replace(fetch, phase=Phase.GRAD_SYNC))
+    mutated = program.with_ops(ops)
+    assert decide(composition, mutated, model).status is Status.PROVED
+    assert simulate_program(mutated, reference_for(composition), steps=1).matches

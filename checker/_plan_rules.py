@@ -16,6 +16,7 @@ from checker._numbers import MAX_DEGREE
 from checker._plan_space import _DP, _DPR, _EP, _PP, AXES, Bools, DataParallel, Family, Ints
 from formal._model import Model
 from formal._rules import Provenance, Setting, applicable
+from formal._strategies import LIBRARY
 from formal._vocab import Axis
 
 
@@ -59,8 +60,11 @@ class _ArrayTerms:
 
 
 def family_setting(family: Family, model: Model, uneven: bool) -> Setting:
-    """The rules' setting of a family: its modifiers, every axis of the planner's mesh."""
-    return Setting(model, replace(family.options(1), uneven_stages=uneven), frozenset(AXES))
+    """The rules' setting of a family: its modifiers, every axis of the planner's mesh, and the
+    library strategies it places with (its data strategy, tp, cp, ep, pp), whose modes the
+    placement rules (split computation, data assignment) read."""
+    strategies = (*family.data.strategies(), *(LIBRARY[a.value]() for a in (Axis.TP, Axis.CP, Axis.EP, Axis.PP)))
+    return Setting(model, replace(family.options(1), uneven_stages=uneven), frozenset(AXES), strategies=strategies)
 
 
 def family_rules(family: Family, model: Model, uneven: bool, deg: Ints, m: Ints) -> dict[str, Bools]:

@@ -4,9 +4,10 @@ Each axis kind lists its exchanges (``formal._axes.AxisKind.exchanges``); this m
 which of them a placement's split brings, once, for both readers: the step program's builder
 (``formal._program``, ``required=False``: the ops it emits) and the verifier's activation flow
 (``formal._activation_flow``, ``required=True``: the exchanges z3 must find completed). The two
-differ in one place only: a split layer's exchange (``Split.LAYER``) is emitted whenever the axis
-is split, and required only when some parameter group's computation is split along it (a tp
-axis over replicated matrices computes whole values; its all-reduces are redundant, not needed).
+differ in one place only: a split layer's exchange (``Split.LAYER``) along an expert axis is
+emitted whenever the axis is split, and required only when some parameter group's computation is
+split along it. Along a tensor axis both follow whether the layer's blocks are split
+(``_matrix_blocks_split``): over whole blocks nothing is summed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 from formal._axes import Axis, Exchange, Place, Split
 from formal._model import Model, Transformer
 from formal._placement import Placement, Recompute
-from formal._terms import EMBEDDING, HEAD, LAYER_IO, Group, Phase, State
+from formal._terms import ATTENTION, EMBEDDING, EXPERTS, HEAD, LAYER_IO, MLP, Group, Phase, State
+from formal.errors import InputError
 
 A = State.ACTIVATIONS
 
@@ -41,11 +43,30 @@ def exchanged_group(pl: Placement, axis: Axis, exchange: Exchange) -> Group:
     return exchange.group if (A, exchange.group) in keys else LAYER_IO
 
 
+def _matrix_blocks_split(pl: Placement, axis: Axis) -> bool:
+    """Whether a layer's blocks are split by rows and columns along ``axis`` (Megatron-LM's f/g
+    pairs around attention and the FFN, Shoeybi et al. 2019, section 3): then each block's
+    output is a partial sum to exchange. With neither block split (and no sequence parallelism)
+    every rank computes whole values and there is nothing to sum: summing would count each layer
+    d times. One block split alone, or sequence parallelism over whole blocks, is not modelled."""
+    blocks = {ATTENTION, MLP, EXPERTS} & set(pl.groups(State.PARAMETERS))
+    split = {pl.computes_sharded(axis, g) for g in blocks}
+    if True not in split and not pl.options.sequence_parallel:
+        return False
+    if split != {True}:
+        raise InputError(
+            f"{axis.value}: the computation of attention and mlp must both be split (or neither, without sp)"
+        )
+    return True
+
+
 def _split_computation(pl: Placement, axis: Axis, split: Split, required: bool) -> bool:
     match split:
         case Split.NONE:
             return True
         case Split.LAYER:
+            if axis.kind.splits_matrices:
+                return _matrix_blocks_split(pl, axis)
             return not required or any(pl.computes_sharded(axis, g) for g in pl.groups(State.PARAMETERS))
         case Split.INPUT:
             return pl.computes_sharded(axis, EMBEDDING)

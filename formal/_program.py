@@ -208,7 +208,7 @@ def derive_program(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr] |
        scale summed expert gradients, copy offloaded gradients to the host;
     4. the optimizer step on the optimizer's shards;
     5. refresh: all-gather replicated parameters updated from sharded optimizer state, copy
-       host-updated parameters back.
+       host-updated parameters back (offloaded replicas: to the device, gathered, to the host).
     """
     sizes = dict(sizes) if sizes is not None else group_sizes(model)
     m = sp.sympify(pl.options.micro_batches)  # a symbol in the planner's derivations
@@ -249,22 +249,12 @@ def derive_program(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr] |
 
 
 def _fetch_parameters(pl: Placement, g: Group, size: sp.Expr, m: sp.Expr, phase: Phase) -> list[Op]:
-    ops: list[Op] = []
     # An offloaded shard comes to the device before it can be gathered (ZeRO-Infinity); the
     # other order gathers shards that are not there yet (found by the simulator).
-    if pl.local_mode(P, g) is Mode.OFFLOADED:
-        ops.append(
-            Op(
-                OpKind.HOST_TO_DEVICE,
-                P,
-                g,
-                None,
-                phase,
-                shard_elements(pl, P, g, size, None),
-                m,
-                note="fetch offloaded parameters",
-            )
-        )
+    fetch = Op(
+        OpKind.HOST_TO_DEVICE, P, g, None, phase, shard_elements(pl, P, g, size, None), m, note="fetch offloaded"
+    )
+    ops: list[Op] = [fetch] if pl.local_mode(P, g) is Mode.OFFLOADED else []
     # Gathers along several axes run in mesh order, each on what the earlier ones (and, in the
     # backward, the forward's held ones) made whole: ZeRO++ hpZ's forward gathers within the node,
     # then across nodes, and its backward within the node only, from the held secondary copy.
@@ -376,37 +366,36 @@ def _sync_gradients(
 
 
 def _refresh_parameters(pl: Placement, g: Group, size: sp.Expr) -> list[Op]:
-    ops: list[Op] = []
+    def transfer(kind: OpKind, state: State, note: str) -> Op:
+        return Op(kind, P, g, None, Phase.REFRESH, shard_elements(pl, state, g, size, None), note=note)
+
+    gathers = [
+        Op(
+            OpKind.ALL_GATHER,
+            P,
+            g,
+            axis,
+            Phase.REFRESH,
+            shard_elements(pl, P, g, size, axis),
+            offset=o.offset,
+            note="refresh replicas after a sharded update",
+        )
+        for axis in pl.axes
+        if pl.entry(P, g, axis).mode is Mode.REPLICATED and (o := pl.entry(O, g, axis)).mode.is_sharded
+    ]
+    if pl.local_mode(P, g) is Mode.OFFLOADED:
+        # Offloaded replicas (ZeRO-1/2 with offload-params): the update wrote the host copy on the
+        # optimizer's shard only; the gather runs on the device, so the copy comes to it and goes
+        # back, or the next fetch reads the other shards' old values (ZeRO-Infinity, SC'21).
+        if not gathers:
+            return []
+        to_device = transfer(OpKind.HOST_TO_DEVICE, P, "updated shard to the device for the gather")
+        return [to_device, *gathers, transfer(OpKind.DEVICE_TO_HOST, P, "refreshed replica back to the host")]
     # The host-updated shard comes back first, then replicas are refreshed from it (ZeRO-Offload);
     # gathering first would spread the shards' old values (found by the simulator).
-    if pl.local_mode(O, g) is Mode.OFFLOADED and pl.local_mode(P, g) is not Mode.OFFLOADED:
-        ops.append(
-            Op(
-                OpKind.HOST_TO_DEVICE,
-                P,
-                g,
-                None,
-                Phase.REFRESH,
-                shard_elements(pl, O, g, size, None),
-                note="updated parameters back from the host",
-            )
-        )
-    for axis in pl.axes:
-        p_entry, o_entry = pl.entry(P, g, axis), pl.entry(O, g, axis)
-        if p_entry.mode is Mode.REPLICATED and o_entry.mode.is_sharded:
-            ops.append(
-                Op(
-                    OpKind.ALL_GATHER,
-                    P,
-                    g,
-                    axis,
-                    Phase.REFRESH,
-                    shard_elements(pl, P, g, size, axis),
-                    offset=o_entry.offset,
-                    note="refresh replicas after a sharded update",
-                )
-            )
-    return ops
+    if pl.local_mode(O, g) is Mode.OFFLOADED:
+        return [transfer(OpKind.HOST_TO_DEVICE, O, "updated parameters back from the host"), *gathers]
+    return gathers
 
 
 class _ActivationOps:

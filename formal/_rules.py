@@ -31,9 +31,9 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from formal._model import Model, Transformer
-from formal._placement import Options
+from formal._placement import Options, Strategy
 from formal._strategies import Composition
-from formal._vocab import Axis, AxisKind
+from formal._vocab import ACTIVATION_GROUPS, IO_ACTIVATION_GROUPS, Axis, AxisKind, Group, State
 
 
 class Provenance(StrEnum):
@@ -67,6 +67,7 @@ class Setting:
     axes: frozenset[Axis]  # the axes the composition (or the planner's family) places on
     devices: int | None = None  # the device count the degrees must multiply to, when given
     strategies_on: Mapping[Axis, tuple[str, ...]] = field(default_factory=dict)  # terms per axis
+    strategies: tuple[Strategy, ...] = ()  # the strategies themselves: the placement rules read their modes
 
     @property
     def chunks(self) -> int:
@@ -329,6 +330,148 @@ def _interleaved_rules(pp: Axis) -> tuple[Rule, ...]:
     )
 
 
+# ---- placement rules: what a strategy's own modes along its axis must say -----------------------
+#
+# These read the strategies of the setting (a composition's, or the planner's library ones), not
+# the degrees: z3 sees each as a named count pinned by a tracked fact (``value[...]``), so the
+# unsat core names it. They hold trivially at degree 1 (one device holds and reads everything).
+
+
+def _strategy_on(s: Setting, axis: Axis) -> Strategy | None:
+    return next((st for st in s.strategies if st.axis is axis), None)
+
+
+def _group_devices(mesh: Mapping[Axis, int], axis: Axis) -> list[int]:
+    """Device 0's group along ``axis``: the devices numbered as the simulated mesh numbers them
+    (coordinates in mesh order, the last axis fastest; formal._sim_mesh)."""
+    axes = list(mesh)
+    stride = 1
+    for a in axes[axes.index(axis) + 1 :]:
+        stride *= mesh[a]
+    return [k * stride for k in range(mesh[axis])]
+
+
+def _split_replicated(s: Setting, axis: Axis) -> tuple[Group, ...]:
+    """Groups whose computation the axis's strategy splits while their gradient is not sharded there."""
+    st = _strategy_on(s, axis)
+    if st is None:
+        return ()
+    return tuple(
+        g
+        for g in s.model.group_elements()
+        if st.computes_sharded(g) and not st.entry(State.GRADIENTS, g).mode.is_sharded
+    )
+
+
+def _split_compute_rule(axis: Axis) -> Rule:
+    """Split computation over replicated state. A strategy that splits a group's computation along
+    an axis (Megatron-LM's column/row-parallel linears, a pipeline's stages, experts) has each rank
+    compute, and differentiate, only its own slice: its gradient exists there as slices. Held as a
+    replica, each rank's gradient is right on its own slice only, and the update it drives leaves
+    the rest of its replicated parameters stale (one device updates all of them every step).
+    Sharding the gradient along the axis (G = "S") is what Megatron-LM's tensor parallelism does;
+    parameters left replicated are then refreshed from the sharded update by the derived program."""
+    count = f"split_groups_replicated_gradient_{axis.value}"
+
+    def explain(mesh: Mapping[Axis, int], s: Setting) -> str:
+        groups = _split_replicated(s, axis)
+        devs = _group_devices(mesh, axis)
+        names = ", ".join(g.name for g in groups)
+        return (
+            f"{names} computed split along {axis.value} with their gradients replicated there: devices "
+            f"{', '.join(map(str, devs))} each compute the gradient of their own slice only, so device "
+            f"{devs[0]}'s replica of G.{groups[0].name} is the gradient of slice 0 alone and the update leaves "
+            f'the other slices of its P.{groups[0].name} stale; shard G along {axis.value} (G = "S")'
+        )
+
+    def witness(mesh: Mapping[Axis, int], s: Setting) -> dict[str, Any]:
+        groups = _split_replicated(s, axis)
+        return {
+            "state": State.GRADIENTS.value,
+            "group": groups[0].name,
+            "groups": [g.name for g in groups],
+            "axis": axis.value,
+            "devices": _group_devices(mesh, axis),
+            "gradient": "R",
+            "compute": "split",
+        }
+
+    return Rule(
+        f"split_compute_needs_sharded_gradient[{axis.value}]",
+        Provenance.CORRECTNESS,
+        axis,
+        lambda s: axis in s.axes and _strategy_on(s, axis) is not None,
+        lambda t, s: t.implies(t.degree(axis) > 1, t.size(count, len(_split_replicated(s, axis))) == 0),
+        explain,
+        witness,
+    )
+
+
+def _same_data(s: Setting, axis: Axis) -> tuple[Group, ...]:
+    """Activation groups the axis's strategy replicates: along a data axis, every rank on the same data."""
+    st = _strategy_on(s, axis)
+    if st is None:
+        return ()
+    groups = ACTIVATION_GROUPS + IO_ACTIVATION_GROUPS
+    return tuple(g for g in groups if not st.entry(State.ACTIVATIONS, g).mode.is_sharded)
+
+
+def _data_rule(axis: Axis) -> Rule:
+    """Data assignment. Along a data axis the activations' mode is how the batch is split: sharded,
+    each rank reads its own samples (PyTorch's DistributedSampler, Megatron-LM's data-parallel
+    rank offsets; along cp its own chunk of every sequence). Replicated, every rank reads the
+    same samples of its size: averaging their gradients trains one device on 1/d of the global
+    batch, not on the global batch. The sequence is split for cp, the samples elsewhere."""
+    count = f"replicated_activation_groups_{axis.value}"
+
+    def parts(mesh: Mapping[Axis, int], s: Setting) -> tuple[str, int, int]:
+        b = s.model.micro_batch * s.options.micro_batches
+        if axis.kind.splits_sequence and isinstance(s.model, Transformer):
+            return "tokens", s.model.seq // mesh[axis], s.model.seq
+        total = b
+        for a, d in mesh.items():
+            if a.kind.splits_batch:
+                total *= d
+        return "samples", b, total
+
+    def explain(mesh: Mapping[Axis, int], s: Setting) -> str:
+        unit, each, total = parts(mesh, s)
+        devs = _group_devices(mesh, axis)
+        who = ", ".join(map(str, devs[:-1])) + f" and {devs[-1]} " + ("both" if len(devs) == 2 else "all")
+        span = f"{unit} 0-{each - 1}" if each > 1 else f"{unit[:-1]} 0"
+        whole = "of each sequence's " if unit == "tokens" else "of the global batch's "
+        return (
+            f"devices {who} read {span}: the activations are replicated along {axis.value}, "
+            f"so every {axis.value} rank computes on the same {unit}, and averaging their gradients "
+            f"trains on {each} {whole}{total} {unit}, not on all of them (one device on 1/{mesh[axis]}); "
+            f'split the data along {axis.value} (A = "S", a DistributedSampler)'
+        )
+
+    def witness(mesh: Mapping[Axis, int], s: Setting) -> dict[str, Any]:
+        unit, each, total = parts(mesh, s)
+        groups = _same_data(s, axis)
+        return {
+            "state": State.ACTIVATIONS.value,
+            "group": groups[0].name,
+            "groups": [g.name for g in groups],
+            "axis": axis.value,
+            "devices": _group_devices(mesh, axis),
+            unit: [0, each - 1],
+            "of": total,
+            "activations": "R",
+        }
+
+    return Rule(
+        f"data_assignment[{axis.value}]",
+        Provenance.CORRECTNESS,
+        axis,
+        lambda s: axis in s.axes and _strategy_on(s, axis) is not None,
+        lambda t, s: t.implies(t.degree(axis) > 1, t.size(count, len(_same_data(s, axis))) == 0),
+        explain,
+        witness,
+    )
+
+
 RULES: tuple[Rule, ...] = (
     *(_orthogonality(a) for a in Axis),
     Rule(
@@ -367,6 +510,8 @@ RULES: tuple[Rule, ...] = (
     *(_ep_needs_moe(ep) for ep in _EXPERTS),
     *(_cp_needs_attention(cp) for cp in _SEQUENCE),
     *(r for pp in _PIPELINE for r in _interleaved_rules(pp)),
+    *(_split_compute_rule(a) for a in Axis),
+    *(_data_rule(a) for a in Axis if a.kind.splits_data),
 )
 
 
@@ -379,6 +524,7 @@ def setting_for(composition: Composition, model: Model, devices: int | None = No
         frozenset(mesh),
         devices,
         {axis: tuple(str(s) for s in composition.strategies if s.axis is axis) for axis in mesh},
+        composition.strategies,
     )
 
 

@@ -275,6 +275,10 @@ class _Geometry:
     data_axes: tuple[Axis, ...]  # the axes that give each replica its own sequences
     replicas: int  # product of the data axes' degrees
     s_chunk: int  # positions of the sequence one cp rank covers
+    # Data axes (dp, dpr, cp) along which the activations are replicated: the data assignment of
+    # the placement puts every rank there on the same samples (cp: the same tokens), those of
+    # coordinate 0 (formal._rules, data_assignment).
+    same_data: frozenset[Axis] = frozenset()
 
     @classmethod
     def of(cls, model: ReferenceModel, pl: Placement, mesh: _Mesh) -> _Geometry:
@@ -292,4 +296,9 @@ class _Geometry:
             )
         if model.vocab % t or model.hidden % t or model.ffn % t:
             raise SimulationError(f"vocab, hidden and ffn must divide by tp({t})")
-        return cls(pl.options.micro_batches, t, cp, sp, data_axes, replicas, s_chunk)
+        same = frozenset(
+            a
+            for a in data_axes + ((Axis.CP,) if cp > 1 else ())
+            if any(not pl.mode(A, g, a).is_sharded for g in pl.groups(A))
+        )
+        return cls(pl.options.micro_batches, t, cp, sp, data_axes, replicas, s_chunk, same)

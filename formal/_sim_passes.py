@@ -136,7 +136,7 @@ class _Passes:
         self.states, self.exchanges, self.moe = states, exchanges, moe
         moe.bind(self._sp_split, self._block_out, self._gather_grad, self._block_in_grad)
         self.m, self.t, self.sp, self.s_chunk = geometry.m, geometry.t, geometry.sp, geometry.s_chunk
-        self.data_axes = geometry.data_axes
+        self.data_axes, self.same_data = geometry.data_axes, geometry.same_data
         self._read: Reads = {}  # the parameters the pass reads now: the forward's, then the backward's
 
     def _index(self, dev: Device, group: Group, which: int, layer: int | None) -> Array:
@@ -302,12 +302,18 @@ class _Passes:
         return out
 
     def _batch_of(self, dev: Device, batch: Batch, mb: int) -> tuple[np.ndarray, Array]:
+        """The samples (and along cp the tokens) a device reads, by the placement's data
+        assignment: its own along an axis splitting the activations, coordinate 0's along one
+        replicating them."""
+        reader = dev
+        for axis in self.same_data:
+            reader = self.mesh.moved(reader, axis, 0)
         replica = 0
         for axis in self.data_axes:
-            replica = replica * self.mesh.degree(axis) + self.mesh.coord(dev, axis)
+            replica = replica * self.mesh.degree(axis) + self.mesh.coord(reader, axis)
         b = self.model.micro_batch
         start = (replica * self.m + mb) * b
-        sl = self._seq_slice(dev)
+        sl = self._seq_slice(reader)
         return batch.tokens[start : start + b, sl], batch.targets[start : start + b, sl]
 
     def _vocab_range(self, dev: Device) -> tuple[int, int]:

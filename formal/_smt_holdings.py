@@ -282,7 +282,12 @@ class _AxisRun:
                             self.hold[(False, i, op.state)].update(self.hold[(True, i, op.state)])
                     case OpKind.DEVICE_TO_HOST:
                         for i in range(self.d):
-                            self.hold[(True, i, op.state)].update(self.hold[(False, i, op.state)])
+                            host, device = self.hold[(True, i, op.state)], self.hold[(False, i, op.state)]
+                            # The copy writes the whole host buffer: where the device holds nothing
+                            # (freed, never fetched) the host gets the device buffer's junk.
+                            for k in host.keys() - device.keys():
+                                host[k] = self.fresh_junk()
+                            host.update(device)
                     case OpKind.COMPUTE if op.state is P:
                         self.compute(op, gradient, where)
                         produced = produced or op.phase is Phase.BACKWARD
@@ -392,9 +397,17 @@ class _AxisRun:
                 own = self.partition(entry, i)
                 self.hold[(False, i, P)] = {k: v for k, v in self.hold[(False, i, P)].items() if k in own}
 
+    def in_place(self, updater: Holder, chunk: int) -> bool:
+        """Offloaded parameters live on the host: an optimizer on the device reads and writes them
+        there in place, whatever transient copy the device holds (as the simulator does)."""
+        host, device, state = updater
+        return not host and state is P and self.local[P] is Mode.OFFLOADED and chunk in self.hold[(True, device, P)]
+
     def read_for_update(self, updater: Holder, chunk: int) -> _T:
         """What an update reads for ``chunk``: its copy, else its one shard (misaligned), else junk."""
         host, device, state = updater
+        if self.in_place(updater, chunk):
+            return self.hold[(True, device, P)][chunk]
         held = self.hold[updater]
         if chunk in held:
             return held[chunk]
@@ -433,6 +446,8 @@ class _AxisRun:
 
     def write_target(self, updater: Holder, chunk: int) -> tuple[Holder, int] | None:
         host, device, state = updater
+        if self.in_place(updater, chunk):
+            return (True, device, P), chunk
         if chunk in self.hold[updater]:
             return updater, chunk
         if not host and chunk in self.hold[(True, device, state)]:

@@ -105,15 +105,16 @@ def _decide_composition(
         cores.extend(answer.core)
         for lit in broken:
             rule = by_literal[lit.decl().name()][1]
+            witness = rule.witness(mesh, setting)  # a placement rule's names its state and group
             violations.append(
                 Violation(
                     rule.name,
                     Condition.COMPOSITION,
-                    None,
-                    None,
+                    witness.get("state"),
+                    witness.get("group"),
                     rule.axis.value if rule.axis is not None else None,
                     rule.explain(mesh, setting),
-                    {**rule.witness(mesh, setting), "core": list(answer.core)},
+                    {**witness, "core": list(answer.core)},
                 )
             )
             remaining.remove(lit)

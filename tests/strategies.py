@@ -2,10 +2,9 @@
 
 ``compositions(model)`` draws library strategies on distinct axes with degrees that respect the
 divisibility rules for ``model``, plus modifiers whose prerequisites hold; every draw must be
-proved valid. One deliberate exclusion: parameter offload (``offload-params``) together with a
-strategy that shards the optimizer state but replicates the parameters (ZeRO-1/2, distopt). The
-derived program then has no step that refreshes the host copies of the other ranks' shards,
-and z3 refutes it (``refresh``); DeepSpeed likewise only offers parameter offload with ZeRO-3.
+proved valid. Parameter offload (``offload-params``) is drawn with every data strategy, ZeRO-1/2
+and distopt included: the derived program brings the host copy of replicated parameters to the
+device for the refresh gather and back (DeepSpeed itself only offers parameter offload with ZeRO-3).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from formal._strategies import LIBRARY, Composition
 from formal._vocab import State
 
 DATA_PARALLEL = ("dp", "zero1", "zero2", "zero3", "fsdp", "fsdp-sgo", "hsdp", "distopt")
-SHARDED_OPTIMIZER_REPLICATED_PARAMETERS = ("zero1", "zero2", "distopt")
 TOKENS = (
     "tp",
     "dp",
@@ -110,7 +108,7 @@ def compositions(draw: st.DrawFn, model: Transformer) -> Composition:
         terms.append(recompute)
     if draw(st.booleans()) and draw(st.booleans()):
         terms.append("offload")
-    if data not in SHARDED_OPTIMIZER_REPLICATED_PARAMETERS and draw(st.booleans()) and draw(st.booleans()):
+    if draw(st.booleans()) and draw(st.booleans()):
         terms.append("offload-params")
     return parse("x".join(terms))
 

@@ -4,9 +4,8 @@ on the reference model, and mutations of step programs.
 ``compositions()`` draws library strategies on distinct axes (a data strategy, possibly with dpr
 or hpz-dpr beside it; degrees 1, 2 or 4, at most ``max_devices`` devices), modifiers (sequence
 parallelism, micro-batches, schedules, recomputation, offload) and a reference model they divide,
-tied or not. Unlike ``tests/strategies.py`` it does
-not exclude parameter offload under ZeRO-1/2: that derived program is invalid, and z3 and the
-simulator must agree that it is.
+tied or not. Parameter offload is drawn under every data strategy, ZeRO-1/2 included (their
+derived refresh brings the host copy through the device), so its mutations are judged too.
 
 ``mutations(program)`` changes one P/O/G op of a program: drop, duplicate, reorder (move it to
 another place in the program, taking that place's phase), re-axis (another axis of the mesh),

@@ -156,7 +156,7 @@ class _Layout:
         """Positions a device's computation reads (and produces gradients for)."""
         key: tuple[object, ...] = ("compute", group, dev)
         if key not in self._cache:
-            split = Axis.TP in self.mesh.degrees and self.pl.computes_sharded(Axis.TP, group)
+            split = any(a.kind.splits_matrices and self.pl.computes_sharded(a, group) for a in self.mesh.degrees)
             pos = self._structural(group, dev, None, split)
             if self._expert_split(group):  # the rank's own experts: a flat shard of the expert-major group
                 pos = _chunk(pos, self.mesh.degree(Axis.EP), self.mesh.coord(dev, Axis.EP))
@@ -164,7 +164,7 @@ class _Layout:
         return self._cache[key]
 
     def _expert_split(self, group: Group) -> bool:
-        return Axis.EP in self.mesh.degrees and self.pl.computes_sharded(Axis.EP, group)
+        return any(a.kind.places_experts and self.pl.computes_sharded(a, group) for a in self.mesh.degrees)
 
     def holding(
         self,
@@ -192,13 +192,12 @@ class _Layout:
         pl = self.pl
         entries: dict[Axis, Entry] = {a: pl.entry(state, group, a) for a in self.mesh.axes}
         pp_mode = Mode.REPLICATED  # no pipeline axis, or ignored: every stage's share
-        if Axis.PP in entries and Axis.PP not in skipped and entries[Axis.PP].mode.is_sharded:
+        pipe = next((a for a in entries if a.kind.is_pipeline), None)
+        if pipe is not None and pipe not in skipped and entries[pipe].mode.is_sharded:
             pp_mode = Mode.SHARDED
+        tp = next((a for a in entries if a.kind.splits_matrices), None)
         tp_split = (
-            Axis.TP in entries
-            and Axis.TP not in skipped
-            and entries[Axis.TP].mode.is_sharded
-            and pl.computes_sharded(Axis.TP, group)
+            tp is not None and tp not in skipped and entries[tp].mode.is_sharded and pl.computes_sharded(tp, group)
         )
         # Along ep a group computed split there (the experts) is cut first, into whole experts;
         # the other axes shard what the rank computes (Megatron-LM's expert data parallelism).
@@ -206,7 +205,9 @@ class _Layout:
         flat = [
             a
             for a in sorted(self.mesh.axes, key=lambda a: a is not first)
-            if a is not Axis.PP and (entries[a].mode.is_sharded or a is force) and not (a is Axis.TP and tp_split)
+            if not a.kind.is_pipeline
+            and (entries[a].mode.is_sharded or a is force)
+            and not (a.kind.splits_matrices and tp_split)
         ]
         split = [a for a in flat if self.mesh.degree(a) > 1]
         union = [a for a in split if a in skipped] if len(split) > 1 else []
@@ -251,7 +252,7 @@ class _Layout:
             a
             for a in self.mesh.axes
             if self.pl.entry(state, group, a).mode.is_sharded
-            and (a is Axis.PP or (a is Axis.TP and self.pl.computes_sharded(Axis.TP, group)))
+            and (a.kind.is_pipeline or (a.kind.splits_matrices and self.pl.computes_sharded(a, group)))
         ]
 
     def sharded_axes(self, state: State, group: Group) -> list[Axis]:
@@ -259,8 +260,8 @@ class _Layout:
             a
             for a in self.mesh.axes
             if self.pl.entry(state, group, a).mode.is_sharded
-            and a is not Axis.PP
-            and not (a is Axis.TP and self.pl.computes_sharded(Axis.TP, group))
+            and not a.kind.is_pipeline
+            and not (a.kind.splits_matrices and self.pl.computes_sharded(a, group))
         ]
 
 
@@ -287,7 +288,7 @@ class _Geometry:
         cp = mesh.degree(Axis.CP)
         sp = (A, LAYER_IO) in set(pl.keys()) and t > 1 and pl.mode(A, LAYER_IO, Axis.TP).is_sharded
         # Expert parallelism splits the batch too: each ep rank routes its own tokens.
-        data_axes = tuple(a for a in mesh.axes if a in (Axis.DP, Axis.DPR, Axis.EP))
+        data_axes = tuple(a for a in mesh.axes if a.kind.splits_batch)
         replicas = int(np.prod([mesh.degree(a) for a in data_axes])) if data_axes else 1
         s_chunk = model.seq // cp if model.seq % cp == 0 else 0
         if not s_chunk or (sp and s_chunk % t):

@@ -18,7 +18,7 @@ from checker._importers import Imported, load_config
 from checker._numbers import MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, parse_bytes, parse_count
 from checker._parse import DEFAULT_NODE_SIZE, parse
 from checker._toml import StrategyFile
-from formal._hf import load_hf_config
+from formal._hf import load_hf_config, seq_note
 from formal._input import printable
 from formal._model import PRECISIONS, Model, ParameterCount, Precision, Transformer
 from formal._presets import DEFAULT_DEVICE_MEMORY, DEFAULT_DEVICES, DEFAULT_MODEL, PRESETS
@@ -69,7 +69,7 @@ def base_model(model: str | None, params: str | None) -> Model:
     name = model or DEFAULT_MODEL
     if name in PRESETS:
         return PRESETS[name]
-    if name.endswith(".json"):
+    if name.endswith(".json") or Path(name).is_dir():
         return load_hf_config(Path(name))
     raise InputError(
         f"--model {name}: unknown model (presets: {', '.join(sorted(PRESETS))}; or a Hugging Face config.json)"
@@ -160,13 +160,16 @@ def request(
             node_size=node_size,
         )
         chosen = sized(base_model(model, params), micro_batch, seq)
+        if seq is None and isinstance(chosen, Transformer) and (note := seq_note(chosen)):
+            with contextlib.suppress(OSError):
+                click.echo(f"note: {note}", err=True)
     else:
         if composition is not None:
             raise InputError(f"{composition} and --from {from_path}: give one, not both")
         given = base_model(model, params) if (model or params) else None
-        imported = load_config(Path(from_path), devices=devices, model=given)
+        imported = load_config(Path(from_path), devices=devices, model=given, seq=seq)
         comp = imported.composition
-        base = given if given is not None else base_model(imported.model, None)
+        base = given or imported.transformer or base_model(imported.model, None)
         chosen = sized(
             base,
             micro_batch if micro_batch is not None else imported.micro_batch,

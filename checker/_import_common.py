@@ -15,6 +15,7 @@ from typing import Any
 from checker._layout import Layout
 from checker._numbers import MAX_DEGREE
 from formal._input import Schema, check_schema, printable
+from formal._model import Transformer
 from formal._presets import DEFAULT_DEVICES
 from formal._strategies import Composition
 from formal.errors import InputError
@@ -59,6 +60,8 @@ class Imported:
     precision: str | None = None  # a PRECISIONS name suggested by the config's dtype settings
     model: str | None = None  # a preset the config names (torchtitan [model] flavor)
     unmapped: tuple[Unmapped, ...] = field(default=())
+    # The model the config describes when no preset has its dimensions (Megatron's size arguments).
+    transformer: Transformer | None = None
 
     @property
     def text(self) -> str:
@@ -73,7 +76,7 @@ class Imported:
             "micro_batch": self.micro_batch,
             "seq": self.seq,
             "precision": self.precision,
-            "model": self.model,
+            "model": self.model if self.transformer is None else self.transformer.name,
             "not_mapped": [str(u) for u in self.unmapped],
             "unmapped": [u.as_json() for u in self.unmapped],
         }

@@ -7,6 +7,7 @@ pipeline engine.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from checker._import_common import (
@@ -22,7 +23,7 @@ from checker._import_common import (
 )
 from checker._layout import DataSharding, Layout
 from checker._numbers import MAX_BATCH, MAX_DEGREE, MAX_MICRO_BATCH
-from formal._input import OBJECT, TEXT, Expect, Schema, integer
+from formal._input import OBJECT, TEXT, Expect, Schema, integer, printable
 from formal._model import Model, Transformer
 from formal._placement import Options, Recompute
 from formal._presets import DEFAULT_DEVICES
@@ -85,6 +86,59 @@ _DS_IGNORED = (
     "sparse_attention",
     "dataloader_drop_last",
 )
+# Keys that change memory or traffic in ways the composition does not count: each one present is
+# reported (``Unmapped``) with what it changes, never dropped. DeepSpeed's config reference
+# (https://www.deepspeed.ai/docs/config-json/) and ZeRO++ (Wang et al. 2023) for the quantisation.
+_BUFFERS = "a communication buffer; buffers are not counted (0 bytes)"
+_REUSE = "gathered parameters kept for reuse: neither the memory nor the saved gathers are counted"
+_DS_ZERO_EFFECTS = {
+    "reduce_bucket_size": f"elements reduced at once: {_BUFFERS}",
+    "allgather_bucket_size": f"elements gathered at once: {_BUFFERS}",
+    "stage3_prefetch_bucket_size": f"parameters fetched ahead: {_BUFFERS}",
+    "prefetch_bucket_size": f"parameters fetched ahead: {_BUFFERS}",
+    "stage3_max_live_parameters": "parameters kept gathered at once: the gathered working set is not counted",
+    "max_live_parameters": "parameters kept gathered at once: the gathered working set is not counted",
+    "stage3_max_reuse_distance": _REUSE,
+    "max_reuse_distance": _REUSE,
+    "stage3_param_persistence_threshold": "small parameters kept unpartitioned: counted as partitioned",
+    "param_persistence_threshold": "small parameters kept unpartitioned: counted as partitioned",
+    "stage3_model_persistence_threshold": "parameters kept unpartitioned: counted as partitioned",
+    "model_persistence_threshold": "parameters kept unpartitioned: counted as partitioned",
+    "sub_group_size": f"optimizer step in groups of this many elements: {_BUFFERS}",
+    "overlap_comm": "overlapped reduction keeps more buckets alive: buffers are not counted",
+    "contiguous_gradients": f"gradients copied into a contiguous buffer: {_BUFFERS}",
+    "reduce_scatter": "false reduces gradients with all-reduce instead of reduce-scatter: the traffic counted is "
+    "reduce-scatter's",
+    "allgather_partitions": "false gathers with broadcasts instead of all-gather: the traffic counted is all-gather's",
+    "use_multi_rank_bucket_allreduce": "bucketed all-reduce across ranks: same volume, different calls",
+    "zero_quantized_weights": "ZeRO++ qwZ: parameters gathered in int8 (half of fp16's bytes): counted at full width",
+    "zero_quantized_nontrainable_weights": "ZeRO++: frozen parameters held in int8: counted at full width",
+    "zero_quantized_gradients": "ZeRO++ qgZ: gradients reduced in int4 all-to-all: counted at full width",
+    "zeropp_loco_param": "ZeRO++ LoCo error feedback: its buffers are not counted",
+    "memory_efficient_linear": "a linear that frees its input early: activations counted as kept",
+}
+_DS_OFFLOAD_EFFECTS = {
+    "ratio": "only this fraction of the optimizer is offloaded: counted as all of it",
+    "buffer_count": "staging buffers for offload: not counted",
+    "buffer_size": "staging buffers for offload: not counted",
+    "max_in_cpu": "parameters kept in host memory before NVMe: not counted",
+}
+_DS_TOP_EFFECTS = {
+    "communication_data_type": "the data type gradients are reduced in: the precision recipe's wire bytes are used",
+    "data_types": "grad_accum_dtype sets the accumulated gradient's bytes: the precision recipe's are used",
+    "sparse_gradients": "sparse embedding gradients travel as indices and values: counted dense",
+    "seq_parallel_communication_data_type": "sequence-parallel traffic's data type: not modelled",
+    "disable_allgather": "parameters broadcast instead of all-gathered: all-gather traffic counted",
+    "weight_quantization": "quantised weights: counted at full width",
+    "compression_training": "compressed (quantised, pruned) training: counted uncompressed",
+    "amp": "NVIDIA Apex AMP: the precision recipe's bytes are used",
+    "torch_autocast": "autocast lower-precision activations: the precision recipe's activations are used",
+    "sparse_attention": "sparse attention: dense attention activations are counted",
+    "data_efficiency": "data sampling and routing can change the sequences seen: counted at full length",
+    "curriculum_learning": "a curriculum changes the sequence length over training: counted at the full length",
+}
+# Optimizers whose state is two fp32 moments beside the fp32 master (the 12 bytes recipes count).
+_DS_ADAM_LIKE = ("adam", "adamw", "lamb", "fusedadam", "cpuadam", "deepspeedcpuadam")
 _DS_ZERO_MAPPED = ("stage", "offload_optimizer", "offload_param", "zero_hpz_partition_size")
 _DS_ZERO_IGNORED = (
     "contiguous_gradients",
@@ -201,6 +255,7 @@ def import_deepspeed(
     zero = raw.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ConfigError(f"{where}: zero_optimization must be an object")
+    _ds_effects(raw, zero, notes)
     for key, why in _DS_ZERO_REFUSED.items():
         if key in zero and zero[key] not in (None, 0, 1, False):
             raise ConfigError(f"{where}: zero_optimization.{key}={zero[key]!r}: {why}")
@@ -301,6 +356,47 @@ def import_deepspeed(
         return imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, notes)
     layout = Layout(_DS_STAGES[stage], _DS_SHARDING[stage], dp, tp=tp, pp=pp, options=options)
     return imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, notes)
+
+
+def _shown(value: Any) -> str:
+    return printable(json.dumps(value, sort_keys=True) if not isinstance(value, str) else value, 60)
+
+
+def _ds_effects(raw: dict[str, Any], zero: dict[str, Any], notes: list[Unmapped]) -> None:
+    """Every key present that changes memory or traffic beyond the composition, as ``Unmapped``."""
+    for key, why in _DS_TOP_EFFECTS.items():
+        if key in raw:
+            notes.append(Unmapped(f"{key}={_shown(raw[key])}", why))
+    for key, why in _DS_ZERO_EFFECTS.items():
+        if key in zero:
+            notes.append(Unmapped(f"zero_optimization.{key}={_shown(zero[key])}", why))
+    for section in ("offload_optimizer", "offload_param"):
+        body = zero.get(section)
+        if isinstance(body, dict):
+            for key, why in _DS_OFFLOAD_EFFECTS.items():
+                if key in body:
+                    notes.append(Unmapped(f"zero_optimization.{section}.{key}={_shown(body[key])}", why))
+    optimizer = raw.get("optimizer")
+    if isinstance(optimizer, dict):
+        kind = optimizer.get("type")
+        if not isinstance(kind, str) or kind.lower() not in _DS_ADAM_LIKE:
+            notes.append(
+                Unmapped(
+                    f"optimizer.type={_shown(kind)}",
+                    "the optimizer state is counted as Adam's two fp32 moments beside the fp32 master "
+                    "(12 bytes a parameter); 1-bit optimizers also compress their traffic",
+                )
+            )
+    checkpointing = raw.get("activation_checkpointing")
+    if isinstance(checkpointing, dict):
+        for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
+            if checkpointing.get(key):
+                notes.append(
+                    Unmapped(
+                        f"activation_checkpointing.{key}=true",
+                        "where checkpoints are kept (partitioned over tp, on the host, contiguous) is not counted",
+                    )
+                )
 
 
 def _ds_uneven(pp: int, model: Model | None, notes: list[Unmapped]) -> bool:

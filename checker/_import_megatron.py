@@ -8,15 +8,16 @@ recomputation; a launch line's or script's words and its launcher's world size.
 from __future__ import annotations
 
 import difflib
-import shlex
 from collections.abc import Callable
+from dataclasses import replace
 
 from checker._import_common import ConfigError, Framework, Imported, Unmapped, _divide, imported
+from checker._import_shell import arguments, script_command
 from checker._layout import DataSharding, Layout
 from checker._numbers import MAX_BATCH, MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, parse_int
-from formal._model import Model, Transformer
+from formal._model import Ffn, Model, Norm, Transformer
 from formal._placement import Options, Recompute, Schedule
-from formal._presets import DEFAULT_DEVICES, PRESETS
+from formal._presets import DEFAULT_DEVICES, DEFAULT_MODEL, PRESETS
 from formal.errors import InputError
 
 # --- Megatron-LM ----------------------------------------------------------------------------
@@ -39,6 +40,18 @@ _MEG_VALUE = (
     "--expert-tensor-parallel-size",
     "--decoder-first-pipeline-num-layers",
     "--decoder-last-pipeline-num-layers",
+    "--ffn-hidden-size",
+    "--num-query-groups",
+    "--normalization",
+    "--position-embedding-type",
+    "--num-experts",
+    "--moe-router-topk",
+    "--moe-ffn-hidden-size",
+    "--kv-channels",
+    "--make-vocab-size-divisible-by",
+    "--vocab-size",
+    "--tokenizer-type",
+    "--max-position-embeddings",
 )
 # Bounds of the Megatron arguments read as numbers that are not degrees (MAX_DEGREE otherwise).
 _MEG_BOUNDS = {
@@ -47,32 +60,29 @@ _MEG_BOUNDS = {
     "--seq-length": MAX_SEQ,
     "--hidden-size": 2**40,
 }
-_MEG_FLAGS = ("--sequence-parallel", "--use-distributed-optimizer", "--recompute-activations", "--fp16", "--bf16")
-# Arguments without effect on placements (hyper-parameters, data, I/O, kernels, overlap): accepted.
-_MEG_IGNORED = (
-    "--ffn-hidden-size",
-    "--max-position-embeddings",
-    "--num-query-groups",
+_MEG_FLAGS = (
+    "--sequence-parallel",
+    "--use-distributed-optimizer",
+    "--recompute-activations",
+    "--fp16",
+    "--bf16",
     "--group-query-attention",
     "--swiglu",
-    "--normalization",
     "--untie-embeddings-and-output-weights",
     "--disable-bias-linear",
-    "--position-embedding-type",
-    "--rotary-base",
-    "--rotary-percent",
     "--use-rotary-position-embeddings",
     "--no-position-embedding",
-    "--num-experts",
-    "--moe-router-topk",
+)
+# Arguments that take several values (``nargs``): how many.
+_MEG_MULTI = {"--rampup-batch-size": 3}
+# Arguments without effect on placements (hyper-parameters, data, I/O, kernels, overlap): accepted.
+_MEG_IGNORED = (
+    "--rotary-base",
+    "--rotary-percent",
     "--moe-router-load-balancing-type",
     "--moe-aux-loss-coeff",
     "--moe-grouped-gemm",
     "--moe-token-dispatcher-type",
-    "--moe-ffn-hidden-size",
-    "--kv-channels",
-    "--make-vocab-size-divisible-by",
-    "--vocab-size",
     "--lr",
     "--min-lr",
     "--lr-decay-style",
@@ -92,7 +102,6 @@ _MEG_IGNORED = (
     "--data-path",
     "--vocab-file",
     "--merge-file",
-    "--tokenizer-type",
     "--tokenizer-model",
     "--split",
     "--save",
@@ -151,6 +160,7 @@ _MEG_IGNORED = (
     "--cross-entropy-loss-fusion",
     "--use-dist-ckpt",
     "--async-save",
+    "--attention-backend",
 )
 _MEG_VALUED_IGNORED = frozenset(
     a
@@ -203,29 +213,17 @@ _MEG_REFUSED = {
 }
 
 
-def _shell_words(text: str) -> list[str]:
-    try:  # a backslash-newline continues the line, as in the shell
-        return shlex.split(text.replace("\\\n", " "), comments=True)
-    except ValueError as err:
-        raise ConfigError(f"megatron arguments: {err}") from None
+def megatron_tokens(text: str, where: str = "megatron arguments") -> list[str]:
+    """Arguments of a launch line or script (its variables and arrays expanded,
+    ``checker._import_shell``): the words after ``*.py``, or from the first ``--``."""
+    return arguments(script_command(text, where)[1], where)
 
 
-def megatron_tokens(text: str) -> list[str]:
-    """Arguments of a launch line or script: shell words after ``*.py`` (or from the first ``--``)."""
-    words = _shell_words(text)
-    for i, w in enumerate(words):
-        if w.endswith(".py"):
-            return words[i + 1 :]
-    for i, w in enumerate(words):
-        if w.startswith("--"):
-            return words[i:]
-    return []
-
-
-def launcher_world_size(text: str) -> int | None:
+def launcher_world_size(text: str, where: str = "megatron launcher") -> int | None:
     """``torchrun --nproc_per_node N --nnodes M ... pretrain_gpt.py``: N x M, when both are numbers."""
-    words = _shell_words(text)
-    end = next((i for i, w in enumerate(words) if w.endswith(".py")), 0)
+    fields = script_command(text, where)[0]
+    words = [w if why is None else "" for w, why in fields]  # a substitution not run: not stated
+    end = len(words)
     found: dict[str, int] = {}
     for i, w in enumerate(words[:end]):
         name, eq, inline = w.partition("=")
@@ -245,10 +243,19 @@ def launcher_world_size(text: str) -> int | None:
 
 
 def import_megatron(
-    args: list[str], *, devices: int | None, model: Model | None = None, where: str = "megatron arguments"
+    args: list[str],
+    *,
+    devices: int | None,
+    model: Model | None = None,
+    where: str = "megatron arguments",
+    launcher: int | None = None,
 ) -> Imported:
-    """Megatron-LM arguments. World = tp x pp x cp x dp; experts are carved out of dp (ep | dp)."""
+    """Megatron-LM arguments. World = tp x pp x cp x dp; experts are carved out of dp (ep | dp).
+
+    ``launcher``: the processes the script's launcher starts (nproc_per_node x nnodes); an
+    explicit ``devices`` that differs wins, and the difference is noted."""
     values: dict[str, str] = {}
+    multi: dict[str, list[str]] = {}
     flags: set[str] = set()
     notes: list[Unmapped] = []
     i = 0
@@ -259,6 +266,14 @@ def import_megatron(
             raise ConfigError(f"{where}: unexpected word {word!r} (expected --argument)")
         if name in _MEG_REFUSED:
             raise ConfigError(f"{where}: {name}: {_MEG_REFUSED[name]}")
+        if name in _MEG_MULTI:
+            count = _MEG_MULTI[name]
+            given = args[i + 1 : i + 1 + count]
+            if eq or len(given) < count or any(g.startswith("--") for g in given):
+                raise ConfigError(f"{where}: {name} needs {count} values")
+            multi[name] = given
+            i += 1 + count
+            continue
         takes_value = name in _MEG_VALUE or name in _MEG_VALUED_IGNORED
         if name not in _MEG_VALUE + _MEG_FLAGS + _MEG_IGNORED:
             near = difflib.get_close_matches(name, _MEG_VALUE + _MEG_FLAGS + _MEG_IGNORED, n=1)
@@ -299,10 +314,25 @@ def import_megatron(
     if "--sequence-parallel" in flags and tp == 1:
         raise ConfigError(f"{where}: --sequence-parallel needs --tensor-model-parallel-size > 1")
     _meg_check_model(values, model, where, num)
+    if devices is not None and launcher is not None and devices != launcher:
+        notes.append(
+            Unmapped("launcher", f"starts nproc_per_node x nnodes = {launcher} processes; --devices {devices} is used")
+        )
+    elif devices is None:
+        devices = launcher
     total = devices if devices is not None else DEFAULT_DEVICES
     if devices is None:
         notes.append(Unmapped("world size", f"not in the arguments: {DEFAULT_DEVICES} devices (give --devices)"))
-    dp_meg = _divide(total, {"tp": tp, "pp": pp, "cp": cp}, where, "--devices")
+    what = "--devices" if devices is None or devices != launcher else "the launcher's nproc_per_node x nnodes"
+    dp_meg = _divide(total, {"tp": tp, "pp": pp, "cp": cp}, where, what)
+    if "--rampup-batch-size" in multi:
+        start, step, samples = multi["--rampup-batch-size"]
+        notes.append(
+            Unmapped(
+                f"--rampup-batch-size {start} {step} {samples}",
+                "the global batch grows during the first samples; counted at --global-batch-size (the largest)",
+            )
+        )
     if dp_meg % ep:
         raise ConfigError(
             f"{where}: --expert-model-parallel-size {ep} must divide the data-parallel size "
@@ -356,29 +386,140 @@ def import_megatron(
         options=options,
     )
     seq = num("--seq-length", 0) or None
-    preset = None if model is not None else _meg_preset(values, flags, num)
-    return imported(Framework.MEGATRON, layout, total, micro, seq, "megatron", preset, notes)
+    preset, own = (None, None) if model is not None else _meg_model(values, flags, tp, where, notes, num)
+    # Megatron Core's distributed optimizer table: bf16 params with fp32 main gradients (18 bytes),
+    # fp16 params and gradients (20); neither flag trains in fp32.
+    precision = "megatron-fp16" if "--fp16" in flags else "megatron" if "--bf16" in flags else "fp32"
+    if {"--fp16", "--bf16"} <= flags:
+        raise ConfigError(f"{where}: --fp16 and --bf16 are both given")
+    out = imported(Framework.MEGATRON, layout, total, micro, seq, precision, preset, notes)
+    return out if own is None else replace(out, transformer=own)
 
 
-def _meg_preset(values: dict[str, str], flags: set[str], num: Callable[[str, int], int]) -> str | None:
-    """The one preset whose dimensions the model arguments state, if exactly one matches."""
-    if not {"--num-layers", "--hidden-size", "--num-attention-heads"} <= set(values):
+_MEG_SIZE = ("--num-layers", "--hidden-size", "--num-attention-heads")
+# Vocabularies of the tokenizers Megatron-LM names (``megatron/training/tokenizer``): GPT-2's
+# byte-level BPE has 50,257 tokens (Radford et al. 2019; gpt2 encoder.json), Llama 2's
+# SentencePiece model 32,000 (Touvron et al. 2023).
+_MEG_TOKENIZERS = {"GPT2BPETokenizer": 50257, "Llama2Tokenizer": 32000}
+
+
+def _meg_vocab(values: dict[str, str], tp: int, num: Callable[[str, int], int]) -> int | None:
+    """The padded vocabulary: Megatron-LM's ``_vocab_size_with_padding`` rounds the tokenizer's
+    size up to a multiple of ``--make-vocab-size-divisible-by`` (128) x tp. None: not stated."""
+    kind = values.get("--tokenizer-type")
+    if "--vocab-size" in values:  # the NullTokenizer adds an end-of-document token
+        size = num("--vocab-size", 1) + (1 if kind == "NullTokenizer" else 0)
+    elif kind in _MEG_TOKENIZERS:
+        size = _MEG_TOKENIZERS[kind]
+    elif kind is None and "--merge-file" in values:  # a BPE vocabulary and merges: GPT-2's
+        size = _MEG_TOKENIZERS["GPT2BPETokenizer"]
+    else:
         return None
-    hidden, heads = num("--hidden-size", 1), num("--num-attention-heads", 1)
-    wanted = {
-        "layers": num("--num-layers", 1),
-        "hidden": hidden,
-        "heads": heads,
-        "ffn_": num("--ffn-hidden-size", 4 * hidden),
-        "experts": num("--num-experts", 0) if "--num-experts" in values else 0,
-        "kv_heads_": num("--num-query-groups", heads) if "--group-query-attention" in flags else heads,
-    }
-    found = [
+    multiple = num("--make-vocab-size-divisible-by", 128) * tp
+    return -(-size // multiple) * multiple
+
+
+def _meg_model(
+    values: dict[str, str],
+    flags: set[str],
+    tp: int,
+    where: str,
+    notes: list[Unmapped],
+    num: Callable[[str, int], int],
+) -> tuple[str | None, Transformer | None]:
+    """The model the arguments describe (``megatron/training/arguments.py`` defaults): a preset's
+    name when one has exactly these dimensions, else the ``Transformer`` itself. Without any size
+    argument the default model applies (noted); with some but not all, the import is refused."""
+    given = [a for a in _MEG_SIZE if a in values]
+    if not given:
+        notes.append(
+            Unmapped("model", f"no {', '.join(_MEG_SIZE)}: the default model {DEFAULT_MODEL} is used (give --model)")
+        )
+        return None, None
+    missing = [a for a in (*_MEG_SIZE, "--seq-length") if a not in values]
+    if missing:
+        raise ConfigError(
+            f"{where}: {' '.join(given)} without {' '.join(missing)}: the model's size is not stated (or give --model)"
+        )
+    layers, hidden, heads = num("--num-layers", 1), num("--hidden-size", 1), num("--num-attention-heads", 1)
+    swiglu = "--swiglu" in flags
+    # Megatron-LM: ffn_hidden_size = 4h, or int(4h x 2/3 / 64) x 64 with --swiglu.
+    ffn = num("--ffn-hidden-size", (8 * hidden // 3) // 64 * 64 if swiglu else 4 * hidden)
+    norm = values.get("--normalization", "LayerNorm")
+    if norm not in ("LayerNorm", "RMSNorm"):
+        raise ConfigError(f"{where}: --normalization {norm}: expected LayerNorm or RMSNorm")
+    position = values.get("--position-embedding-type", "learned_absolute")
+    if position not in ("learned_absolute", "rope", "none", "yarn", "mrope"):
+        raise ConfigError(f"{where}: --position-embedding-type {position}: not a Megatron-LM type")
+    learned = (
+        position == "learned_absolute" and not {"--use-rotary-position-embeddings", "--no-position-embedding"} & flags
+    )
+    seq = num("--seq-length", 1)
+    if learned and num("--max-position-embeddings", seq) != seq:
+        notes.append(
+            Unmapped(
+                f"--max-position-embeddings {values['--max-position-embeddings']}",
+                f"the learned position table is counted with --seq-length {seq} rows",
+            )
+        )
+    experts = num("--num-experts", 0) if "--num-experts" in values else 0
+    kv_channels = num("--kv-channels", hidden // heads) if "--kv-channels" in values else None
+    try:
+        built = Transformer(
+            f"megatron {layers}x{hidden}",
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            vocab=1,
+            seq=seq,
+            kv_heads=num("--num-query-groups", heads) if "--group-query-attention" in flags else None,
+            ffn=num("--moe-ffn-hidden-size", ffn) if experts else ffn,
+            ffn_kind=Ffn.SWIGLU if swiglu else Ffn.GELU,
+            norm=Norm.RMSNORM if norm == "RMSNorm" else Norm.LAYERNORM,
+            bias="--disable-bias-linear" not in flags,
+            learned_positions=learned,
+            tied_embeddings="--untie-embeddings-and-output-weights" not in flags,
+            experts=experts,
+            top_k=num("--moe-router-topk", 2) if experts else 0,
+            head_size=kv_channels if kv_channels is not None and kv_channels * heads != hidden else None,
+            source=f"Megatron-LM arguments of {where}",
+        )
+    except InputError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    vocab = _meg_vocab(values, tp, num)
+    same = [  # presets of these dimensions (their own sequence length aside: --seq-length applies)
         name
-        for name, m in PRESETS.items()
-        if isinstance(m, Transformer) and all(getattr(m, k) == v for k, v in wanted.items())
+        for name, p in PRESETS.items()
+        if isinstance(p, Transformer)
+        and _canonical(replace(p, seq=seq)) == _canonical(replace(built, vocab=vocab or p.vocab))
     ]
-    return found[0] if len(found) == 1 else None
+    if vocab is None:
+        if len(same) != 1:
+            raise ConfigError(
+                f"{where}: the vocabulary size is not stated (--tokenizer-type "
+                f"{values.get('--tokenizer-type', 'not given')}): add --vocab-size or give --model"
+            )
+        notes.append(
+            Unmapped(
+                "vocabulary",
+                f"not stated by the tokenizer arguments: {same[0]}'s {_vocab_of(same[0]):,} tokens are taken",
+            )
+        )
+        return same[0], None
+    if len(same) == 1:
+        return same[0], None
+    return None, replace(built, vocab=vocab)
+
+
+def _canonical(t: Transformer) -> Transformer:
+    """``t`` with its defaults spelled out and no name: equal for equal models."""
+    return replace(t, name="", source="", ffn=t.ffn_, kv_heads=t.kv_heads_, head_size=t.head_dim)
+
+
+def _vocab_of(preset: str) -> int:
+    p = PRESETS[preset]
+    assert isinstance(p, Transformer)
+    return p.vocab
 
 
 _MEG_FIRST, _MEG_LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"

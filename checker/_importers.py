@@ -22,14 +22,17 @@ re-exports the names the importers' users import.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from checker._import_common import ConfigError, Framework, Imported, Unmapped
 from checker._import_deepspeed import DEEPSPEED_SCHEMA, import_deepspeed
 from checker._import_megatron import import_megatron, launcher_world_size, megatron_tokens
+from checker._import_shell import read_script
 from checker._import_torchtitan import TORCHTITAN_SCHEMA, import_torchtitan
+from formal._hf import seq_note
 from formal._input import load_json, load_toml, printable, read_text
-from formal._model import Model
+from formal._model import Model, Transformer
 from formal.errors import InputError
 
 # --- dispatch -------------------------------------------------------------------------------
@@ -63,9 +66,22 @@ def detect(path: Path) -> Framework:
 
 
 def load_config(
-    path: Path, *, devices: int | None, model: Model | None = None, framework: Framework | None = None
+    path: Path,
+    *,
+    devices: int | None,
+    model: Model | None = None,
+    framework: Framework | None = None,
+    seq: int | None = None,
 ) -> Imported:
-    """Read ``path`` (format from its suffix unless given) and import it."""
+    """Read ``path`` (format from its suffix unless given) and import it. ``seq``: the sequence
+    length given beside it (``--seq``); when neither gives one and ``model``'s is its Hugging
+    Face config's context window, the result says so."""
+    result = _load(path, devices=devices, model=model, framework=framework)
+    note = seq_note(model) if isinstance(model, Transformer) and seq is None and result.seq is None else None
+    return result if note is None else replace(result, unmapped=(*result.unmapped, Unmapped("sequence length", note)))
+
+
+def _load(path: Path, *, devices: int | None, model: Model | None, framework: Framework | None) -> Imported:
     where = printable(str(path), 200)
     kind = framework or detect(path)
     try:
@@ -78,19 +94,20 @@ def load_config(
             case Framework.TORCHTITAN:
                 return import_torchtitan(load_toml(text, where), devices=devices, model=model, where=where)
             case Framework.MEGATRON:
-                launched = launcher_world_size(text)
-                if devices is not None and launched is not None and devices != launched:
-                    raise ConfigError(
-                        f"{where}: --devices {devices} != the launcher's nproc_per_node x nnodes = {launched}"
-                    )
-                tokens = megatron_tokens(text)
+                launched = launcher_world_size(text, where)
+                tokens = megatron_tokens(text, where)
+                own = read_script(text, where).own_arguments
                 if not tokens:
                     raise ConfigError(
                         f"--from {where}: no Megatron arguments (expected a launch line or script "
                         "with --tensor-model-parallel-size and the like; a DeepSpeed config is "
                         ".json, a torchtitan one .toml)"
                     )
-                return import_megatron(tokens, devices=devices or launched, model=model, where=where)
+                result = import_megatron(tokens, devices=devices, model=model, where=where, launcher=launched)
+                if own:
+                    why = "the script's own command-line arguments are not known: read as none"
+                    result = replace(result, unmapped=(*result.unmapped, Unmapped("$@", why)))
+                return result
             case _:
                 raise AssertionError(kind)
     except ConfigError:

@@ -75,6 +75,11 @@ class Transformer:
     experts: int = 0  # 0: dense; otherwise experts per MoE layer (every layer)
     top_k: int = 0
     source: str = ""
+    # Decoupled attention width (Hugging Face ``head_dim``, Megatron ``--kv-channels``): None is
+    # hidden / heads. Only the parameter counts use it; activations keep Korthikanti's formulas.
+    head_size: int | None = None
+    qkv_bias: bool = False  # biases on the query, key and value projections only (Qwen2)
+    qk_norm: bool = False  # an RMSNorm over head_dim on queries and keys in every layer (Qwen3)
 
     def __post_init__(self) -> None:
         for fname in ("layers", "hidden", "heads", "vocab", "seq", "micro_batch"):
@@ -90,6 +95,8 @@ class Transformer:
         kv = self.kv_heads_
         if kv <= 0 or self.heads % kv:
             raise ModelError(f"kv_heads={kv}: must divide heads={self.heads}")
+        if self.head_size is not None and (not isinstance(self.head_size, int) or self.head_size <= 0):
+            raise ModelError(f"head_size={self.head_size!r}: must be a positive integer")
         if self.experts < 0 or (self.experts and not 0 < self.top_k <= self.experts):
             raise ModelError(f"experts={self.experts}, top_k={self.top_k}: need 0 < top_k <= experts")
         if self.parameter_count() > MAX_PARAMETERS:
@@ -107,7 +114,7 @@ class Transformer:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.hidden // self.heads if self.head_size is None else self.head_size
 
     @property
     def is_moe(self) -> bool:
@@ -117,7 +124,7 @@ class Transformer:
         """Parameter elements of every group, summed over all layers (exact integers)."""
         hid, f, hd = self.hidden, self.ffn_, self.head_dim
         qkv_out = self.heads * hd + 2 * self.kv_heads_ * hd
-        attention = hid * qkv_out + self.heads * hd * hid + (qkv_out if self.bias else 0)
+        attention = hid * qkv_out + self.heads * hd * hid + (qkv_out if self.bias or self.qkv_bias else 0)
         if self.ffn_kind is Ffn.GELU:
             mlp_one = 2 * hid * f + (f if self.bias else 0)
         else:
@@ -126,7 +133,7 @@ class Transformer:
         out: dict[Group, int] = {
             ATTENTION: self.layers * attention,
             ROW_BIAS: self.layers * (2 * hid if self.bias else 0),
-            NORM: self.layers * 2 * norm_one,
+            NORM: self.layers * (2 * norm_one + (2 * hd if self.qk_norm else 0)),
             FINAL_NORM: norm_one if self.final_norm else 0,
             EMBEDDING: self.vocab * hid,
             POSITION: self.seq * hid if self.learned_positions else 0,

@@ -195,7 +195,8 @@ def test_cli_bad_config_is_one_line_exit_2(tmp_path: Path) -> None:
 
 
 def _megatron(*extra: str, layers: int = 126) -> list[str]:
-    return ["--num-layers", str(layers), "--pipeline-model-parallel-size", "4", *extra]
+    size = ["--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "2048", "--vocab-size", "32000"]
+    return ["--num-layers", str(layers), *size, "--pipeline-model-parallel-size", "4", *extra]
 
 
 @pytest.mark.parametrize(

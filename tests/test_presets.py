@@ -145,7 +145,7 @@ def test_hf_gpt2_config_counts_124m(tmp_path: Path) -> None:
         ({"num_hidden_layers": None}, "num_hidden_layers"),
         ({"model_type": "bert"}, "not supported"),
         ({"hidden_size": 4096, "n_embd": 2048}, "contradictory"),
-        ({"head_dim": 64}, "head_dim=64"),
+        ({"n_shared_experts": 2}, "n_shared_experts=2"),
         ({"num_key_value_heads": 5}, "kv_heads=5"),
         ({"vocab_size": "32000"}, "vocab_size"),
         ({"hidden_act": "gelu"}, "hidden_act"),

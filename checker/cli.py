@@ -19,11 +19,13 @@ from typing import Any
 import click
 
 from checker._command import (
+    DEFAULT_RESERVE,
     EXIT_CODES,
     EXIT_INTERNAL,
     EXIT_UNKNOWN,
     EXIT_USAGE,
     EXIT_VALID,
+    RESERVE_HELP,
     analysis_of,
     fail,
     outcome,
@@ -35,7 +37,7 @@ from checker._command import (
 from checker._numbers import MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, WholeNumber
 from checker._output import PipeClosed, output_path, terminal
 from checker._parse import DEFAULT_NODE_SIZE, MODIFIERS
-from checker._report import CrossCheck, Report, print_report
+from checker._report import CrossCheck, Report, print_report, what_ifs
 from checker._toml import load as load_strategies
 from formal._input import printable
 from formal._model import PRECISIONS
@@ -55,6 +57,7 @@ Examples:
   check-composition fsdp8xdpr2 --model gpt3-1.3b   # HSDP: shard 8, replicate 2
   check-composition tp3                            # exit 1: divides[heads, tp] (32 heads)
   check-composition zero2-skew4 --strategies examples/broken_optimizer_shards.toml --explain
+  check-composition tp2xzero3xpp4 --reserve 8GB    # keep 8 GB back for the runtime
 
 """
     + EXIT_CODES
@@ -214,7 +217,16 @@ def main() -> None:
     metavar="FILE",
     help="A TOML file of user strategies (and optionally a step program); see examples/.",
 )
-@click.option("--explain", is_flag=True, help="Show every obligation: unsat cores of proofs, full counterexamples.")
+@click.option(
+    "--explain",
+    type=click.Choice(["witness", "all"]),
+    is_flag=False,
+    flag_value="witness",
+    default=None,
+    help="--explain: every broken rule with its full counterexample (witness); --explain=all also "
+    "the unsat core of every proved obligation.",
+)
+@click.option("--reserve", default=DEFAULT_RESERVE, show_default=True, help=RESERVE_HELP)
 @click.option(
     "--rlimit",
     type=WholeNumber(1, 10**12),
@@ -264,7 +276,8 @@ def check(
     from_path: str | None = None,
     report: str | None = None,
     strategies_path: str | None = None,
-    explain: bool = False,
+    explain: str | None = None,
+    reserve: str = DEFAULT_RESERVE,
     timeout_ms: int = DEFAULT_TIMEOUT_MS,
     validate: str | None = None,
     simulate: bool = False,
@@ -293,6 +306,7 @@ def check(
             strategies=user,
             node_size=node_size,
             from_path=from_path,
+            reserve=reserve,
         )
         if req.imported is not None:
             print_import(req.imported)
@@ -330,7 +344,12 @@ def check(
         from checker._simulate import run_simulation
 
         simulation = CrossCheck(*run_simulation(analysis.composition, user))
-    result = Report(analysis, verdict, explain, req.imported, validation, simulation)
+    hints = what_ifs(analysis) if not (as_json or as_csv) else ()
+    if req.strategies is not None and req.strategies.program is not None:
+        hints = ()  # a user's step program is not re-derived for another composition
+    result = Report(
+        analysis, verdict, explain is not None, req.imported, validation, simulation, explain == "all", hints
+    )
     doc = result.as_json()
     if report_path is not None:
         try:

@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from checker._analysis import Analysis
-from checker._command import build, fail, print_import, request
+from checker._command import DEFAULT_RESERVE, EXIT_CODES, RESERVE_HELP, build, fail, print_import, request
 from checker._exporters import Target, dtensor_placements, export
 from checker._frameworks import CONFUSED, all_rows, explain_row, placement_difference, placement_table
 from checker._html import write_report
@@ -34,6 +34,11 @@ from formal.errors import InputError, PlacementError
 MAX_COMPARED = 64  # compositions side by side (and values of a sweep): a table, not a search
 
 __all__ = ["compare", "explain", "export_command", "sweep", "write_report"]
+
+
+def examples(*lines: str) -> str:
+    """A subcommand's ``--help`` epilog: examples, then the exit codes (kept as written)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines) + "\n\n" + EXIT_CODES
 
 
 def _fail(err: PlacementError) -> None:
@@ -196,6 +201,7 @@ _model_options = [
     ),
     click.option("--seq", type=WholeNumber(1, MAX_SEQ), default=None, help="Sequence length."),
 ]
+_reserve_option = click.option("--reserve", default=DEFAULT_RESERVE, show_default=True, help=RESERVE_HELP)
 _node_option = click.option(
     "--node-size",
     type=WholeNumber(1, MAX_DEGREE),
@@ -229,6 +235,7 @@ def _analyze(composition: str, kw: dict[str, Any]) -> Analysis:
         kw["micro_batch"],
         kw["seq"],
         node_size=kw["node_size"],
+        reserve=kw["reserve"],
     )
     return analysis
 
@@ -285,9 +292,16 @@ def _write_chart(path: Path, data: bytes) -> None:
     click.echo(f"chart written to {printable(str(path))}", err=True)
 
 
-@click.command("compare")
+@click.command(
+    "compare",
+    epilog=examples(
+        "check-composition compare dp8 zero1 zero2 zero3 fsdp8",
+        "check-composition compare tp8xpp8 tp2xzero3xpp4 --model llama2-70b --devices 64 --csv",
+        "check-composition compare zero3 fsdp8xdpr8 --chart memory.png",
+    ),
+)
 @click.argument("compositions", nargs=-1, required=True)
-@_with([*_model_options, _node_option, *_table_options])
+@_with([*_model_options, _reserve_option, _node_option, *_table_options])
 @click.option("--chart", default=None, help="Write a stacked memory chart (.png or .svg).")
 def compare(compositions: tuple[str, ...], chart: str | None, as_csv: bool, as_json: bool, **kw: Any) -> None:
     """Compare COMPOSITIONS side by side, e.g. compare dp8 zero1 zero2 zero3 fsdp8."""
@@ -321,10 +335,17 @@ def compare(compositions: tuple[str, ...], chart: str | None, as_csv: bool, as_j
     emit(rows if as_csv or as_json else shown, SUMMARY_COLUMNS, title, as_csv, as_json, _gb_fmt, SUMMARY_SPECS)
 
 
-@click.command("sweep")
+@click.command(
+    "sweep",
+    epilog=examples(
+        "check-composition sweep 'tp{}xzero3' --values 1,2,4,8",
+        "check-composition sweep 'tp2xzero3xpp4xm{}' --values 4,8,16,32 --json",
+        "check-composition sweep 'zero3xpp{}' --values 1,2,4 --chart sweep.svg",
+    ),
+)
 @click.argument("template")
 @click.option("--values", required=True, help="Comma-separated values for {} in TEMPLATE, e.g. 1,2,4,8.")
-@_with([*_model_options, _node_option, *_table_options])
+@_with([*_model_options, _reserve_option, _node_option, *_table_options])
 @click.option("--chart", default=None, help="Write memory and traffic against the value (.png or .svg).")
 def sweep(template: str, values: str, chart: str | None, as_csv: bool, as_json: bool, **kw: Any) -> None:
     """Vary one degree: sweep 'tp{}xzero3' --values 1,2,4,8 (a value that does not fit the
@@ -393,7 +414,14 @@ EXPLAIN_SPECS = {
 }
 
 
-@click.command("explain")
+@click.command(
+    "explain",
+    epilog=examples(
+        "check-composition explain zero2            # its placement and framework names",
+        "check-composition explain fsdp --degree 16",
+        "check-composition explain --all --csv      # every strategy, one row each",
+    ),
+)
 @click.argument("strategy", required=False)
 @click.option("--all", "show_all", is_flag=True, help="The cross-framework table of every strategy.")
 @click.option(
@@ -481,7 +509,15 @@ def explain(strategy: str | None, show_all: bool, degree: int, as_csv: bool, as_
 # --- export ---------------------------------------------------------------------------------
 
 
-@click.command("export")
+@click.command(
+    "export",
+    epilog=examples(
+        "check-composition export tp2xfsdp8xsp --to torchtitan",
+        "check-composition export zero3 --devices 8 --to deepspeed > ds_config.json",
+        "check-composition export --from ds_config.json --to megatron",
+        "check-composition export tp2xzero3xpp4 --to dtensor --json",
+    ),
+)
 @click.argument("composition", required=False)
 @click.option(
     "--to",

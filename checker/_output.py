@@ -140,13 +140,13 @@ def _longest_word(text: str) -> int:
     return min(max((len(word) for word in text.split()), default=1), _FOLD)
 
 
-def _needed(columns: Sequence[Column], cells: Sequence[Sequence[str]]) -> int:
-    """Columns the table needs: numbers whole, text wrapped at spaces (rich's heavy box: one
-    space of padding either side of each cell and one rule between and around the cells)."""
+def _needed(columns: Sequence[Column], cells: Sequence[Sequence[str]], whole: Sequence[bool]) -> int:
+    """Columns the table needs: whole cells on one line, text wrapped at spaces (rich's heavy box:
+    one space of padding either side of each cell and one rule between and around the cells)."""
     total = 1
     for i, col in enumerate(columns):
         texts = [col.header, *(row[i] for row in cells)]
-        total += 3 + max(len(t) if col.whole else _longest_word(t) for t in texts)
+        total += 3 + max(len(t) if whole[i] else _longest_word(t) for t in texts)
     return total
 
 
@@ -154,13 +154,17 @@ def fitted_table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[
     """A table of ``rows`` (plain text, escaped here) that fits ``width`` columns.
 
     While the numbers cannot all be shown whole, the column with the lowest ``keep`` is left out
-    (the JSON and CSV outputs keep every column); the caption names what was left out. Text cells
+    (the JSON and CSV outputs keep every column); the caption names what was left out. If the
+    table is still too wide, text kept on one line (a composition) wraps at its spaces. Text cells
     wrap at spaces, or fold a word longer than its column; no cell is ever cut with an ellipsis."""
     shown = list(range(len(columns)))
     dropped: list[str] = []
+    whole = [col.whole for col in columns]
 
     def need() -> int:
-        return _needed([columns[i] for i in shown], [[row[i] for i in shown] for row in rows])
+        return _needed(
+            [columns[i] for i in shown], [[row[i] for i in shown] for row in rows], [whole[i] for i in shown]
+        )
 
     while need() > width:
         droppable = [i for i in shown if columns[i].keep is not None]
@@ -169,6 +173,8 @@ def fitted_table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[
         least = min(droppable, key=lambda i: (columns[i].keep or 0, -i))
         shown.remove(least)
         dropped.append(columns[least].header)
+    if need() > width:
+        whole = [col.numeric for col in columns]
     caption = f"(narrow terminal: left out {', '.join(dropped)}; --json has every column)" if dropped else None
     table = Table(title=escape(title), caption=escape(caption) if caption else None)
     for i in shown:
@@ -176,9 +182,9 @@ def fitted_table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[
         table.add_column(
             escape(col.header),
             justify="right" if col.numeric else "left",
-            no_wrap=col.whole,
+            no_wrap=whole[i],
             overflow="fold",
-            min_width=max((len(row[i]) for row in rows), default=1) if col.whole else None,
+            min_width=max([len(col.header), *(len(row[i]) for row in rows)]) if whole[i] else None,
         )
     for row in rows:
         table.add_row(*[escape(row[i]) for i in shown])

@@ -70,7 +70,7 @@ def _print_plan(result: Plan) -> None:
         Column("step ms", True),
         Column("bubble", True, 3),
         Column("comm ms", True, 4),
-        Column("verdict", keep=6),
+        Column("verdict"),
     )
     rows = [
         [
@@ -108,6 +108,7 @@ def plan_command() -> Any:
 
     import click
 
+    from checker._commands_reports import examples
     from checker._numbers import (
         MAX_BATCH,
         MAX_DEGREE,
@@ -122,7 +123,15 @@ def plan_command() -> Any:
     from formal._model import PRECISIONS
     from formal._presets import DEFAULT_DEVICE_MEMORY, DEFAULT_DEVICES
 
-    @click.command("plan")
+    @click.command(
+        "plan",
+        epilog=examples(
+            "check-composition plan                                # llama2-7b on 64 devices",
+            "check-composition plan --model llama3-70b --devices 512 --top 3",
+            "check-composition plan --fix tp=8 --rank-by communication --json",
+            "check-composition plan --csv candidates.csv",
+        ),
+    )
     @click.option("--model", default=None, help="Preset name or Hugging Face config.json.")
     @click.option("--params", default=None, help="A bare parameter count instead of a model (7.5e9, 70B).")
     @click.option("--devices", type=WholeNumber(1, MAX_DEGREE), default=DEFAULT_DEVICES, show_default=True)

@@ -368,7 +368,10 @@ def check(
     sys.exit(verdict_exit(verdict))
 
 
-@main.command("strategies")
+@main.command(
+    "strategies",
+    epilog="\b\nExamples:\n  check-composition strategies\n  check-composition strategies | grep zero\n\n" + EXIT_CODES,
+)
 def list_strategies() -> None:
     """List the strategy library and the modifiers."""
     for name, make in sorted(LIBRARY.items()):

@@ -22,6 +22,7 @@ from checker._import_common import Imported, Unmapped
 from checker._numbers import gb
 from checker._output import Column, fitted_table
 from checker._parse import readable
+from checker._step_time import StepTime
 from formal._costs import ceil_int
 from formal._exact import exact
 from formal._input import printable
@@ -197,6 +198,16 @@ def what_ifs(analysis: Analysis) -> tuple[WhatIf, ...]:
     return tuple(out)
 
 
+def what_if_text(analysis: Analysis, hints: tuple[WhatIf, ...]) -> str:
+    """``with flash: 14.0 GB per device``, and whether that changes the fit."""
+
+    def one(h: WhatIf) -> str:
+        changed = h.fits is not None and analysis.fits is not None and h.fits != analysis.fits
+        return f"with {h.modifier}: {gb(h.total)}" + ((" (fits)" if h.fits else " (does NOT fit)") if changed else "")
+
+    return " · ".join(one(h) for h in hints)
+
+
 def global_batch(analysis: Analysis) -> int:
     """Sequences per step: micro-batch x micro-batches x data-parallel replicas (dp, dpr and ep,
     as the planner counts them)."""
@@ -208,7 +219,7 @@ def global_batch(analysis: Analysis) -> int:
     return int(micro) * analysis.composition.options.micro_batches * replicas
 
 
-def assumptions(analysis: Analysis, hints: tuple[WhatIf, ...] = ()) -> str:
+def assumptions(analysis: Analysis) -> str:
     """The settings the numbers rest on that the command line may not have said."""
     m, o, p = analysis.model, analysis.composition.options, analysis.precision
     parts: list[str] = []
@@ -217,10 +228,8 @@ def assumptions(analysis: Analysis, hints: tuple[WhatIf, ...] = ()) -> str:
     parts.append(f"m {o.micro_batches} (global batch {global_batch(analysis)})")
     parts.append(f"{p.parameters}/{p.gradients}/{p.optimizer} B")
     if isinstance(m, Transformer):
-        flash = next((h for h in hints if h.modifier == "flash"), None)
         if o.recompute is Recompute.NONE:
-            parts.append("attention stored" + (f" (with flash: {gb(flash.total)})" if flash else ""))
-            parts.append("no recompute")
+            parts += ["attention stored", "no recompute"]
         else:
             parts.append(f"{o.recompute.value} recompute")
     else:
@@ -235,8 +244,9 @@ def _verdict_summary(verdict: Verdict) -> str:
             return f"VALID: trains exactly like one device (z3 proved {n} obligations)"
         case Status.REFUTED:
             rules = sorted({v.rule for v in verdict.violations})
-            more = f" (+{len(rules) - 2} more)" if len(rules) > 2 else ""
-            return f"INVALID: {', '.join(rules[:2])}{more} broken (see Verdict below)"
+            if len(rules) == 1:
+                return f"INVALID: {rules[0]} is broken"
+            return f"INVALID: {len(rules)} rules broken, e.g. {rules[0]}"
         case _:
             unknown = sum(1 for o in verdict.obligations if o.status is Status.UNKNOWN)
             return f"UNKNOWN: z3 could not decide {unknown} of {n} obligations (not proved)"
@@ -248,22 +258,22 @@ def _fit(analysis: Analysis, total: int) -> str:
     cap, kept = analysis.device_memory, analysis.reserve
     reserve = f" + {gb(kept)} reserve" if kept else ""
     spare = cap - kept - total
-    judged = f"fits ({gb(spare)} spare)" if spare >= 0 else f"does NOT fit ({gb(-spare)} over)"
-    return f"{gb(total)} per device{reserve} of {gb(cap)}: {judged}"
+    if spare >= 0:
+        return f"{gb(total)}{reserve} <= {gb(cap)} per device: fits ({gb(spare)} spare)"
+    return f"{gb(total)}{reserve} > {gb(cap)} per device: does NOT fit"
 
 
 def summary_lines(analysis: Analysis, verdict: Verdict) -> list[str]:
     """The first screen: what was checked, the verdict, the peak per device against the device
     memory with its reserve, the traffic per step and the pipeline bubble."""
     c, m = analysis.composition, analysis.model
-    mesh = " · ".join(f"{a.value}={d}" for a, d in analysis.placement.mesh)
     name = getattr(m, "name", "") or "custom"
     bubble = Fraction(str(exact(analysis.bubble)))
     o = c.options
     stall = f"{float(bubble):.1%} of the step idle ({o.schedule.value}, m {o.micro_batches})" if bubble else "none"
     traffic = ceil_int(analysis.communication_bytes)
     return [
-        f"{readable(c)} on {c.devices} devices ({mesh}) · {name}, {_count(m.parameter_count())} params",
+        f"{readable(c)} on {c.devices} devices · {name} ({_count(m.parameter_count())} params)",
         f"verdict  {_verdict_summary(verdict)}",
         f"memory   {_fit(analysis, ceil_int(analysis.memory.total))}",
         f"traffic  {gb(traffic)} per device per step · model states {decimal(analysis.model_state_psi, 3)} Psi",
@@ -345,6 +355,32 @@ def verdict_json(verdict: Verdict, explain: bool = False) -> dict[str, Any]:
     return doc
 
 
+_SHOWN = 8  # violations listed without --explain
+
+
+def print_witnesses(verdict: Verdict, console: Console, every: bool = False) -> None:
+    """``--explain``, before the tables: each broken rule with its explanation, and the witness
+    (the counterexample's fields, values to re-run) of the first; ``every`` (``--explain=all``)
+    gives every rule's witness. A rule whose witness repeats the first's but for its group says
+    so in one line."""
+    if not verdict.violations:
+        return
+    console.print(f"Counterexamples ({len(verdict.violations)} broken rules; the first in full):", highlight=False)
+    first = verdict.violations[0].witness
+    for i, v in enumerate(verdict.violations):
+        console.print(
+            f"[bold red]{escape(v.rule)}[/bold red] ({v.condition.label}): {escape(v.explanation)}", highlight=False
+        )
+        if i == 0 or every:
+            console.print(
+                escape("    " + " · ".join(f"{k}: {value}" for k, value in v.witness.items())), highlight=False
+            )
+        elif v.witness != first:
+            differs = [f"{k}: {value}" for k, value in v.witness.items() if first.get(k) != value]
+            console.print(escape("    differs from the first in: " + " · ".join(differs)), highlight=False)
+    console.print()
+
+
 def print_verdict(verdict: Verdict, console: Console, explain: bool = False, cores: bool = False) -> None:
     """Verdict per condition, the rules that fired (with witnesses under ``explain``), notes;
     ``cores`` adds the unsat cores of the proved obligations (``--explain=all``).
@@ -360,16 +396,14 @@ def print_verdict(verdict: Verdict, console: Console, explain: bool = False, cor
     title = f"Verdict: {verdict.status.label.upper()} ({len(verdict.obligations)} z3 obligations)"
     columns = (Column("condition"), Column("status"), Column("rules that fired"))
     console.print(fitted_table(title, columns, rows, console.width))
-    limit = None if explain else 8
-    for v in verdict.violations[:limit]:
-        console.print(
-            f"[bold red]{escape(v.rule)}[/bold red] ({v.condition.label}): {escape(v.explanation)}", highlight=False
-        )
-        if explain:
-            for key, value in v.witness.items():
-                console.print(escape(f"    {key}: {value}"), highlight=False)
-    if limit is not None and len(verdict.violations) > limit:
-        console.print(f"... {len(verdict.violations) - limit} more violations (--explain or --json lists all)")
+    if not explain:  # under --explain the violations came first (``print_witnesses``)
+        for v in verdict.violations[:_SHOWN]:
+            console.print(
+                f"[bold red]{escape(v.rule)}[/bold red] ({v.condition.label}): {escape(v.explanation)}",
+                highlight=False,
+            )
+        if len(verdict.violations) > _SHOWN:
+            console.print(f"... {len(verdict.violations) - _SHOWN} more violations (--explain or --json lists all)")
     for o in verdict.obligations:
         if o.status is Status.UNKNOWN:
             console.print(
@@ -408,6 +442,7 @@ class Report:
     simulation: CrossCheck | None = None
     cores: bool = False  # --explain=all: the unsat cores too (terminal only; the JSON lists them under explain)
     hints: tuple[WhatIf, ...] = ()  # the composition with one more modifier (``what_ifs``)
+    step: StepTime | None = None  # when hardware is given (``--device-flops``, bandwidths)
 
     @property
     def unmapped(self) -> tuple[Unmapped, ...]:
@@ -427,25 +462,31 @@ class Report:
 
 
 def print_report(report: Report, console: Console) -> None:
-    """The terminal view, first screen first: the five-line summary (verdict, peak memory against
-    the device with its reserve, traffic, bubble), the assumptions the numbers rest on, a what-if
+    """The terminal view, first screen first: the summary (what was checked, the verdict, peak
+    memory against the device with its reserve, traffic, bubble, and the step time when hardware
+    is given), the assumptions the numbers rest on, a what-if
     when one modifier changes the fit, the import's unmapped settings; then the detail tables, the
     verdict's rules and the runs beside the prediction."""
     a = report.analysis
     for line in summary_lines(a, report.verdict):
         console.print(escape(line), highlight=False)
-    console.print(escape(f"assumes  {assumptions(a, report.hints)}"), highlight=False)
-    changed = [h for h in report.hints if h.fits is not None and h.fits != a.fits]
-    if changed:
-        shown = " · ".join(
-            f"with {h.modifier}: {gb(h.total)} ({'fits' if h.fits else 'does NOT fit'})" for h in changed
+    if report.step is not None:
+        t = report.step
+        console.print(
+            f"step     {t.total_s * 1e3:,.0f} ms = compute {t.compute_s * 1e3:,.0f} + bubble {t.bubble_s * 1e3:,.0f}"
+            f" + comm {t.communication_s * 1e3:,.0f} + host {t.host_s * 1e3:,.0f} ms",
+            highlight=False,
         )
-        console.print(f"what-if  {shown}", highlight=False)
+    console.print(escape(f"assumes  {assumptions(a)}"), highlight=False)
+    if report.hints:
+        console.print(f"what-if  {what_if_text(a, report.hints)}", highlight=False)
     if report.unmapped:
         console.print("Settings of the imported configuration the composition does not say exactly:")
         for u in report.unmapped:
             console.print(escape(f"  {printable(u.setting)}: {printable(u.why)}"), highlight=False)
     console.print()
+    if report.explain:
+        print_witnesses(report.verdict, console, report.cores)
     print_human(a, console)
     print_verdict(report.verdict, console, report.explain, report.cores)
     for run in (report.validation, report.simulation):

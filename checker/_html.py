@@ -62,7 +62,9 @@ def _verdict_section(doc: dict[str, Any]) -> str:
         ""
         if fits is None
         else f'<p id="memory-verdict">Memory: <b>{"fits" if fits else "does NOT fit"}</b> in '
-        f"{_gb(memory['device_memory'])} GB per device.</p>"
+        f"{_gb(memory['device_memory'])} GB per device"
+        + (f" with {_gb(memory['reserve'])} GB kept in reserve" if memory.get("reserve") else "")
+        + ".</p>"
     )
     if not isinstance(verdict, dict):
         return (

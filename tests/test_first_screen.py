@@ -12,6 +12,7 @@ import io
 import json
 import re
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -196,6 +197,7 @@ def test_step_time_from_the_flops_formula_when_hardware_is_given() -> None:
     _, out = run(*args, *bandwidth)
     doc = json.loads(run("check", "dp8", "--devices", "8", "--json")[1])
     m = MODEL
+    assert isinstance(m, Transformer)
     tokens = 8 * m.seq  # micro-batch 1, one micro-batch, 8 replicas
     flops = 3 * (2 * m.parameter_count() + 4 * m.layers * m.seq * m.hidden) * tokens  # eq. 3, no recompute
     compute_ms = flops / (8 * 312e12) * 1e3
@@ -238,3 +240,11 @@ def test_html_headings_show_decimals_not_fractions() -> None:
     for heading in re.findall(r"<h2>(.*?)</h2>", page, re.S):
         assert not re.search(r"\d+/\d+", heading), heading
     assert "3/16" not in page.split('<script type="application/json"')[0]
+
+
+def test_readme_first_screen_is_what_the_cli_prints() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("<!-- first-screen: check-composition tp2xzero3xpp4 -->", 1)[1]
+    shown = block.split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    _, out = run("check", "tp2xzero3xpp4")
+    assert [line.rstrip() for line in out.splitlines()[: len(shown)]] == shown

@@ -272,8 +272,9 @@ def summary_lines(analysis: Analysis, verdict: Verdict) -> list[str]:
     o = c.options
     stall = f"{float(bubble):.1%} of the step idle ({o.schedule.value}, m {o.micro_batches})" if bubble else "none"
     traffic = ceil_int(analysis.communication_bytes)
+    what = name if isinstance(m, ParameterCount) else f"model {name} ({_count(m.parameter_count())} params)"
     return [
-        f"{readable(c)} on {c.devices} devices · model {name} ({_count(m.parameter_count())} params)",
+        f"{readable(c)} on {c.devices} devices · {what}",
         f"verdict  {_verdict_summary(verdict)}",
         f"memory   {_fit(analysis, ceil_int(analysis.memory.total))}",
         f"traffic  {gb(traffic)} per device per step · model states {decimal(analysis.model_state_psi, 3)} Psi",

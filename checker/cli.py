@@ -81,6 +81,9 @@ class DefaultGroup(click.Group):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
             args = ["check", *args]
+        end = args.index("--") if "--" in args else len(args)
+        spelled = {"--explain=all": "--explain-all", "--explain=witness": "--explain"}  # --explain[=all]
+        args = [spelled.get(a, a) for a in args[:end]] + args[end:]
         return super().parse_args(ctx, args)
 
     def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
@@ -221,14 +224,12 @@ def main() -> None:
     metavar="FILE",
     help="A TOML file of user strategies (and optionally a step program); see examples/.",
 )
+@click.option("--explain", is_flag=True, help="Every broken rule with its counterexample (witness), first.")
 @click.option(
-    "--explain",
-    type=click.Choice(["witness", "all"]),
-    is_flag=False,
-    flag_value="witness",
-    default=None,
-    help="--explain: every broken rule with its full counterexample (witness); --explain=all also "
-    "the unsat core of every proved obligation.",
+    "--explain-all",
+    "explain_all",
+    is_flag=True,
+    help="(or --explain=all) --explain and the unsat core of every proved obligation (tracked constraint names).",
 )
 @click.option("--reserve", default=DEFAULT_RESERVE, show_default=True, help=RESERVE_HELP)
 @click.option(
@@ -288,7 +289,8 @@ def check(
     from_path: str | None = None,
     report: str | None = None,
     strategies_path: str | None = None,
-    explain: str | None = None,
+    explain: bool = False,
+    explain_all: bool = False,
     reserve: str = DEFAULT_RESERVE,
     device_flops: str | None = None,
     intra_node_bandwidth: str | None = None,
@@ -365,7 +367,7 @@ def check(
     if req.strategies is not None and req.strategies.program is not None:
         hints = ()  # a user's step program is not re-derived for another composition
     result = Report(
-        analysis, verdict, explain is not None, req.imported, validation, simulation, explain == "all", hints, step
+        analysis, verdict, explain or explain_all, req.imported, validation, simulation, explain_all, hints, step
     )
     doc = result.as_json()
     if report_path is not None:

@@ -219,6 +219,10 @@ def test_explain_gives_the_witness_and_leaves_unsat_cores_to_explain_all() -> No
     assert "Unsat cores" not in short and "--explain=all prints them" in short
     assert "Unsat cores" in full and "integrity[G.embedding, pp]" in full
     assert len(short.splitlines()) < len(full.splitlines())
+    _, before = run("--explain", "dp2xpp2", "--model", "gpt3-1.3b")  # the flag before the composition
+    assert before == short
+    _, spelled = run("check", "dp2xpp2", "--model", "gpt3-1.3b", "--explain-all")
+    assert spelled == full
 
 
 @pytest.mark.parametrize("command", ["check", "compare", "sweep", "plan", "explain", "export", "strategies"])

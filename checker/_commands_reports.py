@@ -20,7 +20,6 @@ from checker._command import DEFAULT_RESERVE, EXIT_CODES, RESERVE_HELP, build, f
 from checker._exporters import Target, dtensor_placements, export
 from checker._frameworks import CONFUSED, all_rows, explain_row, placement_difference, placement_table
 from checker._html import write_report
-from checker._layout import canonical
 from checker._numbers import MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, WholeNumber, parse_int
 from checker._output import Column, fitted_table, output_path, terminal, write_atomic
 from checker._parse import DEFAULT_NODE_SIZE, readable
@@ -565,7 +564,7 @@ def export_command(
                 emit(
                     rows,
                     ("group", "state", *doc["mesh_dims"], "pp"),
-                    f"DTensor placements of {canonical(comp, model)} (mesh {doc['mesh_dims']} = {doc['mesh_shape']})",
+                    f"DTensor placements of {readable(comp)} (mesh {doc['mesh_dims']} = {doc['mesh_shape']})",
                     as_csv,
                     False,
                 )

@@ -409,11 +409,16 @@ def _step(analysis: Analysis, node_size: int, flops: str | None, intra: str | No
 )
 def list_strategies() -> None:
     """List the strategy library and the modifiers."""
+    from checker._output import Column, fitted_table
+
+    rows = []
     for name, make in sorted(LIBRARY.items()):
         s = make()
-        click.echo(f"{name:<10} axis {s.axis.value:<4} {s.description}")
-    for mod, text in MODIFIERS.items():
-        click.echo(f"{mod:<10} modifier  {text}")
+        rows.append([name, f"axis {s.axis.value}", s.description])
+    rows += [[mod, "modifier", text] for mod, text in MODIFIERS.items()]
+    console = terminal()
+    columns = (Column("name", wrap=False), Column("kind", wrap=False), Column("what it places"))
+    console.print(fitted_table("strategies and modifiers", columns, rows, console.width))
 
 
 from checker._plan_command import plan_command  # noqa: E402 (the planner)

@@ -125,8 +125,10 @@ def test_a_fitted_table_shows_every_number_whole_or_drops_its_column(
         ("plan", "--devices", "4", "--top", "3"),
         ("explain", "--all"),
         ("explain", "zero2"),
+        ("export", "tp2xzero3xpp4", "--to", "dtensor"),
+        ("strategies",),
     ],
-    ids=lambda a: a[0] + ("-explain" if "--explain" in a else "") + ("-all" if "--all" in a else ""),
+    ids=lambda a: "-".join(x.lstrip("-") for x in a[:1] + tuple(x for x in a if x in ("--explain", "--all"))),
 )
 def test_every_command_fits_80_columns_without_cutting_a_cell(args: tuple[str, ...]) -> None:
     code, out = run(*args)

@@ -30,6 +30,7 @@ from formal._model import ParameterCount, Transformer
 from formal._placement import Recompute
 from formal._verdict import Condition, Status, Verdict
 from formal._vocab import Axis, Stage
+from formal.errors import PlacementError
 
 SCHEMA = "placement-semantics/report/1"
 
@@ -190,11 +191,17 @@ def what_ifs(analysis: Analysis) -> tuple[WhatIf, ...]:
     if not isinstance(analysis.model, Transformer):
         return ()
     options = analysis.composition.options
-    out: list[WhatIf] = []
+    wanted: list[str] = []
     if options.recompute is Recompute.NONE:
-        out.append(_with_modifier(analysis, "flash"))
+        wanted.append("flash")
     if options.recompute is not Recompute.FULL and analysis.fits is False:
-        out.append(_with_modifier(analysis, "recompute"))
+        wanted.append("recompute")
+    out: list[WhatIf] = []
+    for modifier in wanted:
+        try:
+            out.append(_with_modifier(analysis, modifier))
+        except PlacementError:  # the composition cannot take the modifier: no hint, not an error
+            continue
     return tuple(out)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 from strategies import compositions, models
@@ -25,9 +25,11 @@ from checker._analysis import analyze
 from checker._numbers import gb
 from checker._output import Column, fitted_table
 from checker._parse import parse, readable
+from checker._report import Report, print_report, what_ifs
 from checker.cli import main
 from formal._model import Transformer
 from formal._presets import PRESETS
+from formal._verdict import Condition, Obligation, Status, Verdict, Violation
 from formal.errors import CompositionError
 
 WIDTH = 80
@@ -254,3 +256,46 @@ def test_readme_first_screen_is_what_the_cli_prints() -> None:
     shown = block.split("```text\n", 1)[1].split("```", 1)[0].splitlines()
     _, out = run("check", "tp2xzero3xpp4")
     assert [line.rstrip() for line in out.splitlines()[: len(shown)]] == shown
+
+
+@st.composite
+def verdicts(draw: st.DrawFn) -> Verdict:
+    """Verdicts of each status, with rule names and witnesses shaped like the solver's."""
+    rules = draw(st.lists(st.sampled_from(["refresh[P.attention, dp]", "divides[heads, tp]", "sync[G.mlp, pp]"])))
+    violations = tuple(
+        Violation(rule, draw(st.sampled_from(list(Condition))), explanation=f"{rule} is broken", witness={"step": 1})
+        for rule in rules
+    )
+    status = draw(st.sampled_from([Status.PROVED, Status.UNKNOWN]))
+    obligations = (Obligation("integrity", Condition.GRADIENT_INTEGRITY, status, "timeout", core=("a", "b")),)
+    return Verdict(obligations, violations, notes=tuple(draw(st.lists(texts, max_size=2))))
+
+
+def report_fits(model: Transformer, data: st.DataObject, verdict: Verdict, width: int, explain: bool) -> None:
+    composition = data.draw(compositions(model))
+    analysis = analyze(composition, model, device_memory=80 * 10**9, reserve=4 * 10**9)
+    out = io.StringIO()
+    report = Report(analysis, verdict, explain, hints=what_ifs(analysis))
+    print_report(report, Console(file=out, width=width, color_system=None))
+    text = out.getvalue()
+    assert_fits(text, width)
+    assert text.startswith(readable(composition))
+    first_screen = text.split("Memory per device")[0]
+    assert "assumes  " in first_screen and "global batch" in first_screen
+
+
+@settings(max_examples=12)  # each example analyses twice; the slow variant draws 300
+@given(models(), st.data(), verdicts(), st.integers(60, 120), st.booleans())
+def test_a_report_fits_any_terminal_width(
+    model: Transformer, data: st.DataObject, verdict: Verdict, width: int, explain: bool
+) -> None:
+    report_fits(model, data, verdict, width, explain)
+
+
+@pytest.mark.slow
+@settings(max_examples=300)
+@given(models(), st.data(), verdicts(), st.integers(60, 120), st.booleans())
+def test_a_report_fits_any_terminal_width_thoroughly(
+    model: Transformer, data: st.DataObject, verdict: Verdict, width: int, explain: bool
+) -> None:
+    report_fits(model, data, verdict, width, explain)

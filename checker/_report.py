@@ -206,7 +206,7 @@ def what_ifs(analysis: Analysis) -> tuple[WhatIf, ...]:
 
 
 def what_if_text(analysis: Analysis, hints: tuple[WhatIf, ...]) -> str:
-    """``with flash: 14.0 GB per device``, and whether that changes the fit."""
+    """``with flash: 14.0 GB`` (the peak per device), and whether that changes the fit."""
 
     def one(h: WhatIf) -> str:
         changed = h.fits is not None and analysis.fits is not None and h.fits != analysis.fits

@@ -42,6 +42,7 @@ class Analysis:
     device_memory: int | None
     symbolic_memory: Memory
     traffic_stage: Stage = Stage.FIRST  # the pipeline stage whose device sends the most (``traffic``'s)
+    reserve: int = 0  # bytes of device memory kept back for the runtime (``--reserve``)
 
     @property
     def communication_bytes(self) -> sp.Expr:
@@ -54,9 +55,10 @@ class Analysis:
 
     @property
     def fits(self) -> bool | None:
+        """Whether the most-loaded device's total and the runtime's ``reserve`` fit its memory."""
         if self.device_memory is None:
             return None
-        return bool(exact(self.memory.total) <= self.device_memory)
+        return bool(exact(self.memory.total) + self.reserve <= self.device_memory)
 
     @property
     def bubble(self) -> sp.Expr:
@@ -73,12 +75,14 @@ def analyze(
     precision: Precision = DEFAULT_PRECISION,
     device_memory: int | None = None,
     program: StepProgram | None = None,
+    reserve: int = 0,
 ) -> Analysis:
     """Placement, step program, memory (the most-loaded pipeline stage) and communication (the
     stage that sends the most) of ``composition`` on ``model``, bytes per ``precision``
     (default: the ZeRO paper's mixed-precision Adam, 2 + 2 + 12 bytes per parameter).
 
-    ``device_memory`` (bytes) sets ``Analysis.fits``; ``program`` replaces the derived step
+    ``device_memory`` (bytes) and ``reserve`` (bytes kept back for the
+    runtime) set ``Analysis.fits``; ``program`` replaces the derived step
     program (a user's, of this composition's placement, which is then read from it). The placement
     is built once; the symbolic one (degrees as symbols) gives the memory expressions.
     """
@@ -104,4 +108,5 @@ def analyze(
         device_memory=device_memory,
         symbolic_memory=sym,
         traffic_stage=traffic_stage,
+        reserve=reserve,
     )

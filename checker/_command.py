@@ -7,6 +7,7 @@ imports none of them.
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,6 +33,19 @@ EXIT_CODES = (
     "Exit codes: 0 valid, 1 invalid (the rule is named), 2 usage or input error, 3 unknown, "
     "4 internal error (a bug: please report it; --debug shows the traceback), "
     "5 z3 and --simulate disagree (a bug in the tool: both answers are shown first)."
+)
+
+
+# Device memory the training state cannot use (``--reserve``): the CUDA context each process
+# creates (hundreds of MB to over 1 GB, by CUDA version and device: "CUDA context" in the PyTorch
+# notes on CUDA semantics), NCCL's communicator buffers (NCCL_BUFFSIZE, 4 MiB per channel and
+# peer by default, per communicator: NCCL's environment-variable documentation) and the caching
+# allocator's fragmentation (PyTorch's "Memory management" notes, ``torch.cuda.memory_reserved``
+# beyond ``memory_allocated``). 4 GB is 5% of an 80 GB device: an estimate, stated in every report.
+DEFAULT_RESERVE = "4GB"
+RESERVE_HELP = (
+    "Device memory kept back for the CUDA context, NCCL buffers and allocator fragmentation; "
+    "'fits' means total + reserve <= device memory."
 )
 
 
@@ -106,6 +120,7 @@ class Request:
     devices: int | None  # as given or stated by the config (None: the composition's own product)
     strategies: StrategyFile | None = None
     imported: Imported | None = None
+    reserve: int = 0  # bytes of device memory kept back for the runtime (``--reserve``)
 
 
 def _given(option: str) -> bool:
@@ -140,13 +155,15 @@ def request(
     strategies: StrategyFile | None = None,
     node_size: int = DEFAULT_NODE_SIZE,
     from_path: str | None = None,
+    reserve: str = DEFAULT_RESERVE,
 ) -> Request:
     """COMPOSITION parsed, or ``--from CONFIG`` imported (never both), and the model loaded once.
 
     With ``--from`` the config's batch, sequence, precision and preset fill the options the user
     left at their defaults (an explicit option wins); the importer's ``Composition`` is used as
     it is. ``strategies``: a user file whose names the composition may use. ``node_size``: devices
-    per node, for the ``hpz`` modifier."""
+    per node, for the ``hpz`` modifier. ``reserve``: device memory kept back for the runtime
+    (``--reserve``, a size such as 4GB; at most the device memory)."""
     if devices is not None and not 1 <= devices <= MAX_DEGREE:
         raise InputError(f"--devices {devices}: must be from 1 to {MAX_DEGREE:,}")
     imported: Imported | None = None
@@ -183,7 +200,11 @@ def request(
     if precision not in PRECISIONS:
         raise InputError(f"--precision {precision}: unknown (known: {', '.join(PRECISIONS)})")
     mem = parse_bytes(device_memory) if device_memory is not None else DEFAULT_DEVICE_MEMORY
-    return Request(comp, chosen, PRECISIONS[precision], mem, devices, strategies, imported)
+    nothing = re.fullmatch(r"[ \t]*0+(\.0*)?[ \t]*([kmgt]i?)?b?[ \t]*", reserve.lower())  # --reserve 0: no headroom
+    kept = 0 if nothing else parse_bytes(reserve, "--reserve")
+    if mem is not None and kept >= mem:
+        raise InputError(f"--reserve {reserve}: leaves nothing of the {mem / 1e9:,.1f} GB device memory")
+    return Request(comp, chosen, PRECISIONS[precision], mem, devices, strategies, imported, kept)
 
 
 def analysis_of(req: Request) -> Analysis:
@@ -191,7 +212,7 @@ def analysis_of(req: Request) -> Analysis:
     program = None
     if req.strategies is not None and req.strategies.program is not None:
         program = req.strategies.program_for(req.composition.placement(req.model), req.model)
-    return analyze(req.composition, req.model, req.precision, req.device_memory, program=program)
+    return analyze(req.composition, req.model, req.precision, req.device_memory, program=program, reserve=req.reserve)
 
 
 def build(
@@ -205,10 +226,23 @@ def build(
     seq: int | None = None,
     strategies: StrategyFile | None = None,
     node_size: int = DEFAULT_NODE_SIZE,
+    reserve: str = DEFAULT_RESERVE,
 ) -> Analysis:
     """The analysis of one composition text (``compare``, ``sweep``): ``request`` then ``analysis_of``."""
     return analysis_of(
-        request(composition, devices, model, params, precision, device_memory, micro_batch, seq, strategies, node_size)
+        request(
+            composition,
+            devices,
+            model,
+            params,
+            precision,
+            device_memory,
+            micro_batch,
+            seq,
+            strategies,
+            node_size,
+            reserve=reserve,
+        )
     )
 
 
@@ -234,12 +268,14 @@ def verdict_exit(verdict: Verdict) -> int:
 
 
 __all__ = [
+    "DEFAULT_RESERVE",
     "EXIT_CODES",
     "EXIT_INTERNAL",
     "EXIT_INVALID",
     "EXIT_UNKNOWN",
     "EXIT_USAGE",
     "EXIT_VALID",
+    "RESERVE_HELP",
     "Request",
     "analysis_of",
     "base_model",

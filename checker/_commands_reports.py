@@ -9,33 +9,35 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import click
-from rich.markup import escape
-from rich.table import Table
 
 from checker._analysis import Analysis
-from checker._command import build, fail, print_import, request
+from checker._command import DEFAULT_RESERVE, EXIT_CODES, RESERVE_HELP, build, fail, print_import, request
 from checker._exporters import Target, dtensor_placements, export
 from checker._frameworks import CONFUSED, all_rows, explain_row, placement_difference, placement_table
 from checker._html import write_report
-from checker._layout import canonical
 from checker._numbers import MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, WholeNumber, parse_int
-from checker._output import output_path, terminal, write_atomic
-from checker._parse import DEFAULT_NODE_SIZE
-from checker._report import to_json
+from checker._output import Column, fitted_table, output_path, terminal, write_atomic
+from checker._parse import DEFAULT_NODE_SIZE, readable
+from checker._report import decimal, to_json
 from formal._input import printable
 from formal._model import PRECISIONS
 from formal._presets import DEFAULT_DEVICES
-from formal._strategies import LIBRARY
+from formal._strategies import LIBRARY, Composition
 from formal.errors import InputError, PlacementError
 
 MAX_COMPARED = 64  # compositions side by side (and values of a sweep): a table, not a search
 
 __all__ = ["compare", "explain", "export_command", "sweep", "write_report"]
+
+
+def examples(*lines: str) -> str:
+    """A subcommand's ``--help`` epilog: examples, then the exit codes (kept as written)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines) + "\n\n" + EXIT_CODES
 
 
 def _fail(err: PlacementError) -> None:
@@ -52,8 +54,13 @@ def emit(
     as_csv: bool,
     as_json: bool,
     fmt: Callable[[str, Any], str] | None = None,
+    specs: Mapping[str, Column] | None = None,
 ) -> None:
-    """One table three ways: rich (default), CSV (raw values) or JSON (a list of objects)."""
+    """One table three ways: rich (default), CSV (raw values) or JSON (a list of objects).
+
+    The rich table fits the terminal (``fitted_table``): ``specs`` gives a column its header,
+    whether it holds numbers and how long it stays when the terminal is narrow (a column without
+    a spec is text, never dropped)."""
     if as_json:
         click.echo(json.dumps(list(rows), indent=2, default=str))
         return
@@ -67,12 +74,10 @@ def emit(
         return
     # Cells may echo a user's text (a composition, an error naming a config's value): escaped, so
     # that rich reads no markup in them and no control character reaches the terminal.
-    table = Table(title=escape(printable(title)))
-    for col in columns:
-        table.add_column(col, overflow="fold")
-    for row in rows:
-        table.add_row(*[escape(printable(fmt(c, row.get(c)) if fmt else _text(row.get(c)))) for c in columns])
-    terminal(160).print(table)
+    console = terminal()
+    shown = [(specs or {}).get(c, Column(c)) for c in columns]
+    cells = [[printable(fmt(c, row.get(c)) if fmt else _text(row.get(c))) for c in columns] for row in rows]
+    console.print(fitted_table(printable(title), shown, cells, console.width))
 
 
 CHECK_CSV_COLUMNS = (
@@ -152,9 +157,34 @@ def _text(value: Any) -> str:
 
 
 def _gb_fmt(column: str, value: Any) -> str:
+    """A summary cell for people: bytes as GB (the header says GB), exact ratios as decimals."""
     if isinstance(value, int) and not isinstance(value, bool) and column.endswith("bytes"):
-        return f"{value / 1e9:,.2f} GB"
+        return f"{value / 1e9:,.2f}"
+    if column in ("model_state_psi", "bubble") and isinstance(value, str):
+        return decimal(value)
+    if column == "fits" and isinstance(value, bool):
+        return "yes" if value else "NO"
     return _text(value)
+
+
+# The summary's columns for people: short headers, and which go first in a narrow terminal
+# (parts of the total before the total, the Psi units before the bytes they restate).
+SUMMARY_SPECS = {
+    "value": Column("value", True),
+    "composition": Column("composition", wrap=False),
+    "devices": Column("devices", True, 2),
+    "parameters_bytes": Column("params GB", True, 4),
+    "gradients_bytes": Column("grads GB", True, 3),
+    "optimizer_bytes": Column("optim GB", True, 5),
+    "activations_bytes": Column("activ GB", True, 6),
+    "buffers_bytes": Column("buffers GB", True, 1),
+    "total_bytes": Column("total GB", True),
+    "fits": Column("fits"),
+    "network_bytes": Column("comm GB", True, 8),
+    "model_state_psi": Column("Psi", True, 0),
+    "bubble": Column("bubble", True, 7),
+    "error": Column("error", keep=9),
+}
 
 
 _model_options = [
@@ -170,6 +200,7 @@ _model_options = [
     ),
     click.option("--seq", type=WholeNumber(1, MAX_SEQ), default=None, help="Sequence length."),
 ]
+_reserve_option = click.option("--reserve", default=DEFAULT_RESERVE, show_default=True, help=RESERVE_HELP)
 _node_option = click.option(
     "--node-size",
     type=WholeNumber(1, MAX_DEGREE),
@@ -203,6 +234,7 @@ def _analyze(composition: str, kw: dict[str, Any]) -> Analysis:
         kw["micro_batch"],
         kw["seq"],
         node_size=kw["node_size"],
+        reserve=kw["reserve"],
     )
     return analysis
 
@@ -259,9 +291,16 @@ def _write_chart(path: Path, data: bytes) -> None:
     click.echo(f"chart written to {printable(str(path))}", err=True)
 
 
-@click.command("compare")
+@click.command(
+    "compare",
+    epilog=examples(
+        "check-composition compare dp8 zero1 zero2 zero3 fsdp8",
+        "check-composition compare tp8xpp8 tp2xzero3xpp4 --model llama2-70b --devices 64 --csv",
+        "check-composition compare zero3 fsdp8xdpr8 --chart memory.png",
+    ),
+)
 @click.argument("compositions", nargs=-1, required=True)
-@_with([*_model_options, _node_option, *_table_options])
+@_with([*_model_options, _reserve_option, _node_option, *_table_options])
 @click.option("--chart", default=None, help="Write a stacked memory chart (.png or .svg).")
 def compare(compositions: tuple[str, ...], chart: str | None, as_csv: bool, as_json: bool, **kw: Any) -> None:
     """Compare COMPOSITIONS side by side, e.g. compare dp8 zero1 zero2 zero3 fsdp8."""
@@ -269,8 +308,10 @@ def compare(compositions: tuple[str, ...], chart: str | None, as_csv: bool, as_j
         if len(compositions) > MAX_COMPARED:
             raise InputError(f"compare: {len(compositions)} compositions (at most {MAX_COMPARED})")
         destination = _chart_path(chart)
-        docs = [to_json(_analyze(c, kw)) for c in compositions]
+        analyses = [_analyze(c, kw) for c in compositions]
+        docs = [to_json(a) for a in analyses]
         rows = [{**summary(d), "composition": typed} for d, typed in zip(docs, compositions, strict=True)]
+        shown = [{**r, "composition": readable(a.composition)} for r, a in zip(rows, analyses, strict=True)]
         if destination is not None:
             from checker._charts import memory_chart
 
@@ -289,15 +330,21 @@ def compare(compositions: tuple[str, ...], chart: str | None, as_csv: bool, as_j
     except PlacementError as err:
         _fail(err)
         return
-    emit(
-        rows, SUMMARY_COLUMNS, f"compositions on {docs[0]['model']['name']} (GB = 1e9 bytes)", as_csv, as_json, _gb_fmt
-    )
+    title = f"compositions on {docs[0]['model']['name']} (GB = 1e9 bytes)"
+    emit(rows if as_csv or as_json else shown, SUMMARY_COLUMNS, title, as_csv, as_json, _gb_fmt, SUMMARY_SPECS)
 
 
-@click.command("sweep")
+@click.command(
+    "sweep",
+    epilog=examples(
+        "check-composition sweep 'tp{}xzero3' --values 1,2,4,8",
+        "check-composition sweep 'tp2xzero3xpp4xm{}' --values 4,8,16,32 --json",
+        "check-composition sweep 'zero3xpp{}' --values 1,2,4 --chart sweep.svg",
+    ),
+)
 @click.argument("template")
 @click.option("--values", required=True, help="Comma-separated values for {} in TEMPLATE, e.g. 1,2,4,8.")
-@_with([*_model_options, _node_option, *_table_options])
+@_with([*_model_options, _reserve_option, _node_option, *_table_options])
 @click.option("--chart", default=None, help="Write memory and traffic against the value (.png or .svg).")
 def sweep(template: str, values: str, chart: str | None, as_csv: bool, as_json: bool, **kw: Any) -> None:
     """Vary one degree: sweep 'tp{}xzero3' --values 1,2,4,8 (a value that does not fit the
@@ -313,17 +360,21 @@ def sweep(template: str, values: str, chart: str | None, as_csv: bool, as_json: 
         numbers = [parse_int(v, "--values") for v in items]
         destination = _chart_path(chart)
         rows: list[dict[str, Any]] = []
+        shown: list[dict[str, Any]] = []
         docs: list[tuple[str, dict[str, Any]]] = []
         for n in numbers:
             v = str(n)
             text = template.replace("{}", v)
             try:
-                doc = to_json(_analyze(text, kw))
+                analysis = _analyze(text, kw)
             except InputError as err:
                 rows.append({"value": n, "composition": text, "error": str(err)})
+                shown.append(rows[-1])
                 continue
+            doc = to_json(analysis)
             docs.append((v, doc))
             rows.append({"value": n, **summary(doc), "error": None})
+            shown.append({**rows[-1], "composition": readable(analysis.composition)})
         if not docs:
             raise InputError(f"{template}: no value of {values} gives a valid composition ({rows[0]['error']})")
         if destination is not None:
@@ -345,13 +396,31 @@ def sweep(template: str, values: str, chart: str | None, as_csv: bool, as_json: 
     except PlacementError as err:
         _fail(err)
         return
-    emit(rows, ("value", *SUMMARY_COLUMNS, "error"), f"sweep {template} (GB = 1e9 bytes)", as_csv, as_json, _gb_fmt)
+    failed = as_csv or as_json or any(r.get("error") for r in rows)  # people see no empty error column
+    columns = ("value", *SUMMARY_COLUMNS, *(["error"] if failed else []))
+    title = f"sweep {template} (GB = 1e9 bytes)"
+    emit(rows if as_csv or as_json else shown, columns, title, as_csv, as_json, _gb_fmt, SUMMARY_SPECS)
 
 
 # --- explain --------------------------------------------------------------------------------
 
+# ``explain --all`` in a narrow terminal: the exported config keys go first, the names stay.
+EXPLAIN_SPECS = {
+    "model_state_bytes": Column("model-state bytes"),
+    "known_as": Column("known as", keep=3),
+    "configs": Column("configs", keep=1),
+    "same_placement_as": Column("same placement as", keep=2),
+}
 
-@click.command("explain")
+
+@click.command(
+    "explain",
+    epilog=examples(
+        "check-composition explain zero2            # its placement and framework names",
+        "check-composition explain fsdp --degree 16",
+        "check-composition explain --all --csv      # every strategy, one row each",
+    ),
+)
 @click.argument("strategy", required=False)
 @click.option("--all", "show_all", is_flag=True, help="The cross-framework table of every strategy.")
 @click.option(
@@ -378,6 +447,7 @@ def explain(strategy: str | None, show_all: bool, degree: int, as_csv: bool, as_
                 "2+2+12 bytes)",
                 as_csv,
                 as_json,
+                specs=EXPLAIN_SPECS,
             )
             return
         assert strategy is not None
@@ -410,7 +480,7 @@ def explain(strategy: str | None, show_all: bool, degree: int, as_csv: bool, as_
         if as_csv:
             emit(modes, ("state.group", axis, "local"), "", True, False)
             return
-        console = terminal(140)
+        console = terminal()
         console.print(f"[bold]{name}[/bold] (axis {axis}): {row.description}")
         console.print(
             f"model-state bytes per device: {row.model_states}  (Psi parameters, d = {axis} degree, "
@@ -418,7 +488,13 @@ def explain(strategy: str | None, show_all: bool, degree: int, as_csv: bool, as_
         )
         if row.same_placement_as:
             console.print(f"same placement as: {', '.join(row.same_placement_as)}")
-        emit(modes, ("state.group", axis, "local"), f"placement of {name}{degree} (modes along {axis})", False, False)
+        emit(
+            modes,
+            ("state.group", axis, "local"),
+            f"placement of {readable(Composition((LIBRARY[name]().with_degree(degree),)))} (modes along {axis})",
+            False,
+            False,
+        )
         names = [{"framework": k, "name": v} for k, v in row.known_as.items()]
         names += [{"framework": f"{k} (exported)", "name": v} for k, v in row.configs.items()]
         emit(names, ("framework", "name"), "what frameworks call it", False, False)
@@ -432,7 +508,15 @@ def explain(strategy: str | None, show_all: bool, degree: int, as_csv: bool, as_
 # --- export ---------------------------------------------------------------------------------
 
 
-@click.command("export")
+@click.command(
+    "export",
+    epilog=examples(
+        "check-composition export tp2xfsdp8xsp --to torchtitan",
+        "check-composition export zero3 --devices 8 --to deepspeed > ds_config.json",
+        "check-composition export --from ds_config.json --to megatron",
+        "check-composition export tp2xzero3xpp4 --to dtensor --json",
+    ),
+)
 @click.argument("composition", required=False)
 @click.option(
     "--to",
@@ -480,7 +564,7 @@ def export_command(
                 emit(
                     rows,
                     ("group", "state", *doc["mesh_dims"], "pp"),
-                    f"DTensor placements of {canonical(comp, model)} (mesh {doc['mesh_dims']} = {doc['mesh_shape']})",
+                    f"DTensor placements of {readable(comp)} (mesh {doc['mesh_dims']} = {doc['mesh_shape']})",
                     as_csv,
                     False,
                 )

@@ -10,6 +10,7 @@ import base64
 import html
 import json
 from collections.abc import Iterable, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,14 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[object]], numeric: It
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _decimal(exact_text: object) -> str:
+    """An exact ratio of the JSON (``2467779/1645121``) as a decimal for the page (``1.5``)."""
+    try:
+        return f"{float(Fraction(str(exact_text))):.4g}"
+    except (ValueError, ZeroDivisionError):
+        return str(exact_text)
+
+
 def _gb(x: int | None) -> str:
     return "unknown" if x is None else f"{x / 1e9:,.2f}"
 
@@ -53,7 +62,9 @@ def _verdict_section(doc: dict[str, Any]) -> str:
         ""
         if fits is None
         else f'<p id="memory-verdict">Memory: <b>{"fits" if fits else "does NOT fit"}</b> in '
-        f"{_gb(memory['device_memory'])} GB per device.</p>"
+        f"{_gb(memory['device_memory'])} GB per device"
+        + (f" with {_gb(memory['reserve'])} GB kept in reserve" if memory.get("reserve") else "")
+        + ".</p>"
     )
     if not isinstance(verdict, dict):
         return (
@@ -129,7 +140,7 @@ def render_html(doc: dict[str, Any]) -> str:
             f"{c['elements']:,}",
             f"{c['count']:,}",
             f"{c['bytes']:,}",
-            c["psi_units"],
+            _decimal(c["psi_units"]),
         )
         for c in coll
     ]
@@ -162,7 +173,7 @@ model <b>{_e(model["name"])}</b> ({model["parameters"]:,} parameters); precision
 {_table(["state", "bytes", "GB"], mem_rows, numeric=(1, 2))}
 <p>host (offloaded): {doc["memory"]["host"]:,} bytes</p></section>
 <section id="collectives"><h2>Collectives per step ({doc["communication"]["per_device_per_step"]:,} bytes per device;
-model states {_e(doc["communication"]["model_state_psi_units"])} Psi)</h2>
+model states {_e(_decimal(doc["communication"]["model_state_psi_units"]))} Psi)</h2>
 {
         _table(
             ["op", "axis", "state.group", "phase", "elements", "count", "bytes", "Psi units"],
@@ -170,7 +181,7 @@ model states {_e(doc["communication"]["model_state_psi_units"])} Psi)</h2>
             numeric=(4, 5, 6),
         )
     }
-<p>pipeline bubble fraction: {_e(doc["pipeline"]["bubble_fraction"])}</p></section>
+<p>pipeline bubble fraction: {_e(_decimal(doc["pipeline"]["bubble_fraction"]))}</p></section>
 <section id="placement"><h2>Placement</h2>{_table(["state.group", "modes per axis"], place_rows)}</section>
 <script type="application/json" id="report-data">{data}</script>
 <script>/* record the decoded chart size, so a headless browser can confirm the image rendered */

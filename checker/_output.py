@@ -9,7 +9,10 @@ part-way (a full disk, an interrupt) leaves the previous file as it was and no h
 Every problem is one ``InputError`` line naming the option and the path.
 
 ``terminal`` is the console tables print through; a closed pipe on it raises ``BrokenPipeError``
-for the command line to end quietly with the verdict's exit code.
+for the command line to end quietly with the verdict's exit code. Its width is the terminal's
+(rich reads ``COLUMNS`` and the terminal size; 80 columns when stdout is not a terminal), never
+forced wider: ``fitted_table`` drops the least important columns of a table until every number
+is shown whole in that width, rather than letting rich cut a number short with an ellipsis.
 """
 
 from __future__ import annotations
@@ -19,14 +22,18 @@ import errno
 import os
 import stat
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
 
 from formal._input import printable
 from formal.errors import InputError
 
-__all__ = ["PipeClosed", "output_path", "terminal", "write_atomic"]
+__all__ = ["Column", "PipeClosed", "fitted_table", "output_path", "terminal", "write_atomic"]
 
 
 def _label(option: str, path: str | Path) -> str:
@@ -103,8 +110,82 @@ class _Terminal(Console):
 
 
 def terminal(width: int | None = None) -> Console:
-    """The console every table and report prints through; ``width`` is a minimum."""
-    console = _Terminal()
-    if width is not None:
-        console.width = max(console.width, width)
-    return console
+    """The console every table and report prints through, as wide as the terminal; ``width``
+    (tests) sets the width instead of reading the terminal's."""
+    return _Terminal() if width is None else _Terminal(width=width)
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a ``fitted_table``: its header, whether its cells are numbers (never wrapped
+    or cut: shown whole or the column dropped), and ``keep``: the higher, the longer the column
+    stays when the terminal is narrow (a column with ``keep`` None is never dropped); ``wrap``
+    False keeps a text cell (a composition) on one line, like a number."""
+
+    header: str
+    numeric: bool = False
+    keep: int | None = None
+    wrap: bool = True
+
+    @property
+    def whole(self) -> bool:
+        """Whether a cell is shown on one line, whole (numbers, and text that must not wrap)."""
+        return self.numeric or not self.wrap
+
+
+_FOLD = 24  # a word longer than this (a config key) folds inside its column rather than widen it
+
+
+def _longest_word(text: str) -> int:
+    return min(max((len(word) for word in text.split()), default=1), _FOLD)
+
+
+def _needed(columns: Sequence[Column], cells: Sequence[Sequence[str]], whole: Sequence[bool]) -> int:
+    """Columns the table needs: whole cells on one line, text wrapped at spaces (rich's heavy box:
+    one space of padding either side of each cell and one rule between and around the cells)."""
+    total = 1
+    for i, col in enumerate(columns):
+        texts = [col.header, *(row[i] for row in cells)]
+        total += 3 + max(len(t) if whole[i] else _longest_word(t) for t in texts)
+    return total
+
+
+def fitted_table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]], width: int) -> Table:
+    """A table of ``rows`` (plain text, escaped here) that fits ``width`` columns.
+
+    While the numbers cannot all be shown whole, the column with the lowest ``keep`` is left out
+    (the JSON and CSV outputs keep every column); the caption names what was left out. If the
+    table is still too wide, text kept on one line (a composition) wraps at its spaces. Text cells
+    wrap at spaces, or fold a word longer than its column; no cell is ever cut with an ellipsis."""
+    shown = list(range(len(columns)))
+    dropped: list[str] = []
+    whole = [col.whole for col in columns]
+
+    def need() -> int:
+        return _needed(
+            [columns[i] for i in shown], [[row[i] for i in shown] for row in rows], [whole[i] for i in shown]
+        )
+
+    while need() > width:
+        droppable = [i for i in shown if columns[i].keep is not None]
+        if not droppable:
+            break
+        least = min(droppable, key=lambda i: (columns[i].keep or 0, -i))
+        shown.remove(least)
+        dropped.append(columns[least].header)
+    if need() > width:
+        whole = [col.numeric for col in columns]
+    caption = f"(narrow terminal: left out {', '.join(dropped)}; --json has every column)" if dropped else None
+    table = Table(title=escape(title), caption=escape(caption) if caption else None)
+    for i in shown:
+        col = columns[i]
+        table.add_column(
+            escape(col.header),
+            justify="right" if col.numeric else "left",
+            no_wrap=whole[i],
+            overflow="fold",
+            min_width=max([len(col.header), *(len(row[i]) for row in rows)]) if whole[i] else None,
+        )
+    for row in rows:
+        table.add_row(*[escape(row[i]) for i in shown])
+    return table

@@ -1,8 +1,10 @@
 """The composition language: ``tp2xzero3xpp4``, ``fsdp8xdpr2``, ``tp4xspxpp2xm8``.
 
 Terms are joined by ``x`` (``×`` and ``*`` are accepted too). A term is a strategy name with an
-optional degree, or a modifier (see ``MODIFIERS``). Parsing is total: every string either
-parses or raises ``CompositionError`` naming the offending term.
+optional degree, or a modifier (see ``MODIFIERS``). A name that ends in a digit may give its
+degree with its axis, ``zero3(dp=8)``, which cannot be read as the number 38: ``readable``
+writes a composition that way (``tp2 × zero3(dp=8) × pp4``) and ``parse`` reads it back.
+Parsing is total: every string either parses or raises ``CompositionError`` naming the offending term.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ MODIFIERS: dict[str, str] = {
 DEFAULT_NODE_SIZE = 8  # devices per node for the hpz modifier (check --node-size)
 _HPZ_BASES = ("zero3", "fsdp")  # the ZeRO-3 placements hpZ partitions hierarchically
 
+_AXIS_DEGREE = re.compile(r"^([a-z][a-z0-9-]*)\(([a-z]+)=([0-9]+)\)$")  # zero3(dp=8)
 _TERM = re.compile(r"^([a-z][a-z0-9-]*?)([0-9]*)$")  # ASCII digits only: '²' or '٣' is not a degree
 _SPLIT = re.compile(r"[x×*]")
 
@@ -91,7 +94,7 @@ def parse(
             options = mod
             modifiers.append(term)
             continue
-        name, degree = _name_and_degree(term, library)
+        name, degree = _axis_and_degree(term, library) if "(" in term else _name_and_degree(term, library)
         found.append(library[name]().with_degree(degree))
     if not found:
         raise CompositionError(f"{text.strip()!r}: no strategy, only modifiers")
@@ -143,6 +146,35 @@ def _default_micro_batches(found: list[Strategy]) -> int:
         if s.axis.kind.is_pipeline:
             p *= s.degree or 1
     return 4 * p if p > 1 else 1
+
+
+def readable(composition: Composition) -> str:
+    """``composition`` in a spelling no reader takes for a number: ``tp2 × zero3(dp=8) × pp4``.
+
+    A strategy whose name ends in a digit shows its degree with its axis (``zero1(dp=512)``, not
+    ``zero1512``); the others and the modifiers are written as ``str`` writes them. ``parse``
+    reads the result back to the same composition."""
+
+    def term(s: Strategy) -> str:
+        if s.degree is None or not s.name[-1:].isdigit():
+            return str(s)
+        return f"{s.name}({s.axis.value}={s.degree})"
+
+    return " × ".join([term(s) for s in composition.strategies] + list(composition.modifiers))
+
+
+def _axis_and_degree(term: str, library: Mapping[str, Callable[[], Strategy]]) -> tuple[str, int | None]:
+    """``zero3(dp=8)``: the strategy, its axis (checked) and its degree."""
+    match = _AXIS_DEGREE.match(term)
+    if not match:
+        raise CompositionError(f"{term}: not a strategy term (expected e.g. zero3(dp=8) or tp2)")
+    name, axis, digits = match.groups()
+    if name not in library:
+        raise CompositionError(f"{term}: unknown strategy {name!r} (known: {', '.join(sorted(library))})")
+    actual = library[name]().axis.value
+    if axis != actual:
+        raise CompositionError(f"{term}: {name} lies along the {actual} axis, not {axis}")
+    return name, _degree(term, digits)
 
 
 def _name_and_degree(term: str, library: Mapping[str, Callable[[], Strategy]]) -> tuple[str, int | None]:

@@ -43,11 +43,11 @@ def _bandwidth(text: str) -> float:
 
 def _print_plan(result: Plan) -> None:
     from rich.markup import escape
-    from rich.table import Table
 
-    from checker._output import terminal
+    from checker._output import Column, fitted_table, terminal
+    from checker._parse import readable
 
-    console = terminal(160)  # compositions are long; do not wrap them
+    console = terminal()
     model_name = escape(getattr(result.model, "name", "") or "custom")  # a config's own text: no markup
     console.print(
         f"[bold]plan[/bold] {model_name} ({result.model.parameter_count():,} parameters) on "
@@ -60,13 +60,22 @@ def _print_plan(result: Plan) -> None:
         f"{len(result.table):,} pass the composition rules, {result.feasible:,} fit; "
         f"{result.decided} z3 decisions ({result.solver}); {result.seconds['total']:.2f} s"
     )
-    table = Table(title="Best compositions (GB = 1e9 bytes; ms per step: compute + bubble + comm + host)")
-    for col in ("#", "composition", "b", "memory", "comm/step", "step ms", "bubble", "comm ms", "verdict"):
-        table.add_column(col, justify="left" if col in ("composition", "verdict") else "right")
-    for c in result.top:
-        table.add_row(
+    title = "Best compositions (GB = 1e9 bytes; ms per step: compute + bubble + comm + host)"
+    columns = (
+        Column("#", True),
+        Column("composition", wrap=False),
+        Column("b", True, 2),
+        Column("memory", wrap=False),
+        Column("comm/step", True, 5),
+        Column("step ms", True),
+        Column("bubble", True, 3),
+        Column("comm ms", True, 4),
+        Column("verdict"),
+    )
+    rows = [
+        [
             str(c.rank),
-            c.text,
+            readable(c.composition()),
             str(c.micro_batch),
             gb(c.exact_memory if c.exact_memory is not None else c.memory) + f" ({c.stage})",
             gb(c.exact_communication if c.exact_communication is not None else c.communication),
@@ -74,8 +83,10 @@ def _print_plan(result: Plan) -> None:
             f"{c.bubble_s * 1e3:,.0f}",
             f"{c.communication_s * 1e3:,.0f}",
             c.status.label if c.status is not None else c.verdict_note,
-        )
-    console.print(table)
+        ]
+        for c in result.top
+    ]
+    console.print(fitted_table(title, columns, rows, console.width))
     if not result.top:
         console.print("no composition fits and is proved valid")
     for c in result.top:
@@ -97,6 +108,7 @@ def plan_command() -> Any:
 
     import click
 
+    from checker._commands_reports import examples
     from checker._numbers import (
         MAX_BATCH,
         MAX_DEGREE,
@@ -111,7 +123,15 @@ def plan_command() -> Any:
     from formal._model import PRECISIONS
     from formal._presets import DEFAULT_DEVICE_MEMORY, DEFAULT_DEVICES
 
-    @click.command("plan")
+    @click.command(
+        "plan",
+        epilog=examples(
+            "check-composition plan                                # llama2-7b on 64 devices",
+            "check-composition plan --model llama3-70b --devices 512 --top 3",
+            "check-composition plan --fix tp=8 --rank-by communication --json",
+            "check-composition plan --csv candidates.csv",
+        ),
+    )
     @click.option("--model", default=None, help="Preset name or Hugging Face config.json.")
     @click.option("--params", default=None, help="A bare parameter count instead of a model (7.5e9, 70B).")
     @click.option("--devices", type=WholeNumber(1, MAX_DEGREE), default=DEFAULT_DEVICES, show_default=True)

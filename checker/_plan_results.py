@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from checker._numbers import gb
+from checker._parse import readable
 from checker._plan_costs import StepTimeModel
 from checker._plan_space import (
     _CP,
@@ -83,6 +84,11 @@ class Candidate:
 
     def composition(self) -> Composition:
         return self.family.composition(self.degrees, self.micro_batches, self.uneven)
+
+    @property
+    def readable(self) -> str:
+        """The composition as people read it (``zero1(dp=2)``, not ``zero12``): for prose."""
+        return readable(self.composition())
 
     def framework_notes(self, model: Model) -> tuple[str, ...]:
         """The framework rules this candidate breaks (``check`` prints the same notes)."""
@@ -316,7 +322,7 @@ def explain_pair(a: Candidate, b: Candidate, rank_by: RankBy) -> str:
         diffs = [(b.traffic[i] - a.traffic[i], AXES[i].value) for i in range(len(AXES))]
         _, axis = max(diffs)
         return (
-            f"{a.text} beats {b.text}: {gb(b.communication - a.communication)} less traffic per device "
+            f"{a.readable} beats {b.readable}: {gb(b.communication - a.communication)} less traffic per device "
             f"per step, most of it on {axis} ({gb(a.traffic[AXES.index(Axis(axis))])} vs "
             f"{gb(b.traffic[AXES.index(Axis(axis))])})"
         )
@@ -328,13 +334,13 @@ def explain_pair(a: Candidate, b: Candidate, rank_by: RankBy) -> str:
     }
     name, (x, y) = max(parts.items(), key=lambda kv: kv[1][1] - kv[1][0])
     gap = b.step_s - a.step_s
-    text = f"{a.text} beats {b.text} by {gap * 1e3:.1f} ms/step: {name} {x * 1e3:.1f} vs {y * 1e3:.1f} ms"
+    text = f"{a.readable} beats {b.readable} by {gap * 1e3:.1f} ms/step: {name} {x * 1e3:.1f} vs {y * 1e3:.1f} ms"
     if name == "communication":
         i = max(range(len(AXES)), key=lambda k: b.traffic[k] - a.traffic[k])
         text += f" ({AXES[i].value}: {gb(a.traffic[i])} vs {gb(b.traffic[i])} per step)"
     if abs(gap) < 1e-12:
         text = (
-            f"{a.text} ties with {b.text} on step time; tie broken by traffic "
+            f"{a.readable} ties with {b.readable} on step time; tie broken by traffic "
             f"({gb(a.communication)} vs {gb(b.communication)}), then memory "
             f"({gb(a.exact_memory or a.memory)} vs {gb(b.exact_memory or b.memory)})"
         )
@@ -357,17 +363,22 @@ def _popular(cluster: Cluster, model: Model) -> list[_Shape]:
     n, node = cluster.devices, min(cluster.node_size, cluster.devices)
     out = [
         _Shape(f"dp{n}", (DataParallel.DP,), 1, False),
-        _Shape(f"zero1{n}", (DataParallel.ZERO1,), 1, False),
-        _Shape(f"zero2{n}", (DataParallel.ZERO2,), 1, False),
-        _Shape(f"zero3{n} (FSDP)", (DataParallel.ZERO3,), 1, False),
+        _Shape(f"zero1(dp={n})", (DataParallel.ZERO1,), 1, False),
+        _Shape(f"zero2(dp={n})", (DataParallel.ZERO2,), 1, False),
+        _Shape(f"zero3(dp={n}) (FSDP)", (DataParallel.ZERO3,), 1, False),
         _Shape(f"hsdp{node}xdpr{max(n // node, 1)}", (DataParallel.HSDP,), 1, False),
     ]
     if not isinstance(model, ParameterCount) and node > 1:
         out += [
-            _Shape(f"tp{node}xdp{n // node}", (DataParallel.DP,), node, False),
-            _Shape(f"tp{node}xzero1{n // node} (Megatron distributed optimizer)", (DataParallel.ZERO1,), node, False),
-            _Shape(f"tp{node}xfsdp{n // node} (2D)", (DataParallel.ZERO3,), node, False),
-            _Shape(f"tp{node}xppNxdp (Megatron 3D)", (DataParallel.DP, DataParallel.ZERO1), node, True),
+            _Shape(f"tp{node} × dp{n // node}", (DataParallel.DP,), node, False),
+            _Shape(
+                f"tp{node} × zero1(dp={n // node}) (Megatron distributed optimizer)",
+                (DataParallel.ZERO1,),
+                node,
+                False,
+            ),
+            _Shape(f"tp{node} × fsdp{n // node} (2D)", (DataParallel.ZERO3,), node, False),
+            _Shape(f"tp{node} × ppN × dp (Megatron 3D)", (DataParallel.DP, DataParallel.ZERO1), node, True),
         ]
     return out
 
@@ -412,7 +423,7 @@ def _alternatives(result: Plan) -> list[Alternative]:
             out.append(
                 Alternative(
                     shape.label,
-                    f"{c.text}: {gb(c.memory)} per device > "
+                    f"{c.readable}: {gb(c.memory)} per device > "
                     f"{gb(result.cluster.device_memory)} (the lightest variant: "
                     f"b={c.micro_batch}, recompute {c.family.recompute.value})",
                     c,
@@ -422,7 +433,7 @@ def _alternatives(result: Plan) -> list[Alternative]:
         row = int(fitting[np.argmin(position[fitting])])
         c = result.candidate(row)
         if best_row is not None and row == best_row:
-            out.append(Alternative(shape.label, f"{c.text} is the planner's first choice", c))
+            out.append(Alternative(shape.label, f"{c.readable} is the planner's first choice", c))
             continue
         lead = result.candidate(best_row) if best_row is not None else c
         metric = (
@@ -433,7 +444,7 @@ def _alternatives(result: Plan) -> list[Alternative]:
         out.append(
             Alternative(
                 shape.label,
-                f"fits as {c.text} but ranks #{position[row]}: {metric}; " + explain_pair(lead, c, result.rank_by),
+                f"fits as {c.readable} but ranks #{position[row]}: {metric}; " + explain_pair(lead, c, result.rank_by),
                 c,
             )
         )

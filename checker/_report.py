@@ -9,24 +9,28 @@ document and its terminal view are both read from it; nothing is added to a docu
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
 import sympy as sp
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
-from checker._analysis import Analysis
+from checker._analysis import Analysis, analyze
 from checker._import_common import Imported, Unmapped
 from checker._numbers import gb
+from checker._output import Column, fitted_table
+from checker._parse import readable
+from checker._step_time import StepTime
 from formal._costs import ceil_int
 from formal._exact import exact
 from formal._input import printable
 from formal._model import ParameterCount, Transformer
+from formal._placement import Recompute
 from formal._verdict import Condition, Status, Verdict
-from formal._vocab import Stage
+from formal._vocab import Axis, Stage
+from formal.errors import PlacementError
 
 SCHEMA = "placement-semantics/report/1"
 
@@ -121,6 +125,7 @@ def to_json(analysis: Analysis) -> dict[str, Any]:
             "most_loaded_rank": {"pipeline_stage": mem.stage, "in_flight_micro_batches": _exact(analysis.in_flight)},
             "expressions": expressions,
             "device_memory": analysis.device_memory,
+            "reserve": analysis.reserve,
             "fits": analysis.fits,
         },
         "communication": {
@@ -147,62 +152,197 @@ def aggregate_collectives(collectives: list[dict[str, Any]]) -> dict[tuple[str, 
     return out
 
 
+def decimal(value: sp.Expr | Fraction | str, digits: int = 4) -> str:
+    """An exact ratio (a bubble fraction, Psi units) as a decimal for people: ``3/16`` -> ``0.1875``
+    (the JSON keeps the exact string)."""
+    return f"{float(Fraction(str(value))):.{digits}g}"
+
+
+def _count(n: int) -> str:
+    """A parameter count as people say it: 6.74B, 125M."""
+    for size, unit in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "k")):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """The composition with one more modifier, analysed: its peak per device and whether it fits."""
+
+    modifier: str
+    total: int
+    fits: bool | None
+
+
+def _with_modifier(analysis: Analysis, modifier: str) -> WhatIf:
+    c = analysis.composition
+    recompute = Recompute.FULL if modifier == "recompute" else Recompute.SELECTIVE
+    changed = replace(c, options=replace(c.options, recompute=recompute), modifiers=(*c.modifiers, modifier))
+    other = analyze(changed, analysis.model, analysis.precision, analysis.device_memory, reserve=analysis.reserve)
+    return WhatIf(modifier, ceil_int(other.memory.total), other.fits)
+
+
+def what_ifs(analysis: Analysis) -> tuple[WhatIf, ...]:
+    """The composition analysed again with each activation modifier it lacks: ``flash`` (attention
+    scores never stored) while nothing is recomputed, and ``recompute`` (full recomputation) while
+    the composition does not fit. Only a Transformer's activations are known; a user's step
+    program is not re-derived (the caller passes no analysis then)."""
+    if not isinstance(analysis.model, Transformer):
+        return ()
+    options = analysis.composition.options
+    wanted: list[str] = []
+    if options.recompute is Recompute.NONE:
+        wanted.append("flash")
+    if options.recompute is not Recompute.FULL and analysis.fits is False:
+        wanted.append("recompute")
+    out: list[WhatIf] = []
+    for modifier in wanted:
+        try:
+            out.append(_with_modifier(analysis, modifier))
+        except PlacementError:  # the composition cannot take the modifier: no hint, not an error
+            continue
+    return tuple(out)
+
+
+def what_if_text(analysis: Analysis, hints: tuple[WhatIf, ...]) -> str:
+    """``with flash: 14.0 GB`` (the peak per device), and whether that changes the fit."""
+
+    def one(h: WhatIf) -> str:
+        changed = h.fits is not None and analysis.fits is not None and h.fits != analysis.fits
+        return f"with {h.modifier}: {gb(h.total)}" + ((" (fits)" if h.fits else " (does NOT fit)") if changed else "")
+
+    return " · ".join(one(h) for h in hints)
+
+
+def global_batch(analysis: Analysis) -> int:
+    """Sequences per step: micro-batch x micro-batches x data-parallel replicas (dp, dpr and ep,
+    as the planner counts them)."""
+    mesh = dict(analysis.placement.mesh)
+    replicas = 1
+    for axis in (Axis.DP, Axis.DPR, Axis.EP):
+        replicas *= int(mesh.get(axis, 1))
+    micro = analysis.model.micro_batch if isinstance(analysis.model, Transformer) else 1
+    return int(micro) * analysis.composition.options.micro_batches * replicas
+
+
+def assumptions(analysis: Analysis) -> str:
+    """The settings the numbers rest on that the command line may not have said."""
+    m, o, p = analysis.model, analysis.composition.options, analysis.precision
+    parts: list[str] = []
+    if isinstance(m, Transformer):
+        parts += [f"seq {m.seq}", f"micro-batch {m.micro_batch}"]
+    parts.append(f"m {o.micro_batches} (global batch {global_batch(analysis)})")
+    parts.append(f"{p.parameters}/{p.gradients}/{p.optimizer} B")
+    if isinstance(m, Transformer):
+        if o.recompute is Recompute.NONE:
+            parts += ["attention stored", "no recompute"]
+        else:
+            parts.append(f"{o.recompute.value} recompute")
+    else:
+        parts.append("bare parameter count: activations unknown")
+    return " · ".join(parts)
+
+
+def _verdict_summary(verdict: Verdict) -> str:
+    n = len(verdict.obligations)
+    match verdict.status:
+        case Status.PROVED:
+            return f"VALID: trains exactly like one device (z3 proved {n} obligations)"
+        case Status.REFUTED:
+            rules = sorted({v.rule for v in verdict.violations})
+            if len(rules) == 1:
+                return f"INVALID: {rules[0]} is broken"
+            return f"INVALID: {len(rules)} rules broken, e.g. {rules[0]}"
+        case _:
+            unknown = sum(1 for o in verdict.obligations if o.status is Status.UNKNOWN)
+            return f"UNKNOWN: z3 could not decide {unknown} of {n} obligations (not proved)"
+
+
+def _fit(analysis: Analysis, total: int) -> str:
+    if analysis.device_memory is None:
+        return f"{gb(total)} per device"
+    cap, kept = analysis.device_memory, analysis.reserve
+    reserve = f" + {gb(kept)} reserve" if kept else ""
+    spare = cap - kept - total
+    if spare >= 0:
+        return f"{gb(total)}{reserve} <= {gb(cap)} per device: fits ({gb(spare)} spare)"
+    return f"{gb(total)}{reserve} > {gb(cap)} per device: does NOT fit"
+
+
+def summary_lines(analysis: Analysis, verdict: Verdict) -> list[str]:
+    """The first screen: what was checked, the verdict, the peak per device against the device
+    memory with its reserve, the traffic per step and the pipeline bubble."""
+    c, m = analysis.composition, analysis.model
+    name = getattr(m, "name", "") or "custom"
+    bubble = Fraction(str(exact(analysis.bubble)))
+    o = c.options
+    stall = f"{float(bubble):.1%} of the step idle ({o.schedule.value}, m {o.micro_batches})" if bubble else "none"
+    traffic = ceil_int(analysis.communication_bytes)
+    what = name if isinstance(m, ParameterCount) else f"model {name} ({_count(m.parameter_count())} params)"
+    return [
+        f"{readable(c)} on {c.devices} devices · {what}",
+        f"verdict  {_verdict_summary(verdict)}",
+        f"memory   {_fit(analysis, ceil_int(analysis.memory.total))}",
+        f"traffic  {gb(traffic)} per device per step · model states {decimal(analysis.model_state_psi, 3)} Psi",
+        f"bubble   {stall}",
+    ]
+
+
 def print_human(analysis: Analysis, console: Console) -> None:
+    """The detail tables: memory per device, communication per step, totals."""
     doc = to_json(analysis)
     m = doc["model"]
-    # The model's name may come from a user's config.json: escaped, so that rich reads no markup in it.
-    console.print(
-        f"[bold]{escape(doc['composition'])}[/bold] on {doc['devices']} devices "
-        f"(mesh {' x '.join(f'{a}={d}' for a, d in doc['mesh'].items())}); "
-        f"model {escape(m['name'])} ({m['parameters']:,} params); precision {doc['precision']['name']} "
-        f"({doc['precision']['parameters']}/{doc['precision']['gradients']}/"
-        f"{doc['precision']['optimizer']} B/param)"
-    )
     per = doc["memory"]["per_device"]
     stage = doc["memory"]["most_loaded_rank"]["pipeline_stage"]
-    table = Table(title=f"Memory per device (most loaded: {stage} pipeline stage; GB = 1e9 bytes)")
-    table.add_column("state")
-    table.add_column("bytes", justify="right")
-    table.add_column("GB", justify="right")
-    for key in ("parameters", "gradients", "optimizer", "model_states", "activations", "buffers", "total"):
-        value = per[key]
-        table.add_row(key, "unknown" if value is None else f"{value:,}", "unknown" if value is None else gb(value))
+    rows = [
+        [key, "unknown" if per[key] is None else f"{per[key]:,}", "unknown" if per[key] is None else gb(per[key])]
+        for key in ("parameters", "gradients", "optimizer", "model_states", "activations", "buffers", "total")
+    ]
     if doc["memory"]["host"]:
-        table.add_row("host (offloaded)", f"{doc['memory']['host']:,}", gb(doc["memory"]["host"]))
-    console.print(table)
-    if doc["memory"]["fits"] is not None:
-        verdict = "fits" if doc["memory"]["fits"] else "does NOT fit"
-        console.print(f"{verdict} in {gb(doc['memory']['device_memory'])} per device")
-    comm = Table(title="Communication per device per step (ring algorithms; --json lists every group)")
-    for col in ("op", "axis", "state", "phase", "calls", "bytes", "GB", "Psi"):
-        comm.add_column(col, justify="left" if col in ("op", "axis", "state", "phase") else "right")
-    for (op, axis, state, phase), rows in aggregate_collectives(doc["communication"]["collectives"]).items():
-        moved = sum(r["bytes"] for r in rows)
-        psi = Fraction(sum(r["paper_elements"] for r in rows), m["parameters"])
-        comm.add_row(
-            op,
-            axis,
-            state,
-            phase,
-            f"{sum(r['count'] for r in rows):,}",
-            f"{moved:,}",
-            f"{moved / 1e9:,.2f}",
-            "-" if state == "activations" else f"{float(psi):.3g}",
+        rows.append(["host (offloaded)", f"{doc['memory']['host']:,}", gb(doc["memory"]["host"])])
+    columns = (Column("state"), Column("bytes", True, 1), Column("GB", True))
+    title = f"Memory per device (most loaded: {stage} pipeline stage; GB = 1e9 bytes)"
+    console.print(fitted_table(title, columns, rows, console.width))
+    comm_rows: list[list[str]] = []
+    for (op, axis, state, phase), group in aggregate_collectives(doc["communication"]["collectives"]).items():
+        moved = sum(r["bytes"] for r in group)
+        psi = Fraction(sum(r["paper_elements"] for r in group), m["parameters"])
+        comm_rows.append(
+            [
+                op,
+                axis,
+                state,
+                phase,
+                f"{sum(r['count'] for r in group):,}",
+                f"{moved:,}",
+                f"{moved / 1e9:,.2f}",
+                "-" if state == "activations" else f"{float(psi):.3g}",
+            ]
         )
-    console.print(comm)
+    comm_columns = (
+        Column("op"),
+        Column("axis"),
+        Column("state", keep=3),
+        Column("phase", keep=4),
+        Column("calls", True, 2),
+        Column("bytes", True, 1),
+        Column("GB", True),
+        Column("Psi", True, 5),
+    )
+    title = "Communication per device per step (ring algorithms; --json lists every group)"
+    console.print(fitted_table(title, comm_columns, comm_rows, console.width))
     busiest = doc["communication"].get("pipeline_stage", Stage.FIRST)
     where = f" (pipeline stage sending the most: {busiest})" if doc["mesh"].get("pp", 1) > 1 else ""
     console.print(
         f"total {doc['communication']['per_device_per_step']:,} bytes "
         f"({gb(doc['communication']['per_device_per_step'])}) per device per step{where}; "
-        f"model states {float(Fraction(doc['communication']['model_state_psi_units'])):.4g} Psi "
+        f"model states {decimal(doc['communication']['model_state_psi_units'])} Psi "
         "(ZeRO paper units)"
     )
     if doc["communication"]["host_transfers"]:
         moved = sum(t["bytes"] for t in doc["communication"]["host_transfers"])
         console.print(f"host-device transfers: {moved:,} bytes per step (PCIe, not network)")
-    if doc["pipeline"]["bubble_fraction"] != "0":
-        console.print(f"pipeline bubble fraction {doc['pipeline']['bubble_fraction']}")
 
 
 def verdict_json(verdict: Verdict, explain: bool = False) -> dict[str, Any]:
@@ -223,44 +363,68 @@ def verdict_json(verdict: Verdict, explain: bool = False) -> dict[str, Any]:
     return doc
 
 
-def print_verdict(verdict: Verdict, console: Console, explain: bool = False) -> None:
-    """Verdict per condition, the rules that fired (with witnesses under ``explain``), notes.
+_SHOWN = 8  # violations listed without --explain
 
-    Rule names contain brackets (``refresh[P.attention, dp]``): every dynamic text is escaped so
-    that rich does not read it as markup.
-    """
-    table = Table(title=f"Verdict: {verdict.status.label.upper()} ({len(verdict.obligations)} z3 obligations)")
-    table.add_column("condition")
-    table.add_column("status")
-    table.add_column("rules that fired")
-    for condition in Condition:
-        fired = sorted({v.rule for v in verdict.violations if v.condition is condition})
-        shown = ", ".join(fired[:4]) + (f" (+{len(fired) - 4} more)" if len(fired) > 4 else "")
-        table.add_row(
-            condition.label.replace("_", " "), verdict.condition_status(condition).label, escape(shown) or "-"
-        )
-    console.print(table)
-    limit = None if explain else 8
-    for v in verdict.violations[:limit]:
+
+def print_witnesses(verdict: Verdict, console: Console, every: bool = False) -> None:
+    """``--explain``, before the tables: each broken rule with its explanation, and the witness
+    (the counterexample's fields, values to re-run) of the first; ``every`` (``--explain=all``)
+    gives every rule's witness. A rule whose witness repeats the first's but for its group says
+    so in one line."""
+    if not verdict.violations:
+        return
+    console.print(f"Counterexamples ({len(verdict.violations)} broken rules; the first in full):", highlight=False)
+    first = verdict.violations[0].witness
+    for i, v in enumerate(verdict.violations):
         console.print(
             f"[bold red]{escape(v.rule)}[/bold red] ({v.condition.label}): {escape(v.explanation)}", highlight=False
         )
-        if explain:
-            for key, value in v.witness.items():
-                console.print(escape(f"    {key}: {value}"), highlight=False)
-    if limit is not None and len(verdict.violations) > limit:
-        console.print(f"... {len(verdict.violations) - limit} more violations (--explain or --json lists all)")
+        if i == 0 or every:
+            console.print(
+                escape("    " + " · ".join(f"{k}: {value}" for k, value in v.witness.items())), highlight=False
+            )
+        elif v.witness != first:
+            differs = [f"{k}: {value}" for k, value in v.witness.items() if first.get(k) != value]
+            console.print(escape("    differs from the first in: " + " · ".join(differs)), highlight=False)
+    console.print()
+
+
+def print_verdict(verdict: Verdict, console: Console, explain: bool = False, cores: bool = False) -> None:
+    """Verdict per condition, the rules that fired (with witnesses under ``explain``), notes;
+    ``cores`` adds the unsat cores of the proved obligations (``--explain=all``).
+
+    Rule names contain brackets (``refresh[P.attention, dp]``): ``fitted_table`` escapes every
+    cell and the lines below escape every dynamic text, so that rich does not read them as markup.
+    """
+    rows = []
+    for condition in Condition:
+        fired = sorted({v.rule for v in verdict.violations if v.condition is condition})
+        shown = ", ".join(fired[:4]) + (f" (+{len(fired) - 4} more)" if len(fired) > 4 else "")
+        rows.append([condition.label.replace("_", " "), verdict.condition_status(condition).label, shown or "-"])
+    title = f"Verdict: {verdict.status.label.upper()} ({len(verdict.obligations)} z3 obligations)"
+    columns = (Column("condition"), Column("status"), Column("rules that fired"))
+    console.print(fitted_table(title, columns, rows, console.width))
+    if not explain:  # under --explain the violations came first (``print_witnesses``)
+        for v in verdict.violations[:_SHOWN]:
+            console.print(
+                f"[bold red]{escape(v.rule)}[/bold red] ({v.condition.label}): {escape(v.explanation)}",
+                highlight=False,
+            )
+        if len(verdict.violations) > _SHOWN:
+            console.print(f"... {len(verdict.violations) - _SHOWN} more violations (--explain or --json lists all)")
     for o in verdict.obligations:
         if o.status is Status.UNKNOWN:
             console.print(
                 f"[yellow]unknown[/yellow] {escape(o.name)}: z3 said {escape(repr(o.reason_unknown))} (not proved)",
                 highlight=False,
             )
-    if explain:
+    proved = [o for o in verdict.obligations if o.status is Status.PROVED and o.core]
+    if cores:
         console.print("Unsat cores of the proved obligations (tracked constraint names):")
-        for o in verdict.obligations:
-            if o.status is Status.PROVED and o.core:
-                console.print(escape(f"  {o.name}: {', '.join(o.core)}"), highlight=False)
+        for o in proved:
+            console.print(escape(f"  {o.name}: {', '.join(o.core)}"), highlight=False)
+    elif explain and proved:
+        console.print(f"{len(proved)} proved obligations have unsat cores: --explain=all prints them")
     for note in verdict.notes:
         console.print(escape(f"note: {note}"), highlight=False)
 
@@ -284,6 +448,9 @@ class Report:
     imported: Imported | None = None
     validation: CrossCheck | None = None
     simulation: CrossCheck | None = None
+    cores: bool = False  # --explain=all: the unsat cores too (terminal only; the JSON lists them under explain)
+    hints: tuple[WhatIf, ...] = ()  # the composition with one more modifier (``what_ifs``)
+    step: StepTime | None = None  # when hardware is given (``--device-flops``, bandwidths)
     disagreement: CrossCheck | None = None  # z3 and the simulation disagree: said first
 
     @property
@@ -307,16 +474,36 @@ class Report:
 
 
 def print_report(report: Report, console: Console) -> None:
-    """The terminal view: the import's unmapped settings, memory and traffic, the verdict, and the
-    runs beside the prediction; a disagreement between z3 and the simulation comes first."""
-    if report.disagreement is not None:
+    """The terminal view, first screen first: the summary (what was checked, the verdict, peak
+    memory against the device with its reserve, traffic, bubble, and the step time when hardware
+    is given), the assumptions the numbers rest on, a what-if
+    when one modifier changes the fit, the import's unmapped settings; then the detail tables, the
+    verdict's rules and the runs beside the prediction. A disagreement between z3 and the
+    simulation comes before all of it."""
+    if report.disagreement is not None:  # a bug in the tool comes before anything else
         console.print(escape(report.disagreement.text), highlight=False, soft_wrap=True)
+    a = report.analysis
+    for line in summary_lines(a, report.verdict):
+        console.print(escape(line), highlight=False)
+    if report.step is not None:
+        t = report.step
+        console.print(
+            f"step     {t.total_s * 1e3:,.0f} ms = compute {t.compute_s * 1e3:,.0f} + bubble {t.bubble_s * 1e3:,.0f}"
+            f" + comm {t.communication_s * 1e3:,.0f} + host {t.host_s * 1e3:,.0f} ms",
+            highlight=False,
+        )
+    console.print(escape(f"assumes  {assumptions(a)}"), highlight=False)
+    if report.hints:
+        console.print(f"what-if  {what_if_text(a, report.hints)}", highlight=False)
     if report.unmapped:
         console.print("Settings of the imported configuration the composition does not say exactly:")
         for u in report.unmapped:
-            console.print(escape(f"  {printable(u.setting)}: {printable(u.why)}"), highlight=False, soft_wrap=True)
-    print_human(report.analysis, console)
-    print_verdict(report.verdict, console, report.explain)
+            console.print(escape(f"  {printable(u.setting)}: {printable(u.why)}"), highlight=False)
+    console.print()
+    if report.explain:
+        print_witnesses(report.verdict, console, report.cores)
+    print_human(a, console)
+    print_verdict(report.verdict, console, report.explain, report.cores)
     for run in (report.validation, report.simulation):
         if run is not None:
             console.print(escape(run.text), highlight=False, soft_wrap=True)

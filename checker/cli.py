@@ -15,16 +15,20 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import click
 
+from checker._analysis import Analysis
 from checker._command import (
+    DEFAULT_RESERVE,
     EXIT_CODES,
     EXIT_INTERNAL,
     EXIT_UNKNOWN,
     EXIT_USAGE,
     EXIT_VALID,
+    RESERVE_HELP,
     analysis_of,
     fail,
     outcome,
@@ -33,10 +37,11 @@ from checker._command import (
     set_outcome,
     verdict_exit,
 )
-from checker._numbers import MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, WholeNumber
+from checker._numbers import MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, WholeNumber, parse_count
 from checker._output import PipeClosed, output_path, terminal
 from checker._parse import DEFAULT_NODE_SIZE, MODIFIERS
-from checker._report import CrossCheck, Report, print_report
+from checker._report import CrossCheck, Report, global_batch, print_report, what_ifs
+from checker._step_time import StepTime
 from checker._toml import load as load_strategies
 from formal._input import printable
 from formal._model import PRECISIONS
@@ -56,6 +61,8 @@ Examples:
   check-composition fsdp8xdpr2 --model gpt3-1.3b   # HSDP: shard 8, replicate 2
   check-composition tp3                            # exit 1: divides[heads, tp] (32 heads)
   check-composition zero2-skew4 --strategies examples/broken_optimizer_shards.toml --explain
+  check-composition tp2xzero3xpp4 --reserve 8GB    # keep 8 GB back for the runtime
+  check-composition tp2xzero3xpp4 --device-flops 312e12   # and the step time
 
 """
     + EXIT_CODES
@@ -75,6 +82,9 @@ class DefaultGroup(click.Group):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
             args = ["check", *args]
+        end = args.index("--") if "--" in args else len(args)
+        spelled = {"--explain=all": "--explain-all", "--explain=witness": "--explain"}  # --explain[=all]
+        args = [spelled.get(a, a) for a in args[:end]] + args[end:]
         return super().parse_args(ctx, args)
 
     def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
@@ -215,7 +225,22 @@ def main() -> None:
     metavar="FILE",
     help="A TOML file of user strategies (and optionally a step program); see examples/.",
 )
-@click.option("--explain", is_flag=True, help="Show every obligation: unsat cores of proofs, full counterexamples.")
+@click.option("--explain", is_flag=True, help="Every broken rule with its counterexample (witness), first.")
+@click.option(
+    "--explain-all",
+    "explain_all",
+    is_flag=True,
+    help="(or --explain=all) --explain and the unsat core of every proved obligation (tracked constraint names).",
+)
+@click.option("--reserve", default=DEFAULT_RESERVE, show_default=True, help=RESERVE_HELP)
+@click.option(
+    "--device-flops",
+    default=None,
+    help="Peak FLOP/s per device (e.g. 312e12, an A100's bf16): prints the step time, the plan's model "
+    "(compute at peak, communication not overlapped: an upper bound).",
+)
+@click.option("--intra-node-bandwidth", default=None, help="Bytes/s per device within a node (default 300GB/s).")
+@click.option("--inter-node-bandwidth", default=None, help="Bytes/s per device across nodes (default 25GB/s).")
 @click.option(
     "--rlimit",
     type=WholeNumber(1, 10**12),
@@ -266,6 +291,11 @@ def check(
     report: str | None = None,
     strategies_path: str | None = None,
     explain: bool = False,
+    explain_all: bool = False,
+    reserve: str = DEFAULT_RESERVE,
+    device_flops: str | None = None,
+    intra_node_bandwidth: str | None = None,
+    inter_node_bandwidth: str | None = None,
     timeout_ms: int = DEFAULT_TIMEOUT_MS,
     validate: str | None = None,
     simulate: bool = False,
@@ -295,10 +325,13 @@ def check(
             strategies=user,
             node_size=node_size,
             from_path=from_path,
+            reserve=reserve,
         )
         if req.imported is not None:
             print_import(req.imported)
         analysis = analysis_of(req)
+        hardware = (device_flops, intra_node_bandwidth, inter_node_bandwidth)
+        step = _step(analysis, node_size, *hardware) if any(h is not None for h in hardware) else None
     except InputError as err:
         fail(str(err))
         return
@@ -337,7 +370,21 @@ def check(
         if found is not None:
             conflict = CrossCheck(found, disagreement_text(found))
             code = EXIT_DISAGREEMENT
-    result = Report(analysis, verdict, explain, req.imported, validation, simulation, conflict)
+    hints = what_ifs(analysis) if not (as_json or as_csv) else ()
+    if req.strategies is not None and req.strategies.program is not None:
+        hints = ()  # a user's step program is not re-derived for another composition
+    result = Report(
+        analysis,
+        verdict,
+        explain or explain_all,
+        req.imported,
+        validation,
+        simulation,
+        explain_all,
+        hints,
+        step,
+        disagreement=conflict,
+    )
     doc = result.as_json()
     if report_path is not None:
         try:
@@ -358,14 +405,38 @@ def check(
     sys.exit(code)
 
 
-@main.command("strategies")
+def _step(analysis: Analysis, node_size: int, flops: str | None, intra: str | None, inter: str | None) -> StepTime:
+    """The step time on the hardware the options give (the planner's defaults for the rest)."""
+    from checker._plan_command import _bandwidth
+    from checker._plan_space import Cluster
+    from checker._step_time import step_time
+
+    base = Cluster(analysis.composition.devices, analysis.device_memory or 1, node_size=node_size)
+    cluster = replace(
+        base,
+        device_flops=float(parse_count(flops, "--device-flops", 10**18)) if flops else base.device_flops,
+        intra_node_bandwidth=_bandwidth(intra) if intra else base.intra_node_bandwidth,
+        inter_node_bandwidth=_bandwidth(inter) if inter else base.inter_node_bandwidth,
+    )
+    return step_time(analysis, cluster, global_batch(analysis))
+
+
+@main.command(
+    "strategies",
+    epilog="\b\nExamples:\n  check-composition strategies\n  check-composition strategies | grep zero\n\n" + EXIT_CODES,
+)
 def list_strategies() -> None:
     """List the strategy library and the modifiers."""
+    from checker._output import Column, fitted_table
+
+    rows = []
     for name, make in sorted(LIBRARY.items()):
         s = make()
-        click.echo(f"{name:<10} axis {s.axis.value:<4} {s.description}")
-    for mod, text in MODIFIERS.items():
-        click.echo(f"{mod:<10} modifier  {text}")
+        rows.append([name, f"axis {s.axis.value}", s.description])
+    rows += [[mod, "modifier", text] for mod, text in MODIFIERS.items()]
+    console = terminal()
+    columns = (Column("name", wrap=False), Column("kind", wrap=False), Column("what it places"))
+    console.print(fitted_table("strategies and modifiers", columns, rows, console.width))
 
 
 from checker._plan_command import plan_command  # noqa: E402 (the planner)

@@ -81,7 +81,7 @@ def test_human_report_has_a_verdict_section_and_explain() -> None:
     assert "Verdict: REFUTED" in result.stdout
     assert "refresh[P.attention, dp]" in result.stdout
     assert "single_device:" in result.stdout  # --explain prints the counterexample's fields
-    proved = run(["dp2xpp2", "--model", "gpt3-1.3b", "--explain"])
+    proved = run(["dp2xpp2", "--model", "gpt3-1.3b", "--explain=all"])  # cores only with =all
     assert proved.returncode == 0 and "Unsat cores" in proved.stdout
     assert "integrity[G.embedding, pp]" in proved.stdout
     assert "state_consistency[embedding, pp]" in proved.stdout  # brackets are not taken as markup

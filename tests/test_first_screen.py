@@ -1,0 +1,301 @@
+"""A newcomer's first screen: the summary first, what it assumed, a what-if, and every table
+inside an 80-column terminal with every number whole.
+
+Expected values come from an independent path: the what-if from parsing the composition with
+the modifier written in it, the reserve from total + reserve <= device memory on the JSON's own
+bytes, the step time from the FLOPs formula of Narayanan et al. 2021 (eq. 3).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rich.console import Console
+from strategies import compositions, models
+
+from checker._analysis import analyze
+from checker._numbers import gb
+from checker._output import Column, fitted_table
+from checker._parse import parse, readable
+from checker._report import Report, print_report, what_ifs
+from checker.cli import main
+from formal._model import Transformer
+from formal._presets import PRESETS
+from formal._verdict import Condition, Obligation, Status, Verdict, Violation
+from formal.errors import CompositionError
+
+WIDTH = 80
+
+
+def run(*args: str, width: int = WIDTH) -> tuple[int, str]:
+    result = CliRunner(env={"COLUMNS": str(width)}).invoke(main, list(args))
+    assert "Traceback" not in result.output, result.output
+    return result.exit_code, result.stdout
+
+
+def assert_fits(text: str, width: int = WIDTH) -> None:
+    assert "…" not in text, text  # rich's ellipsis: a cell cut short
+    too_long = [line for line in text.splitlines() if len(line) > width]
+    assert not too_long, too_long
+
+
+# --- the readable echo round-trips through the parser -----------------------------------------
+
+
+@given(models(), st.data())
+def test_readable_echo_parses_back_to_the_same_composition(model: Transformer, data: st.DataObject) -> None:
+    composition = data.draw(compositions(model))
+    text = readable(composition)
+    assert parse(text) == composition
+    # no strategy whose name ends in a digit is written glued to its degree (zero38)
+    for strategy in composition.strategies:
+        if strategy.name[-1].isdigit():
+            assert f"{strategy.name}({strategy.axis.value}={strategy.degree})" in text
+
+
+def test_readable_spelling_names_the_axis() -> None:
+    assert readable(parse("tp2xzero3xpp4", devices=64)) == "tp2 × zero3(dp=8) × pp4"
+    assert readable(parse("zero1", devices=512)) == "zero1(dp=512)"
+    with pytest.raises(CompositionError, match="along the dp axis, not tp"):
+        parse("zero3(tp=8)")
+    code, _ = run("check", "zero3(tp=8)")
+    assert code == 2
+
+
+# --- tables fit the terminal ----------------------------------------------------------------
+
+numbers = st.integers(0, 10**15).map(lambda n: f"{n:,}")
+words = st.text(st.sampled_from("abcdefghij_"), min_size=1, max_size=30)
+texts = st.lists(words, min_size=1, max_size=6).map(" ".join)
+
+
+@st.composite
+def tables(draw: st.DrawFn) -> tuple[list[Column], list[list[str]]]:
+    kinds = draw(st.lists(st.booleans(), min_size=1, max_size=10))
+    columns = [
+        Column(f"c{i}", numeric, draw(st.none() | st.integers(0, 9)) if i else None) for i, numeric in enumerate(kinds)
+    ]
+    rows = draw(
+        st.lists(st.tuples(*[numbers if numeric else texts for numeric in kinds]).map(list), min_size=1, max_size=5)
+    )
+    return columns, rows
+
+
+@given(tables(), st.integers(40, 160))
+def test_a_fitted_table_shows_every_number_whole_or_drops_its_column(
+    table: tuple[list[Column], list[list[str]]], width: int
+) -> None:
+    columns, rows = table
+    console = Console(width=width, color_system=None, record=True, file=io.StringIO())
+    console.print(fitted_table("t", columns, rows, width))
+    text = console.export_text()
+    assert "…" not in text
+    lines = text.splitlines()
+    header = lines[1] if len(lines) > 1 else ""
+    for i, col in enumerate(columns):
+        if col.numeric and re.search(rf"\b{col.header}\b", header):
+            for row in rows:
+                assert any(row[i] in line for line in lines), (row[i], text)
+    widths = sum(3 + max(len(c.header), *(len(r[i]) for r in rows)) for i, c in enumerate(columns) if c.numeric)
+    if widths + 4 <= width:  # the numbers alone fit: no line is wider than the terminal
+        assert max(len(line) for line in lines) <= width
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("check", "tp2xzero3xpp4"),
+        (
+            "check",
+            "zero14",
+            "--model",
+            "gpt3-1.3b",
+            "--strategies",
+            "examples/broken_zero1_no_refresh.toml",
+            "--explain",
+        ),
+        ("compare", "dp8", "zero1", "zero2", "zero3", "fsdp8"),
+        ("sweep", "tp{}xzero3", "--values", "1,2,3,8"),
+        ("plan", "--devices", "4", "--top", "3"),
+        ("explain", "--all"),
+        ("explain", "zero2"),
+        ("export", "tp2xzero3xpp4", "--to", "dtensor"),
+        ("strategies",),
+    ],
+    ids=lambda a: "-".join(x.lstrip("-") for x in a[:1] + tuple(x for x in a if x in ("--explain", "--all"))),
+)
+def test_every_command_fits_80_columns_without_cutting_a_cell(args: tuple[str, ...]) -> None:
+    code, out = run(*args)
+    assert code in (0, 1), out
+    assert_fits(out)
+
+
+# --- the first screen -----------------------------------------------------------------------
+
+MODEL = PRESETS["llama2-7b"]
+
+
+def test_summary_comes_first_then_the_assumptions_then_the_tables() -> None:
+    code, out = run("check", "tp2xzero3xpp4")
+    assert code == 0
+    lines = out.splitlines()
+    analysis = analyze(parse("tp2xzero3xpp4", devices=64), MODEL, device_memory=80 * 10**9, reserve=4 * 10**9)
+    total = int(analysis.memory.total)
+    assert lines[0].startswith("tp2 × zero3(dp=8) × pp4 on 64 devices")
+    assert lines[1].startswith("verdict  VALID")
+    assert lines[2].startswith(f"memory   {gb(total)} + 4.0 GB reserve <= 80.0 GB per device: fits")
+    assert lines[3].startswith("traffic  ")
+    # 1F1B bubble (p - 1) / m with p = 4 and m = 4p = 16 (Narayanan et al. 2021)
+    assert lines[4] == f"bubble   {float(Fraction(3, 16)):.1%} of the step idle (1f1b, m 16)"
+    head = " ".join(lines[:10])
+    # micro-batch 1, m = 16, dp = 8: 128 sequences per step
+    for said in ("seq 4096", "micro-batch 1", "m 16 (global batch 128)", "2/2/12 B", "attention stored"):
+        assert said in head
+    assert out.index("assumes") < out.index("Memory per device") < out.index("Verdict:")
+    assert "3/16" not in out  # a decimal for people; the JSON keeps the exact fraction
+
+
+def test_the_what_if_is_the_analysis_with_the_modifier_written_in() -> None:
+    flash = analyze(parse("tp2xzero3xpp4xflash", devices=64), MODEL)
+    _, out = run("check", "tp2xzero3xpp4")
+    assert f"with flash: {gb(int(flash.memory.total))}" in out
+    # at 40 GB ZeRO-3 over 64 devices does not fit, with flash it does: the hint says so
+    alone = analyze(parse("zero3", devices=64), MODEL)
+    lighter = analyze(parse("zero3xflash", devices=64), MODEL)
+    assert int(alone.memory.total) + 4 * 10**9 > 40 * 10**9 >= int(lighter.memory.total) + 4 * 10**9
+    code, out = run("check", "zero3", "--device-memory", "40GB")
+    assert code == 0 and "does NOT fit" in out
+    assert f"with flash: {gb(int(lighter.memory.total))} (fits)" in out
+
+
+def test_reserve_is_kept_back_from_the_device_memory() -> None:
+    _, doc_text = run("check", "dp8", "--devices", "8", "--model", "gpt3-1.3b", "--json")
+    doc = json.loads(doc_text)
+    total = doc["memory"]["per_device"]["total"]
+    assert doc["memory"]["reserve"] == 4 * 10**9  # the stated default
+    memory = str(total + 2 * 10**9)  # room for the total, not for the total and 4 GB
+    tight = json.loads(
+        run("check", "dp8", "--devices", "8", "--model", "gpt3-1.3b", "--device-memory", memory, "--json")[1]
+    )
+    assert tight["memory"]["fits"] is False
+    none = ("--reserve", "0", "--json")
+    loose = json.loads(
+        run("check", "dp8", "--devices", "8", "--model", "gpt3-1.3b", "--device-memory", memory, *none)[1]
+    )
+    assert loose["memory"]["fits"] is True and loose["memory"]["reserve"] == 0
+    code, _ = run("check", "dp8", "--devices", "8", "--model", "gpt3-1.3b", "--reserve", "90GB")
+    assert code == 2
+
+
+def test_step_time_from_the_flops_formula_when_hardware_is_given() -> None:
+    args = ("check", "dp8", "--devices", "8", "--device-flops", "312e12")
+    bandwidth = ("--intra-node-bandwidth", "100GB/s", "--inter-node-bandwidth", "100GB/s")
+    _, out = run(*args, *bandwidth)
+    doc = json.loads(run("check", "dp8", "--devices", "8", "--json")[1])
+    m = MODEL
+    assert isinstance(m, Transformer)
+    tokens = 8 * m.seq  # micro-batch 1, one micro-batch, 8 replicas
+    flops = 3 * (2 * m.parameter_count() + 4 * m.layers * m.seq * m.hidden) * tokens  # eq. 3, no recompute
+    compute_ms = flops / (8 * 312e12) * 1e3
+    comm_ms = doc["communication"]["per_device_per_step"] / 100e9 * 1e3
+    match = re.search(r"step +([\d,]+) ms = compute ([\d,]+) \+ bubble 0 \+ comm ([\d,]+)", out)
+    assert match, out
+    total, compute, comm = (int(g.replace(",", "")) for g in match.groups())
+    assert compute == round(compute_ms)
+    assert comm == round(comm_ms)
+    assert abs(total - (compute_ms + comm_ms)) <= 1
+
+
+# --- explain, help, fractions ----------------------------------------------------------------
+
+
+def test_explain_gives_the_witness_and_leaves_unsat_cores_to_explain_all() -> None:
+    _, short = run("check", "dp2xpp2", "--model", "gpt3-1.3b", "--explain")
+    _, full = run("check", "dp2xpp2", "--model", "gpt3-1.3b", "--explain=all")
+    assert "Unsat cores" not in short and "--explain=all prints them" in short
+    assert "Unsat cores" in full and "integrity[G.embedding, pp]" in full
+    assert len(short.splitlines()) < len(full.splitlines())
+    _, before = run("--explain", "dp2xpp2", "--model", "gpt3-1.3b")  # the flag before the composition
+    assert before == short
+    _, spelled = run("check", "dp2xpp2", "--model", "gpt3-1.3b", "--explain-all")
+    assert spelled == full
+
+
+@pytest.mark.parametrize("command", ["check", "compare", "sweep", "plan", "explain", "export", "strategies"])
+def test_every_subcommand_help_has_examples_and_exit_codes(command: str) -> None:
+    code, out = run(command, "--help")
+    assert code == 0
+    examples = out.split("Examples:", 1)[-1]
+    assert "Examples:" in out and "  check-composition " in examples
+    assert "Exit codes: 0 valid" in out
+
+
+def test_html_headings_show_decimals_not_fractions() -> None:
+    from checker._html import render_html
+    from checker._report import to_json
+
+    doc = to_json(analyze(parse("tp2xzero3xpp4", devices=64), PRESETS["gpt3-1.3b"]))
+    assert "/" in doc["communication"]["model_state_psi_units"] or "/" in doc["pipeline"]["bubble_fraction"]
+    page = render_html(doc)
+    for heading in re.findall(r"<h2>(.*?)</h2>", page, re.S):
+        assert not re.search(r"\d+/\d+", heading), heading
+    assert "3/16" not in page.split('<script type="application/json"')[0]
+
+
+def test_readme_first_screen_is_what_the_cli_prints() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("<!-- first-screen: check-composition tp2xzero3xpp4 -->", 1)[1]
+    shown = block.split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    _, out = run("check", "tp2xzero3xpp4")
+    assert [line.rstrip() for line in out.splitlines()[: len(shown)]] == shown
+
+
+@st.composite
+def verdicts(draw: st.DrawFn) -> Verdict:
+    """Verdicts of each status, with rule names and witnesses shaped like the solver's."""
+    rules = draw(st.lists(st.sampled_from(["refresh[P.attention, dp]", "divides[heads, tp]", "sync[G.mlp, pp]"])))
+    violations = tuple(
+        Violation(rule, draw(st.sampled_from(list(Condition))), explanation=f"{rule} is broken", witness={"step": 1})
+        for rule in rules
+    )
+    status = draw(st.sampled_from([Status.PROVED, Status.UNKNOWN]))
+    obligations = (Obligation("integrity", Condition.GRADIENT_INTEGRITY, status, "timeout", core=("a", "b")),)
+    return Verdict(obligations, violations, notes=tuple(draw(st.lists(texts, max_size=2))))
+
+
+def report_fits(model: Transformer, data: st.DataObject, verdict: Verdict, width: int, explain: bool) -> None:
+    composition = data.draw(compositions(model))
+    analysis = analyze(composition, model, device_memory=80 * 10**9, reserve=4 * 10**9)
+    out = io.StringIO()
+    report = Report(analysis, verdict, explain, hints=what_ifs(analysis))
+    print_report(report, Console(file=out, width=width, color_system=None))
+    text = out.getvalue()
+    assert_fits(text, width)
+    assert text.startswith(readable(composition))
+    first_screen = text.split("Memory per device")[0]
+    assert "assumes  " in first_screen and "global batch" in first_screen
+
+
+@settings(max_examples=12)  # each example analyses twice; the slow variant draws 300
+@given(models(), st.data(), verdicts(), st.integers(60, 120), st.booleans())
+def test_a_report_fits_any_terminal_width(
+    model: Transformer, data: st.DataObject, verdict: Verdict, width: int, explain: bool
+) -> None:
+    report_fits(model, data, verdict, width, explain)
+
+
+@pytest.mark.slow
+@settings(max_examples=300)
+@given(models(), st.data(), verdicts(), st.integers(60, 120), st.booleans())
+def test_a_report_fits_any_terminal_width_thoroughly(
+    model: Transformer, data: st.DataObject, verdict: Verdict, width: int, explain: bool
+) -> None:
+    report_fits(model, data, verdict, width, explain)

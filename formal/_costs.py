@@ -181,8 +181,9 @@ def activation_memory(
     pl: Placement, model: Model, precision: Precision, stage: Stage = Stage.FIRST, index: int | None = None
 ) -> sp.Expr | None:
     """Activation bytes on a device: the per-layer bytes the layer's ops save (Korthikanti et al.
-    2022, section 4.1, for the model's structure: ``formal._saved``) for the stage's layers, plus the input and output layers' bytes (section 4.3) where the stage holds them,
-    both through the placement, at the stage's peak (``peak_activations``): for a schedule that
+    2022, section 4.1, for the model's structure: ``formal._saved``) for the stage's layers,
+    plus the input and output layers' bytes (section 4.3) where the stage holds them, both
+    through the placement, at the stage's peak (``peak_activations``): for a schedule that
     defers nothing, times the micro-batches in flight on the stage, the first or last stage's
     (``in_flight_micro_batches``), or, given a pipeline stage ``index``, that stage's own
     (``stage_in_flight``; a middle stage holds fewer than the first); ZB-H1 also keeps what its
@@ -236,12 +237,13 @@ def layer_activations(pl: Placement, per_layer: Mapping[Group, sp.Expr], sbh: sp
         total += per_layer[g] * _tensor_factor(pl, g)
     if pl.options.recompute is Recompute.FULL:
         # Korthikanti Table 2, full recomputation: each layer's input (2sbh bytes at 16 bits).
-        total += precision.activations * sbh * checkpoint_factor(pl)
+        total += precision.activations * sbh * _cp_factor(pl) * _sp_factor(pl)
     return total
 
 
-def checkpoint_factor(pl: Placement) -> sp.Expr:
-    """The share of a layer's input one device keeps as its full-recomputation checkpoint.
+def _sp_factor(pl: Placement) -> sp.Expr:
+    """The share of a layer's input sequence parallelism leaves to a device, for its
+    full-recomputation checkpoint (context parallelism's share is ``_cp_factor``).
 
     The input of a layer is split along the sequence by context parallelism and, under sequence
     parallelism, by tensor parallelism too: a layer's input is then the hidden state whole only
@@ -252,7 +254,7 @@ def checkpoint_factor(pl: Placement) -> sp.Expr:
     ZeRO-R's partitioned activation checkpointing (Rajbhandari et al. 2020, section 6.1, "Pa")
     splits across the model-parallel ranks the same way.
     """
-    out = _cp_factor(pl)
+    out: sp.Expr = sp.Integer(1)
     for axis, d in pl.mesh:
         if axis.kind.sequence_parallel and pl.entry(State.ACTIVATIONS, LAYER_IO, axis).mode.is_sharded:
             out = out / d
@@ -276,7 +278,7 @@ def activation_breakdown(
         kept = pl.local_mode(State.ACTIVATIONS, g) is not Mode.MATERIALIZED
         layer[g.name] = per_layer[g] * _tensor_factor(pl, g) if kept else sp.Integer(0)
     if pl.options.recompute is Recompute.FULL:
-        layer["checkpoint"] = precision.activations * sbh * checkpoint_factor(pl)
+        layer["checkpoint"] = precision.activations * sbh * _cp_factor(pl) * _sp_factor(pl)
     count = pl.stage_layers(model.layers)
     io_bytes = model.io_activation_bytes(precision.activations, precision.mask_bytes, precision.logits_bytes)
     io = {

@@ -74,7 +74,6 @@ class Transformer:
     top_k: int = 0
     source: str = ""
     dropout: bool = True  # dropout on scores and residuals (GPT, Megatron); Llama trains without
-    flash_attention: bool = False  # fused attention: the scores are never stored (formal._saved)
 
     def __post_init__(self) -> None:
         for fname in ("layers", "hidden", "heads", "vocab", "seq", "micro_batch"):
@@ -90,9 +89,8 @@ class Transformer:
         kv = self.kv_heads_
         if kv <= 0 or self.heads % kv:
             raise ModelError(f"kv_heads={kv}: must divide heads={self.heads}")
-        for fname in ("dropout", "flash_attention"):
-            if not isinstance(getattr(self, fname), bool):
-                raise ModelError(f"{fname}={getattr(self, fname)!r}: must be true or false")
+        if not isinstance(self.dropout, bool):
+            raise ModelError(f"dropout={self.dropout!r}: must be true or false")
         if self.experts < 0 or (self.experts and not 0 < self.top_k <= self.experts):
             raise ModelError(f"experts={self.experts}, top_k={self.top_k}: need 0 < top_k <= experts")
         if self.parameter_count() > MAX_PARAMETERS:
@@ -148,8 +146,8 @@ class Transformer:
     def activation_bytes_per_layer(self, element_bytes: int = 2, mask_bytes: int = 1) -> dict[Group, sp.Expr]:
         """Activation bytes of one layer for one micro-batch, by group, before any parallelism:
         the tensors its ops save (``formal._saved.layer_saved_tensors``) for this model's FFN
-        width and kind, K/V heads, dropout and attention kernel. For GPT (``f = 4h``, dropout,
-        multi-head, unfused attention) Korthikanti et al. 2022, section 4.1: ``10sbh``
+        width and kind, K/V heads and dropout. For GPT (``f = 4h``, dropout,
+        multi-head) Korthikanti et al. 2022, section 4.1: ``10sbh``
         (replicated by TP), ``24sbh`` and ``5as^2b`` (split by TP) at 2-byte activations and
         1-byte masks; ``b`` here is the micro-batch of one replica. A mask stays 1 byte when
         activations widen to fp32, unless the engine keeps it as a float tensor."""
@@ -174,7 +172,6 @@ class Transformer:
             kv_heads=sp.Integer(self.kv_heads_),
             gated=self.ffn_kind is Ffn.SWIGLU,
             dropout=self.dropout,
-            flash_attention=self.flash_attention,
         )
 
     def io_activation_bytes(

@@ -134,17 +134,19 @@ def test_llama2_7b_under_sp_and_selective_per_layer_bytes() -> None:
     assert per_layer_device("tp2xspxselective", m) == 269_484_032
 
 
-def test_a_fused_attention_keeps_only_the_fp32_log_sum_exp() -> None:
-    """FlashAttention (Dao et al. 2022) stores no s x s scores, only softmax_lse: 4 bytes per head
-    and query token."""
-    base = PRESETS["llama3-8b"]
-    assert isinstance(base, Transformer)
-    m = Transformer(**{**base.__dict__, "flash_attention": True})
+def test_without_dropout_the_scores_are_the_softmax_output_alone() -> None:
+    """Korthikanti's 5as^2b is the softmax output (2), its dropout mask (1) and the dropout's
+    output (2); without dropout the attention over V reads the softmax output: 2as^2b. The
+    fused-attention modifier (``flash``) keeps none of them."""
+    m = PRESETS["llama3-8b"]
+    assert isinstance(m, Transformer) and not m.dropout
     got = m.activation_bytes_per_layer(2, 1)
-    assert got[ATTN_SCORES] == 4 * m.heads * m.seq * m.micro_batch
-    plain = base.activation_bytes_per_layer(2, 1)
-    assert plain[ATTN_SCORES] == 2 * m.heads * m.seq**2 * m.micro_batch  # softmax output, no dropout
-    assert got[LAYER_IO] == plain[LAYER_IO] and got[LINEAR_INNER] == plain[LINEAR_INNER]
+    assert got[ATTN_SCORES] == 2 * m.heads * m.seq**2 * m.micro_batch
+    with_dropout = Transformer(**{**m.__dict__, "dropout": True}).activation_bytes_per_layer(2, 1)
+    assert with_dropout[ATTN_SCORES] == 5 * m.heads * m.seq**2 * m.micro_batch
+    sbh = m.seq * m.micro_batch * m.hidden
+    assert with_dropout[LAYER_IO] - got[LAYER_IO] == 2 * sbh  # the two residual masks
+    assert per_layer_device("tp2xflash", m) == Fraction(str(got[LINEAR_INNER] / 2 + got[LAYER_IO]))
 
 
 def test_every_saved_tensor_is_counted_once_by_name() -> None:

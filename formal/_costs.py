@@ -25,6 +25,7 @@ from formal._vocab import (
     LAST_STAGE_ACTIVATIONS,
     LAST_STAGE_GROUPS,
     LAYER_GROUPS,
+    LAYER_IO,
     MODEL_STATES,
     Axis,
     Group,
@@ -179,9 +180,10 @@ def deferred_layer_activations(pl: Placement, sbh: sp.Expr, precision: Precision
 def activation_memory(
     pl: Placement, model: Model, precision: Precision, stage: Stage = Stage.FIRST, index: int | None = None
 ) -> sp.Expr | None:
-    """Activation bytes on a device: Korthikanti's per-layer bytes (section 4.1) for the stage's
-    layers, plus the input and output layers' bytes (section 4.3) where the stage holds them,
-    both through the placement, at the stage's peak (``peak_activations``): for a schedule that
+    """Activation bytes on a device: the per-layer bytes the layer's ops save (Korthikanti et al.
+    2022, section 4.1, for the model's structure: ``formal._saved``) for the stage's layers,
+    plus the input and output layers' bytes (section 4.3) where the stage holds them, both
+    through the placement, at the stage's peak (``peak_activations``): for a schedule that
     defers nothing, times the micro-batches in flight on the stage, the first or last stage's
     (``in_flight_micro_batches``), or, given a pipeline stage ``index``, that stage's own
     (``stage_in_flight``; a middle stage holds fewer than the first); ZB-H1 also keeps what its
@@ -235,8 +237,61 @@ def layer_activations(pl: Placement, per_layer: Mapping[Group, sp.Expr], sbh: sp
         total += per_layer[g] * _tensor_factor(pl, g)
     if pl.options.recompute is Recompute.FULL:
         # Korthikanti Table 2, full recomputation: each layer's input (2sbh bytes at 16 bits).
-        total += precision.activations * sbh * _cp_factor(pl)
+        total += precision.activations * sbh * _cp_factor(pl) * _sp_factor(pl)
     return total
+
+
+def _sp_factor(pl: Placement) -> sp.Expr:
+    """The share of a layer's input sequence parallelism leaves to a device, for its
+    full-recomputation checkpoint (context parallelism's share is ``_cp_factor``).
+
+    The input of a layer is split along the sequence by context parallelism and, under sequence
+    parallelism, by tensor parallelism too: a layer's input is then the hidden state whole only
+    along the sequence shard of the rank (the ``LAYER_IO`` placement along that axis), so the
+    checkpoint is ``2sbh/(cp t)``. Megatron-LM keeps it so and refuses to split it again
+    (``distribute_saved_activations and not sequence_parallel``, megatron/legacy/model/
+    transformer.py); without sequence parallelism the rank keeps the whole ``2sbh/cp``, which
+    ZeRO-R's partitioned activation checkpointing (Rajbhandari et al. 2020, section 6.1, "Pa")
+    splits across the model-parallel ranks the same way.
+    """
+    out: sp.Expr = sp.Integer(1)
+    for axis, d in pl.mesh:
+        if axis.kind.sequence_parallel and pl.entry(State.ACTIVATIONS, LAYER_IO, axis).mode.is_sharded:
+            out = out / d
+    return out
+
+
+def activation_breakdown(
+    pl: Placement, model: Model, precision: Precision, stage: Stage = Stage.FIRST
+) -> dict[str, dict[str, int]] | None:
+    """One device's activation bytes for one micro-batch on ``stage``, before the schedule's
+    in-flight multiple, by layer kind and group: ``layer`` (one transformer layer: each per-layer
+    group it keeps through the placement, and ``checkpoint`` under full recomputation), ``layers``
+    (the same for all the stage's layers), ``io`` (the input and output layers' groups the stage
+    holds). Whole bytes, rounded up; None for a model given only by its parameter count."""
+    if not isinstance(model, Transformer):
+        return None
+    per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
+    sbh = sp.Integer(model.seq * model.micro_batch * model.hidden)
+    layer: dict[str, sp.Expr] = {}
+    for g in ACTIVATION_GROUPS:
+        kept = pl.local_mode(State.ACTIVATIONS, g) is not Mode.MATERIALIZED
+        layer[g.name] = per_layer[g] * _tensor_factor(pl, g) if kept else sp.Integer(0)
+    if pl.options.recompute is Recompute.FULL:
+        layer["checkpoint"] = precision.activations * sbh * _cp_factor(pl) * _sp_factor(pl)
+    count = pl.stage_layers(model.layers)
+    io_bytes = model.io_activation_bytes(precision.activations, precision.mask_bytes, precision.logits_bytes)
+    io = {
+        g.name: io_bytes[g] * _tensor_factor(pl, g)
+        if (State.ACTIVATIONS, g) in set(pl.keys()) and holds_io_activations(pl, g, stage)
+        else sp.Integer(0)
+        for g in IO_ACTIVATION_GROUPS
+    }
+    return {
+        "layer": {k: ceil_int(v) for k, v in layer.items()},
+        "layers": {k: ceil_int(v * count) for k, v in layer.items()},
+        "io": {k: ceil_int(v) for k, v in io.items()},
+    }
 
 
 def _tensor_factor(pl: Placement, group: Group) -> sp.Expr:

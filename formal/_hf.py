@@ -185,6 +185,7 @@ def transformer_from_hf(raw: dict[str, Any], where: str = "config.json") -> Tran
             bias=True,
             learned_positions=True,
             tied_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            dropout=_dropout(raw, where, ("attn_pdrop", "resid_pdrop", "embd_pdrop"), 0.1),
             source=f"Hugging Face config {where} (GPT-2 layout; {seq_source})",
         )
     family = FAMILIES[model_type]
@@ -243,9 +244,23 @@ def transformer_from_hf(raw: dict[str, Any], where: str = "config.json") -> Tran
         head_size=head_dim if decoupled else None,
         qkv_bias=qkv_bias,
         qk_norm=family.qk_norm,
+        dropout=_dropout(raw, where, ("attention_dropout", "hidden_dropout", "resid_pdrop", "dropout"), 0.0),
         source=f"Hugging Face config {where} ({model_type} layout; {seq_source}"
         + ("; head_dim decoupled: parameters exact, activations by hidden_size)" if decoupled else ")"),
     )
+
+
+def _dropout(raw: dict[str, Any], where: str, keys: tuple[str, ...], default: float) -> bool:
+    """Whether the model trains with dropout: any of ``keys`` above 0, each absent key taking the
+    transformers library's default for the family (GPT2Config: 0.1; LlamaConfig and the llama-like
+    configs: ``attention_dropout`` 0.0). Dropout decides whether masks are kept for the backward."""
+    rates = []
+    for key in keys:
+        value = raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+            raise ModelError(f"{where}: {key}={value!r} must be a dropout rate in [0, 1)")
+        rates.append(value)
+    return any(r > 0 for r in rates)
 
 
 def _build(where: str, **fields: Any) -> Transformer:

@@ -11,16 +11,14 @@ from enum import StrEnum
 
 import sympy as sp
 
+from formal._saved import GPT, LayerShape, SavedTensor, by_group, layer_saved_tensors
 from formal._vocab import (
     ATTENTION,
-    ATTN_SCORES,
     EMBEDDING,
     EMBEDDING_IO,
     EXPERTS,
     FINAL_NORM,
     HEAD,
-    LAYER_IO,
-    LINEAR_INNER,
     LOGITS,
     MLP,
     NORM,
@@ -80,6 +78,7 @@ class Transformer:
     head_size: int | None = None
     qkv_bias: bool = False  # biases on the query, key and value projections only (Qwen2)
     qk_norm: bool = False  # an RMSNorm over head_dim on queries and keys in every layer (Qwen3)
+    dropout: bool = True  # dropout on scores and residuals (GPT, Megatron); Llama trains without
 
     def __post_init__(self) -> None:
         for fname in ("layers", "hidden", "heads", "vocab", "seq", "micro_batch"):
@@ -97,6 +96,8 @@ class Transformer:
             raise ModelError(f"kv_heads={kv}: must divide heads={self.heads}")
         if self.head_size is not None and (not isinstance(self.head_size, int) or self.head_size <= 0):
             raise ModelError(f"head_size={self.head_size!r}: must be a positive integer")
+        if not isinstance(self.dropout, bool):
+            raise ModelError(f"dropout={self.dropout!r}: must be true or false")
         if self.experts < 0 or (self.experts and not 0 < self.top_k <= self.experts):
             raise ModelError(f"experts={self.experts}, top_k={self.top_k}: need 0 < top_k <= experts")
         if self.parameter_count() > MAX_PARAMETERS:
@@ -150,26 +151,34 @@ class Transformer:
         return sum(self.group_elements().values())
 
     def activation_bytes_per_layer(self, element_bytes: int = 2, mask_bytes: int = 1) -> dict[Group, sp.Expr]:
-        """Activation bytes of one layer for one micro-batch, by group, before any parallelism.
+        """Activation bytes of one layer for one micro-batch, by group, before any parallelism:
+        the tensors its ops save (``formal._saved.layer_saved_tensors``) for this model's FFN
+        width and kind, K/V heads and dropout. For GPT (``f = 4h``, dropout,
+        multi-head) Korthikanti et al. 2022, section 4.1: ``10sbh``
+        (replicated by TP), ``24sbh`` and ``5as^2b`` (split by TP) at 2-byte activations and
+        1-byte masks; ``b`` here is the micro-batch of one replica. A mask stays 1 byte when
+        activations widen to fp32, unless the engine keeps it as a float tensor."""
+        return by_group(self.saved_tensors(element_bytes, mask_bytes))
 
-        Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-        Models"), section 4.1: 16-bit activations and 1-byte dropout masks; per layer
-        ``sbh(34 + 5as/h)`` split as 10sbh (replicated by TP), 24sbh (split by TP) and
-        5as^2b (attention scores, split by TP). ``b`` here is the micro-batch of one replica.
-
-        In elements: LAYER_IO is 4 activations (two LayerNorm inputs, the QKV and FC1 inputs)
-        plus 2 dropout masks per sbh; LINEAR_INNER 12 activations; ATTN_SCORES 2 activations
-        (softmax output, dropout output) plus 1 mask per as^2b. ``element_bytes`` and
-        ``mask_bytes`` default to Korthikanti's 2 and 1 (10sbh, 24sbh, 5as^2b); a mask stays 1
-        byte when activations widen to fp32, unless the engine keeps it as a float tensor.
-        """
-        return layer_activation_bytes(
+    def saved_tensors(self, element_bytes: int = 2, mask_bytes: int = 1) -> tuple[SavedTensor, ...]:
+        """The tensors one layer keeps for one micro-batch, op by op (``formal._saved``)."""
+        return layer_saved_tensors(
             sp.Integer(self.seq),
             sp.Integer(self.micro_batch),
             sp.Integer(self.hidden),
             sp.Integer(self.heads),
             element_bytes,
             mask_bytes,
+            self.layer_shape,
+        )
+
+    @property
+    def layer_shape(self) -> LayerShape:
+        return LayerShape(
+            ffn=sp.Integer(self.ffn_),
+            kv_heads=sp.Integer(self.kv_heads_),
+            gated=self.ffn_kind is Ffn.SWIGLU,
+            dropout=self.dropout,
         )
 
     def io_activation_bytes(
@@ -185,6 +194,7 @@ class Transformer:
             element_bytes,
             mask_bytes,
             logits_bytes,
+            dropout=self.dropout,
         )
 
     def with_micro_batch(self, micro_batch: int) -> Transformer:
@@ -192,17 +202,17 @@ class Transformer:
 
 
 def layer_activation_bytes(
-    seq: sp.Expr, micro_batch: sp.Expr, hidden: sp.Expr, heads: sp.Expr, element_bytes: int = 2, mask_bytes: int = 1
+    seq: sp.Expr,
+    micro_batch: sp.Expr,
+    hidden: sp.Expr,
+    heads: sp.Expr,
+    element_bytes: int = 2,
+    mask_bytes: int = 1,
+    shape: LayerShape = GPT,
 ) -> dict[Group, sp.Expr]:
     """``Transformer.activation_bytes_per_layer`` for any sizes, symbols included (the proofs
-    derive Korthikanti's expressions with ``s, b, h, a`` symbolic)."""
-    sbh = seq * micro_batch * hidden
-    as2b = heads * seq**2 * micro_batch
-    return {
-        LAYER_IO: (4 * element_bytes + 2 * mask_bytes) * sbh,
-        LINEAR_INNER: 12 * element_bytes * sbh,
-        ATTN_SCORES: (2 * element_bytes + mask_bytes) * as2b,
-    }
+    derive Korthikanti's expressions with ``s, b, h, a`` symbolic); GPT's layer by default."""
+    return by_group(layer_saved_tensors(seq, micro_batch, hidden, heads, element_bytes, mask_bytes, shape))
 
 
 def io_activation_bytes(
@@ -213,6 +223,8 @@ def io_activation_bytes(
     element_bytes: int = 2,
     mask_bytes: int = 1,
     logits_bytes: int = 4,
+    *,
+    dropout: bool = True,
 ) -> dict[Group, sp.Expr]:
     """The input and output layers' activations (Korthikanti et al. 2022, section 4.3).
 
@@ -221,11 +233,12 @@ def io_activation_bytes(
     and the output projection each keep their input, ``2sbh`` bytes each at 16 bits, and the
     cross-entropy keeps the logits in 32-bit floats, ``4sbv`` bytes. With sequence and tensor
     parallelism and one micro-batch in flight the paper sums them as
-    ``sbh/t + 4sbh/t (1 + v/h)``; the placement decides the split here.
+    ``sbh/t + 4sbh/t (1 + v/h)``; the placement decides the split here. Without dropout
+    (Llama) the input embeddings keep no mask.
     """
     sbh = seq * micro_batch * hidden
     return {
-        EMBEDDING_IO: mask_bytes * sbh,
+        EMBEDDING_IO: mask_bytes * sbh if dropout else sp.Integer(0),
         OUTPUT_IO: 2 * element_bytes * sbh,
         LOGITS: logits_bytes * seq * micro_batch * vocab,
     }

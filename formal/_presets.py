@@ -36,6 +36,7 @@ PRESETS: dict[str, Transformer | ParameterCount] = {
         bias=False,
         learned_positions=False,
         tied_embeddings=False,
+        dropout=False,  # no dropout: Hugging Face LlamaConfig/MixtralConfig attention_dropout 0.0
         source="Touvron et al. 2023, Llama 2; Hugging Face meta-llama/Llama-2-7b-hf config.json",
     ),
     "llama2-13b": Transformer(
@@ -51,6 +52,7 @@ PRESETS: dict[str, Transformer | ParameterCount] = {
         bias=False,
         learned_positions=False,
         tied_embeddings=False,
+        dropout=False,  # no dropout: Hugging Face LlamaConfig/MixtralConfig attention_dropout 0.0
         source="Touvron et al. 2023, Llama 2; Hugging Face meta-llama/Llama-2-13b-hf config.json",
     ),
     "llama2-70b": Transformer(
@@ -67,6 +69,7 @@ PRESETS: dict[str, Transformer | ParameterCount] = {
         bias=False,
         learned_positions=False,
         tied_embeddings=False,
+        dropout=False,  # no dropout: Hugging Face LlamaConfig/MixtralConfig attention_dropout 0.0
         source="Touvron et al. 2023, Llama 2 (GQA with 8 KV heads for 70B); "
         "Hugging Face meta-llama/Llama-2-70b-hf config.json",
     ),
@@ -87,6 +90,7 @@ PRESETS: dict[str, Transformer | ParameterCount] = {
         bias=False,
         learned_positions=False,
         tied_embeddings=False,
+        dropout=False,  # no dropout: Hugging Face LlamaConfig/MixtralConfig attention_dropout 0.0
         source="Dubey et al. 2024, Llama 3, Table 3; Hugging Face meta-llama/Meta-Llama-3-8B config.json",
     ),
     "llama3-70b": Transformer(
@@ -103,6 +107,7 @@ PRESETS: dict[str, Transformer | ParameterCount] = {
         bias=False,
         learned_positions=False,
         tied_embeddings=False,
+        dropout=False,  # no dropout: Hugging Face LlamaConfig/MixtralConfig attention_dropout 0.0
         source="Dubey et al. 2024, Llama 3, Table 3; Hugging Face meta-llama/Meta-Llama-3-70B config.json",
     ),
     "llama3-405b": Transformer(
@@ -119,6 +124,7 @@ PRESETS: dict[str, Transformer | ParameterCount] = {
         bias=False,
         learned_positions=False,
         tied_embeddings=False,
+        dropout=False,  # no dropout: Hugging Face LlamaConfig/MixtralConfig attention_dropout 0.0
         source="Dubey et al. 2024, Llama 3, Table 3; Hugging Face meta-llama/Llama-3.1-405B config.json",
     ),
     "mixtral-8x7b": Transformer(
@@ -135,6 +141,7 @@ PRESETS: dict[str, Transformer | ParameterCount] = {
         bias=False,
         learned_positions=False,
         tied_embeddings=False,
+        dropout=False,  # no dropout: Hugging Face LlamaConfig/MixtralConfig attention_dropout 0.0
         experts=8,
         top_k=2,
         source="Jiang et al. 2024, Mixtral of Experts, Table 1 (8 experts, top-2 routing, 32k context); "

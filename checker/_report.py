@@ -281,7 +281,7 @@ def summary_lines(analysis: Analysis, verdict: Verdict) -> list[str]:
     traffic = ceil_int(analysis.communication_bytes)
     what = name if isinstance(m, ParameterCount) else f"model {name} ({_count(m.parameter_count())} params)"
     return [
-        f"{readable(c)} on {c.devices} devices · {what}",
+        f"{readable(c)} on {c.devices} device{'' if c.devices == 1 else 's'} · {what}",
         f"verdict  {_verdict_summary(verdict)}",
         f"memory   {_fit(analysis, ceil_int(analysis.memory.total))}",
         f"traffic  {gb(traffic)} per device per step · model states {decimal(analysis.model_state_psi, 3)} Psi",

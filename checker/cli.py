@@ -252,6 +252,12 @@ def main() -> None:
     help="Also run the composition on the small reference model over simulated devices beside "
     "single-device training: match, or the first diverging element.",
 )
+@click.option(
+    "--hardware",
+    default=None,
+    help="Estimate the step time on a GPU preset (v100-32gb, a100-40gb, a100-80gb, h100-80gb, h200, b200) "
+    "or a FILE.toml (docs/steptime.md).",
+)
 def check(
     composition: str | None,
     devices: int | None,
@@ -272,6 +278,7 @@ def check(
     as_csv: bool = False,
     rlimit: int = DEFAULT_RUN_RLIMIT,
     node_size: int = DEFAULT_NODE_SIZE,
+    hardware: str | None = None,
 ) -> None:
     """Check COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG: memory, communication and verdict.
 
@@ -299,6 +306,7 @@ def check(
         if req.imported is not None:
             print_import(req.imported)
         analysis = analysis_of(req)
+        step = time_of(analysis, hardware) if hardware is not None else None
     except InputError as err:
         fail(str(err))
         return
@@ -339,6 +347,8 @@ def check(
             code = EXIT_DISAGREEMENT
     result = Report(analysis, verdict, explain, req.imported, validation, simulation, conflict)
     doc = result.as_json()
+    if step is not None and hardware is not None:
+        doc["time"] = time_json(step, hardware)
     if report_path is not None:
         try:
             write_report(doc, report_path)
@@ -355,6 +365,8 @@ def check(
         emit(check_csv_rows(doc), CHECK_CSV_COLUMNS, "", True, False)
     else:
         print_report(result, terminal())
+        if step is not None:
+            click.echo(f"time on {hardware}: {step.line()}")
     sys.exit(code)
 
 
@@ -383,6 +395,10 @@ from checker._commands_reports import (  # noqa: E402 (configs in and out, repor
 
 for _command in (explain, compare, sweep, export_command):
     main.add_command(_command)
+
+from checker._steptime_command import time_json, time_of, validate_command  # noqa: E402 (step time)
+
+main.add_command(validate_command)
 
 
 if __name__ == "__main__":

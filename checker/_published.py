@@ -42,7 +42,9 @@ class Run:
     def inputs(self) -> StepInputs:
         comp = parse(self.composition)
         pl = comp.placement(self.model)
-        return prepare(derive_program(pl, self.model), self.model, PRECISIONS["zero"], HARDWARE[self.hardware], self.runtime)
+        return prepare(
+            derive_program(pl, self.model), self.model, PRECISIONS["zero"], HARDWARE[self.hardware], self.runtime
+        )
 
 
 def predicted(run: Run, time: StepTime, inputs: StepInputs) -> float:

@@ -198,5 +198,5 @@ def load_hardware_toml(path: Path) -> Hardware:
         return replace(PRESETS[base_name], **values)  # type: ignore[arg-type]
     missing = [k for k, (f, _) in _TOML_KEYS.items() if f not in values]
     if missing:
-        raise InputError(f"--hardware {path}: missing {missing[0]!r} (or give base = \"<preset>\")")
+        raise InputError(f'--hardware {path}: missing {missing[0]!r} (or give base = "<preset>")')
     return Hardware(**values)  # type: ignore[arg-type]

@@ -57,11 +57,11 @@ def test_full_recomputation_flops_are_narayanan_eq3(model: Transformer) -> None:
     """96 B s l h^2 (1 + s/6h + V/16lh) per step: eq. 3 counts the 24h^2 matrices of a layer and
     the logits; the model also counts biases and norms, 13h per layer beside 12h^2: at most
     13/(12h) more."""
-    s, h, l, v = model.seq, model.hidden, model.layers, model.vocab
-    eq3 = 96 * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)) / s  # per token
+    s, h, n_layers, v = model.seq, model.hidden, model.layers, model.vocab
+    eq3 = 96 * s * n_layers * h * h * (1 + s / (6 * h) + v / (16 * n_layers * h)) / s  # per token
     ours, without = training_flops_per_token(model, Recompute.FULL)
     assert eq3 <= ours <= eq3 * (1 + 13 / (12 * h))
-    eq3_plain = 72 * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)) / s  # no recomputation
+    eq3_plain = 72 * s * n_layers * h * h * (1 + s / (6 * h) + v / (12 * n_layers * h)) / s  # no recomputation
     assert eq3_plain <= without <= eq3_plain * (1 + 13 / (12 * h))
 
 
@@ -73,8 +73,8 @@ def test_tensor_parallel_time_is_four_all_reduces_per_layer(model: Transformer, 
     each moving 2(tp-1)/tp of the tensor over NVLink, none overlapped."""
     hw = PRESETS["a100-80gb"]
     t = timed(f"tp{tp}", model, hw)
-    b, s, h, l = model.micro_batch, model.seq, model.hidden, model.layers
-    expected = (4 * l + 2) * b * s * h * 2 * 2 * (tp - 1) / tp / hw.intra_node_bandwidth
+    b, s, h, n_layers = model.micro_batch, model.seq, model.hidden, model.layers
+    expected = (4 * n_layers + 2) * b * s * h * 2 * 2 * (tp - 1) / tp / hw.intra_node_bandwidth
     assert dict(t.exposed)["tp"] == pytest.approx(expected, rel=1e-9)
     compute = training_flops_per_token(model, Recompute.NONE)[0] * b * s / tp / hw.peak_flops
     assert t.compute_seconds == pytest.approx(compute, rel=1e-9)
@@ -113,7 +113,9 @@ def test_breakdown_adds_up_and_faster_links_never_slow_a_step(model: Transformer
     parts = t.compute_seconds + sum(s for _, s in t.exposed) + t.bubble_seconds + t.optimizer_seconds
     assert t.step_seconds == pytest.approx(parts + t.host_seconds, rel=1e-12)
     assert all(s >= 0 for _, s in t.exposed) and t.compute_seconds > 0
-    fast = replace(hw, inter_node_bandwidth=hw.inter_node_bandwidth * 4, intra_node_bandwidth=hw.intra_node_bandwidth * 4)
+    fast = replace(
+        hw, inter_node_bandwidth=hw.inter_node_bandwidth * 4, intra_node_bandwidth=hw.intra_node_bandwidth * 4
+    )
     assert timed(composition, model, fast, eff).step_seconds <= t.step_seconds
     assert 0 < t.mfu < 1
 
@@ -188,6 +190,8 @@ def test_cli_check_reports_a_time_object_and_refuses_bad_hardware(tmp_path: Path
     assert set(time["breakdown"]) >= {"compute", "exposed_communication", "bubble", "optimizer"}
     bad = tmp_path / "bad.toml"
     bad.write_text('base = "a100-80gb"\nnvlink_gb_s = 0\n')
-    refused = subprocess.run([*cli, "tp2", "--hardware", str(bad)], capture_output=True, text=True, env=env, timeout=120)
+    refused = subprocess.run(
+        [*cli, "tp2", "--hardware", str(bad)], capture_output=True, text=True, env=env, timeout=120
+    )
     assert refused.returncode == 2
     assert refused.stderr.count("\n") == 1 and "nvlink_gb_s=0" in refused.stderr

@@ -156,7 +156,7 @@ def _run(entry: dict[str, Any]) -> Run:
             composition=f"tp{i['tp']}{cp}xpp{i['pp']}xunevenxv4xm{m}xzero2{i['dp']}",
             model=_llama(entry, i["seq"], 1),
             hardware="h100-80gb",
-            runtime=Runtime(flash_attention=True),
+            runtime=Runtime(flash_attention=True, pipeline_overlap=True),
             assumptions=(
                 "micro-batch 1 sequence, m = batch per DP group",
                 "FSDP without resharding after forward and one gradient reduce-scatter per step as zero2",

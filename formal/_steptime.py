@@ -100,12 +100,15 @@ class Runtime:
     decomposed and overlapped with the GEMMs (async TP: Wang et al. 2022, torchtitan).
     ``pipeline_scatter_gather``: a stage-to-stage send of a tensor replicated along tp is split
     into tp pieces over the network and all-gathered over NVLink on the receiver (Narayanan et
-    al. 2021, section 4.1; Megatron-LM's default). ``flash_attention``: attention runs as
+    al. 2021, section 4.1; Megatron-LM's default). ``pipeline_overlap``: stage-to-stage sends are
+    asynchronous and run under compute (Llama 3, section 3.3.2: asynchronous point-to-point
+    communication in PP). ``flash_attention``: attention runs as
     FlashAttention-2 (Dao 2023): the scores never reach HBM and the causal mask's upper half is
     skipped, so half the attention FLOPs are run and counted."""
 
     tp_overlap: bool = False
     pipeline_scatter_gather: bool = False
+    pipeline_overlap: bool = False
     flash_attention: bool = False
 
 
@@ -223,14 +226,15 @@ def _stage_forward_per_token(model: Transformer, pl: Placement, stage: Stage, ca
 # --- the inputs of one step ---------------------------------------------------------------
 
 
-def _layer_activation_bytes(pl: Placement, model: Transformer, precision: Precision, flash: bool) -> float:
+def _layer_activation_bytes(pl: Placement, model: Transformer, precision: Precision) -> float:
     """One layer's activation bytes for one micro-batch on one device (Korthikanti et al. 2022
-    section 4.1 by group, each split along the axes that split it); the attention scores only
-    where they are stored (not under selective recomputation or FlashAttention)."""
+    section 4.1 by group, each split along the axes that split it), the attention scores left
+    out: their element-wise work is fused into the attention kernels (Megatron-LM's fused
+    scaled-masked softmax; FlashAttention never writes them), so only the 34 sbh remain."""
     per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
     total = 0.0
     for group, nbytes in per_layer.items():
-        if group == ATTN_SCORES and (flash or pl.options.recompute is Recompute.SELECTIVE):
+        if group == ATTN_SCORES:
             continue
         factor = sp.Integer(1)
         for axis, d in pl.mesh:
@@ -256,9 +260,9 @@ def _bandwidths(pl: Placement, hw: Hardware) -> dict[Axis, float]:
     return out
 
 
-def _classify(op_state: State, phase: str, axis: Axis, count: sp.Expr, m: int) -> str:
+def _classify(op_state: State, phase: str, axis: Axis, count: sp.Expr, m: int, runtime: Runtime) -> str:
     if axis.kind.is_pipeline and op_state is State.ACTIVATIONS:
-        return "exposed"
+        return "hidden" if runtime.pipeline_overlap else "exposed"
     if phase in (Phase.FORWARD.value, Phase.BACKWARD.value):
         if op_state is State.PARAMETERS:
             return phase
@@ -305,13 +309,13 @@ def prepare(
         backward = (2 * forward + extra) * tokens / stage_devices
         comms = []
         for t in communication(program, precision, stage):
-            kind = _classify(t.state, t.phase, t.axis, t.count, m)
+            kind = _classify(t.state, t.phase, t.axis, t.count, m, runtime)
             seconds = float(t.bytes) / bw[t.axis]
             if scatter and t.axis.kind.is_pipeline and t.state is State.ACTIVATIONS:
                 seconds = seconds / tp + float(t.bytes) * (tp - 1) / tp / hardware.intra_node_bandwidth
             comms.append(Comm(t.axis, kind, seconds))
         passes = 3 + (1 if recompute is Recompute.FULL else 0)
-        layer_bytes = _layer_activation_bytes(pl, model, precision, causal) * math.ceil(model.layers / p)
+        layer_bytes = _layer_activation_bytes(pl, model, precision) * math.ceil(model.layers / p)
         memory = layer_bytes * passes * m
         stages.append(StageInputs(stage, flops, backward, memory, tuple(comms)))
     cp = _degree(pl, Axis.CP) if Axis.CP in pl.axes else 1
@@ -371,6 +375,8 @@ def evaluate(inputs: StepInputs, eff: Efficiency) -> StepTime:
         after: dict[Axis, float] = {}
         for axis, s in pools.get("exposed", {}).items():
             per_mb[axis] = per_mb.get(axis, 0.0) + s
+        hidden = pools.get("hidden", {})  # asynchronous sends, under the compute
+        _spread(hidden, sum(hidden.values()) - compute, per_mb)
         tp = pools.get("tp", {})
         if inputs.tp_overlap:
             _spread(tp, sum(tp.values()) - compute, per_mb)

@@ -117,7 +117,7 @@ class Comm:
     """One class of collective time on one axis of one stage: seconds at the full link rate."""
 
     axis: Axis
-    kind: str  # "exposed", "forward", "backward", "grad", "grad_once"
+    kind: str  # "exposed", "hidden", "tensor", "forward", "backward", "grad", "grad_once"
     seconds: float
 
 
@@ -245,10 +245,6 @@ def _layer_activation_bytes(pl: Placement, model: Transformer, precision: Precis
     return total
 
 
-def _degree(pl: Placement, axis: Axis) -> int:
-    return int(pl.degree(axis))
-
-
 def _bandwidths(pl: Placement, hw: Hardware) -> dict[Axis, float]:
     """NVLink when the axis and every axis inside it fit in a node; the pipeline axis outermost."""
     order = sorted(pl.mesh, key=lambda item: item[0].kind.is_pipeline)
@@ -266,8 +262,8 @@ def _classify(op_state: State, phase: str, axis: Axis, count: sp.Expr, m: int, r
     if phase in (Phase.FORWARD.value, Phase.BACKWARD.value):
         if op_state is State.PARAMETERS:
             return phase
-        if op_state is State.ACTIVATIONS and axis is Axis.TP:
-            return "tp"
+        if op_state is State.ACTIVATIONS and axis.kind.splits_matrices:  # tensor parallelism
+            return "tensor"
         return "exposed"
     if phase == Phase.GRAD_SYNC.value:
         return "grad" if sp.sympify(count) >= m else "grad_once"
@@ -292,7 +288,7 @@ def prepare(
     causal = runtime.flash_attention
     with_recompute, without = training_flops_per_token(model, pl.options.recompute, causal)
     bw = _bandwidths(pl, hardware)
-    tp = _degree(pl, Axis.TP) if Axis.TP in pl.axes else 1
+    tp = int(pl.degree_where(lambda kind: kind.splits_matrices))  # Megatron's column/row split
     scatter = runtime.pipeline_scatter_gather and not pl.options.sequence_parallel and tp > 1
     recompute = pl.options.recompute
     _, attention = _layer_forward_per_token(model, causal)
@@ -318,7 +314,7 @@ def prepare(
         layer_bytes = _layer_activation_bytes(pl, model, precision) * math.ceil(model.layers / p)
         memory = layer_bytes * passes * m
         stages.append(StageInputs(stage, flops, backward, memory, tuple(comms)))
-    cp = _degree(pl, Axis.CP) if Axis.CP in pl.axes else 1
+    cp = int(pl.degree_where(lambda kind: kind.splits_sequence and not kind.splits_batch))
     mb_tokens = model.micro_batch * model.seq / cp
     gemm = 1 / (1 / mb_tokens + 1 / model.hidden + 1 / (model.ffn_ / tp))
     update_bytes = 0.0
@@ -377,7 +373,7 @@ def evaluate(inputs: StepInputs, eff: Efficiency) -> StepTime:
             per_mb[axis] = per_mb.get(axis, 0.0) + s
         hidden = pools.get("hidden", {})  # asynchronous sends, under the compute
         _spread(hidden, sum(hidden.values()) - compute, per_mb)
-        tp = pools.get("tp", {})
+        tp = pools.get("tensor", {})
         if inputs.tp_overlap:
             _spread(tp, sum(tp.values()) - compute, per_mb)
         else:

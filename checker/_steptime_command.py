@@ -39,20 +39,25 @@ def validate_command(published: bool) -> None:
     and leave-one-source-out (fitted without the run's source). Mean and max |error| of each."""
     from checker._published import summary, validation
 
-    eff, fit_rows, held = validation()
+    eff, fit_rows, held, excluded = validation()
     click.echo(
         f"constants fitted on all runs: gemm_max {eff.gemm_max:.4g}, gemm_half {eff.gemm_half:.4g}, "
         f"network {eff.network:.4g}, memory {eff.memory:.4g}"
     )
+    for row in excluded:
+        click.echo(f"left out of the fit: {row.run.id}: {row.run.excluded}")
     by_id = {r.run.id: r for r in held}
     click.echo(f"{'run':<34} {'unit':<16} {'published':>10} {'fit':>10} {'err':>7} {'held-out':>10} {'err':>7}")
-    for row in fit_rows:
+    for row in [*fit_rows, *excluded]:
         h = by_id.get(row.run.id)
-        held_cols = f"{h.predicted:>10.4g} {h.error:>+7.1%}" if h is not None else ""
+        held_cols = f"{h.predicted:>10.4g} {h.error:>+7.1%}" if h is not None else "  (left out of the fit)"
         click.echo(
             f"{row.run.id:<34} {row.run.unit:<16} {row.run.published:>10.4g} {row.predicted:>10.4g} "
             f"{row.error:>+7.1%} {held_cols}"
         )
-    for name, rows in (("fit (in-sample)", fit_rows), ("held-out (leave one source out)", held)):
+    groups = [("fit (in-sample)", fit_rows), ("held-out (leave one source out)", held)]
+    if excluded:
+        groups.append(("left out of the fit", excluded))
+    for name, rows in groups:
         mean, worst = summary(rows)
         click.echo(f"{name}: mean |error| {mean:.1%}, max {worst:.1%} over {len(rows)} runs")

@@ -2,7 +2,9 @@
 
 The published values are the expected values; the held-out figures come from constants fitted
 without the run's source (leave one source out). The bounds pinned here are the ones the model
-achieves today (docs/steptime.md, "Accuracy"), not the goal (10% mean, 25% max held out).
+achieves today (docs/steptime.md, "Accuracy"): 9.6% mean and 25.8% max held out, against a goal
+of 10% and 25%, on the 24 runs the hardware presets describe (the 4 torchtitan runs on
+power-capped H100s are left out of the fit and reported apart).
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ SHARED = ROOT.parent / "shared" / "data" / "published-throughput.json"
 
 # What the model achieves (checker._published.validation), pinned so that a change that makes
 # it worse fails; the goal of <= 10% mean and <= 25% max held out is not reached.
-HELD_OUT_MEAN = 0.145
-HELD_OUT_MAX = 0.54
-FIT_MEAN = 0.085
+HELD_OUT_MEAN = 0.097
+HELD_OUT_MAX = 0.26
+FIT_MEAN = 0.057
 
 
 @pytest.fixture(scope="module")
-def validated() -> tuple[Efficiency, list[Row], list[Row]]:
+def validated() -> tuple[Efficiency, list[Row], list[Row], list[Row]]:
     return validation()
 
 
@@ -44,35 +46,38 @@ def test_every_entry_keeps_its_provenance() -> None:
 
 def test_shipped_constants_are_the_fit_on_the_training_set_they_name() -> None:
     shipped = json.loads(CALIBRATION_PATH.read_text(encoding="utf-8"))
-    runs = load_runs()
+    runs = tuple(r for r in load_runs() if not r.excluded)
     assert shipped["training_set"] == [r.id for r in runs]
     refit = fit([(r, r.inputs()) for r in runs])
     assert calibration_document(refit, runs)["constants"] == shipped["constants"]
     assert calibrated() == refit
 
 
-def test_held_out_error_is_pinned(validated: tuple[Efficiency, list[Row], list[Row]]) -> None:
-    _, fit_rows, held = validated
+def test_held_out_error_is_pinned(validated: tuple[Efficiency, list[Row], list[Row], list[Row]]) -> None:
+    _, fit_rows, held, excluded = validated
     assert {r.run.id for r in held} == {r.run.id for r in fit_rows}  # every run held out once
+    assert {r.run.source for r in excluded} == {"torchtitan"} and len(fit_rows) == 24
     mean, worst = summary(held)
     assert mean <= HELD_OUT_MEAN and worst <= HELD_OUT_MAX
     assert summary(fit_rows)[0] <= FIT_MEAN
 
 
 # Pairs the model orders against the published order, pinned: Llama 3's 131K-context row (cp16)
-# is predicted faster per GPU than both 8K rows, published slower. Its attention FLOPs (the
-# paper's count is not given) dominate at that length; see docs/steptime.md.
-KNOWN_MISORDERED = {("llama3-405b-t4-row1", "llama3-405b-t4-row3"), ("llama3-405b-t4-row2", "llama3-405b-t4-row3")}
+# is predicted faster per GPU than the 8K row on 16,384 GPUs, published slower. Its attention
+# FLOPs (the paper's count is not given) dominate at that length; see docs/steptime.md.
+KNOWN_MISORDERED = {("llama3-405b-t4-row2", "llama3-405b-t4-row3")}
 
 
-def test_same_model_runs_rank_in_the_published_order(validated: tuple[Efficiency, list[Row], list[Row]]) -> None:
+def test_same_model_runs_rank_in_the_published_order(
+    validated: tuple[Efficiency, list[Row], list[Row], list[Row]],
+) -> None:
     """Two runs of one model whose published throughputs differ (Korthikanti et al. 2022 Table 5:
     sequence parallelism + selective recomputation against full recomputation; MT-NLG on 2240,
     2800 and 3360 GPUs; torchtitan async TP against vanilla; Llama 3's rows): the model orders
     them as published, but for the pinned known pairs."""
-    _, fit_rows, _ = validated
+    _, fit_rows, _, excluded = validated
     by_model: dict[tuple[str, int, int], list[Row]] = {}
-    for row in fit_rows:
+    for row in [*fit_rows, *excluded]:
         m = row.run.model
         by_model.setdefault((row.run.source, m.layers, m.hidden), []).append(row)
     pairs = 0
@@ -113,4 +118,5 @@ def test_validate_published_prints_both_summaries() -> None:
     assert out.returncode == 0, out.stderr
     assert "fit (in-sample): mean |error|" in out.stdout
     assert "held-out (leave one source out): mean |error|" in out.stdout
+    assert "left out of the fit: torchtitan-asynctp-8b-async: power-capped H100" in out.stdout
     assert out.stdout.count("korthikanti-t5-") == 8

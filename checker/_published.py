@@ -160,7 +160,8 @@ def _run(entry: dict[str, Any]) -> Run:
             runtime=Runtime(flash_attention=True, pipeline_overlap=True),
             assumptions=(
                 "micro-batch 1 sequence, m = batch per DP group",
-                "FSDP without resharding, gradients reduced once per step: zero1's program (one reduce-scatter, one all-gather)",
+                "FSDP without resharding, gradients reduced once per step: zero1's program "
+                "(one reduce-scatter, one all-gather per step)",
                 "4 interleaved chunks per stage (the paper tunes the schedule; chunks not stated)",
                 "FLOPs counted as 6N + 6 l s h per token, causal attention at half (the paper's count is not given)",
             ),

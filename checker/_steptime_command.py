@@ -41,7 +41,7 @@ def validate_command(published: bool) -> None:
 
     eff, fit_rows, held, excluded = validation()
     click.echo(
-        f"constants fitted on all runs: gemm_max {eff.gemm_max:.4g}, gemm_half {eff.gemm_half:.4g}, "
+        f"constants fitted on all runs not left out: gemm_max {eff.gemm_max:.4g}, gemm_half {eff.gemm_half:.4g}, "
         f"network {eff.network:.4g}, memory {eff.memory:.4g}"
     )
     for row in excluded:

@@ -25,13 +25,14 @@ SHARED = ROOT.parent / "shared" / "data" / "published-throughput.json"
 
 # What the model achieves (checker._published.validation), pinned so that a change that makes
 # it worse fails; the goal of <= 10% mean and <= 25% max held out is not reached.
+Validated = tuple[Efficiency, list[Row], list[Row], list[Row]]
 HELD_OUT_MEAN = 0.097
 HELD_OUT_MAX = 0.26
 FIT_MEAN = 0.057
 
 
 @pytest.fixture(scope="module")
-def validated() -> tuple[Efficiency, list[Row], list[Row], list[Row]]:
+def validated() -> Validated:
     return validation()
 
 
@@ -53,7 +54,7 @@ def test_shipped_constants_are_the_fit_on_the_training_set_they_name() -> None:
     assert calibrated() == refit
 
 
-def test_held_out_error_is_pinned(validated: tuple[Efficiency, list[Row], list[Row], list[Row]]) -> None:
+def test_held_out_error_is_pinned(validated: Validated) -> None:
     _, fit_rows, held, excluded = validated
     assert {r.run.id for r in held} == {r.run.id for r in fit_rows}  # every run held out once
     assert {r.run.source for r in excluded} == {"torchtitan"} and len(fit_rows) == 24
@@ -69,7 +70,7 @@ KNOWN_MISORDERED = {("llama3-405b-t4-row2", "llama3-405b-t4-row3")}
 
 
 def test_same_model_runs_rank_in_the_published_order(
-    validated: tuple[Efficiency, list[Row], list[Row], list[Row]],
+    validated: Validated,
 ) -> None:
     """Two runs of one model whose published throughputs differ (Korthikanti et al. 2022 Table 5:
     sequence parallelism + selective recomputation against full recomputation; MT-NLG on 2240,

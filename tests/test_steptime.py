@@ -195,3 +195,7 @@ def test_cli_check_reports_a_time_object_and_refuses_bad_hardware(tmp_path: Path
     )
     assert refused.returncode == 2
     assert refused.stderr.count("\n") == 1 and "nvlink_gb_s=0" in refused.stderr
+    bare = subprocess.run(
+        [*cli, "tp2", "--params", "7B", "--hardware", "a100-80gb"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert bare.returncode == 2 and "needs a model with layers" in bare.stderr  # refused, not guessed

@@ -366,7 +366,7 @@ def check(
     else:
         print_report(result, terminal())
         if step is not None:
-            click.echo(f"time on {hardware}: {step.line()}")
+            click.echo(f"time on {printable(hardware, 80)}: {step.line()}")
     sys.exit(code)
 
 

@@ -15,6 +15,7 @@ import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from formal._input import printable
 from formal.errors import InputError
 
 GB = 10**9
@@ -41,7 +42,7 @@ class Hardware:
             value = getattr(self, f.name)
             if f.name in ("name", "source"):
                 if not isinstance(value, str):
-                    raise InputError(f"hardware {f.name}={value!r}: must be a string")
+                    raise InputError(f"hardware {f.name}={printable(repr(value), 60)}: must be a string")
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise InputError(f"hardware {f.name}={value!r}: must be a number")
@@ -156,47 +157,50 @@ def hardware_of(text: str) -> Hardware:
         return PRESETS[text]
     if text.endswith(".toml"):
         return load_hardware_toml(Path(text))
-    raise InputError(f"--hardware {text!r}: not a preset ({', '.join(PRESETS)}) nor a .toml file")
+    raise InputError(f"--hardware {printable(text, 200)!r}: not a preset ({', '.join(PRESETS)}) nor a .toml file")
 
 
 def load_hardware_toml(path: Path) -> Hardware:
     """``base = "<preset>"`` (optional) and any of the keys of ``_TOML_KEYS`` (GB = 1e9 bytes,
     per GPU, one direction); without ``base`` every key is required."""
+    shown = printable(str(path), 200)
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as err:
-        raise InputError(f"--hardware {path}: cannot read ({err.strerror or err})") from None
+        raise InputError(f"--hardware {shown}: cannot read ({err.strerror or err})") from None
     except UnicodeDecodeError:
-        raise InputError(f"--hardware {path}: not UTF-8 text") from None
+        raise InputError(f"--hardware {shown}: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as err:
-        raise InputError(f"--hardware {path}: not valid TOML ({err})") from None
+        raise InputError(f"--hardware {shown}: not valid TOML ({printable(str(err), 200)})") from None
     base_name = data.pop("base", None)
     unknown = sorted(set(data) - set(_TOML_KEYS))
     if unknown:
-        raise InputError(f"--hardware {path}: unknown key {unknown[0]!r} (known: base, {', '.join(_TOML_KEYS)})")
+        key = printable(unknown[0], 60)
+        raise InputError(f"--hardware {shown}: unknown key '{key}' (known: base, {', '.join(_TOML_KEYS)})")
     values: dict[str, object] = {}
     for key, raw in data.items():
         fname, scale = _TOML_KEYS[key]
         if fname == "name":
             if not isinstance(raw, str):
-                raise InputError(f"--hardware {path}: name must be a string")
+                raise InputError(f"--hardware {shown}: name must be a string")
             values[fname] = raw
             continue
         if isinstance(raw, bool) or not isinstance(raw, int | float):
-            raise InputError(f"--hardware {path}: {key}={raw!r} must be a number")
+            raise InputError(f"--hardware {shown}: {key}={printable(repr(raw), 60)} must be a number")
         if fname == "node_size" and not isinstance(raw, int):
-            raise InputError(f"--hardware {path}: node_size={raw!r} must be a whole number")
+            raise InputError(f"--hardware {shown}: node_size={printable(repr(raw), 60)} must be a whole number")
         if not math.isfinite(raw) or raw <= 0:
-            raise InputError(f"--hardware {path}: {key}={raw!r} must be positive")
+            raise InputError(f"--hardware {shown}: {key}={raw!r} must be positive")
         scaled = raw * scale
         values[fname] = int(scaled) if fname in ("node_size", "device_memory") else float(scaled)
     values.setdefault("name", path.stem)
-    values["source"] = f"{path} (user)"
+    values["source"] = f"{shown} (user)"
     if base_name is not None:
         if not isinstance(base_name, str) or base_name not in PRESETS:
-            raise InputError(f"--hardware {path}: base={base_name!r} is not a preset ({', '.join(PRESETS)})")
+            base = printable(repr(base_name), 60)
+            raise InputError(f"--hardware {shown}: base={base} is not a preset ({', '.join(PRESETS)})")
         return replace(PRESETS[base_name], **values)  # type: ignore[arg-type]
     missing = [k for k, (f, _) in _TOML_KEYS.items() if f not in values]
     if missing:
-        raise InputError(f'--hardware {path}: missing {missing[0]!r} (or give base = "<preset>")')
+        raise InputError(f'--hardware {shown}: missing {missing[0]!r} (or give base = "<preset>")')
     return Hardware(**values)  # type: ignore[arg-type]

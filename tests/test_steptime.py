@@ -169,6 +169,8 @@ def test_hardware_toml_from_a_base(tmp_path: Path) -> None:
         ('base = "h100-80gb"\npeak_tflops = "fast"\n', "peak_tflops"),
         ('base = "tpu"\n', "base='tpu'"),
         ("peak_tflops = \n", "not valid TOML"),
+        ('base = "h100-80gb"\nname = 7\n', "name must be a string"),
+        ('base = "h100-80gb"\n"bad\\u001b[31m" = 1\n', "unknown key 'bad\\x1b[31m'"),  # escaped, not echoed
     ],
 )
 def test_bad_hardware_toml_is_refused_naming_the_key(tmp_path: Path, text: str, says: str) -> None:

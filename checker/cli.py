@@ -365,7 +365,7 @@ def check(
         emit(check_csv_rows(doc), CHECK_CSV_COLUMNS, "", True, False)
     else:
         print_report(result, terminal())
-        if step is not None:
+        if step is not None and hardware is not None:
             click.echo(f"time on {printable(hardware, 80)}: {step.line()}")
     sys.exit(code)
 

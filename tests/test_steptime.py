@@ -151,6 +151,27 @@ def test_presets_carry_their_datasheet_figures() -> None:
         assert hw.intra_node_bandwidth > hw.inter_node_bandwidth
 
 
+@settings(max_examples=12)
+@given(st.sampled_from(sorted(PRESETS)))
+def test_a_toml_with_every_key_reads_back_its_preset(name: str) -> None:
+    """Every figure written in the file's units (GB = 1e9 bytes, TFLOP/s) reads back exactly."""
+    import tempfile
+
+    hw = PRESETS[name]
+    text = (
+        f'name = "{name}"\npeak_tflops = {hw.peak_flops / 1e12!r}\n'
+        f"memory_bandwidth_gb_s = {hw.memory_bandwidth / 1e9!r}\n"
+        f"device_memory_gb = {hw.device_memory // 10**9}\nnode_size = {hw.node_size}\n"
+        f"nvlink_gb_s = {hw.intra_node_bandwidth / 1e9!r}\nnetwork_gb_s = {hw.inter_node_bandwidth / 1e9!r}\n"
+        f"pcie_gb_s = {hw.host_bandwidth / 1e9!r}\nhost_memory_bandwidth_gb_s = {hw.host_memory_bandwidth / 1e9!r}\n"
+    )
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "site.toml"
+        path.write_text(text)
+        read = load_hardware_toml(path)
+    assert replace(read, source=hw.source) == hw
+
+
 def test_hardware_toml_from_a_base(tmp_path: Path) -> None:
     path = tmp_path / "site.toml"
     path.write_text('base = "h100-80gb"\nname = "site"\nnetwork_gb_s = 25\n')

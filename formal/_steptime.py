@@ -25,10 +25,11 @@ efficiency curve and overlap are measurements and models, so nothing here is exa
   collectives of the optimizer phase (ZeRO-1/2 parameter all-gather) are exposed.
 * bubble: the schedule's bubble fraction (``formal._schedules``) of the slowest stage's
   per-micro-batch work (compute and its exposed collectives).
-* element-wise kernels (norms, activations, dropout, softmax): memory-bound, ``memory`` x the
-  bytes of each layer's activations (Korthikanti et al. 2022 section 4.1, through the placement;
-  scores left out when they are never stored) per pass (forward, backward twice, the recomputed
-  forward) over HBM bandwidth; this is what makes a faster GPU reach a smaller fraction of peak.
+* element-wise kernels (norms, activations, dropout): memory-bound, ``memory`` x the bytes of
+  each layer's activations (Korthikanti et al. 2022 section 4.1, 34 sbh through the placement;
+  the attention scores left to the fused softmax / FlashAttention kernels) per pass (forward,
+  backward counted twice, the recomputed forward) over HBM bandwidth; this is what makes a GPU
+  with more FLOP/s per byte of HBM reach a smaller fraction of its peak.
 * optimizer: memory-bound, the update's bytes (read G, P, O; write P, O) over HBM bandwidth,
   or over host memory bandwidth when the optimizer is offloaded; host transfers over PCIe,
   not overlapped (an upper bound).

@@ -24,6 +24,13 @@ def time_of(analysis: Analysis, hardware: str) -> StepTime:
 def time_json(time: StepTime, hardware: str) -> dict[str, Any]:
     doc = time.as_json()
     doc["hardware"] = hardware
+    eff = calibrated()
+    doc["constants"] = {
+        "gemm_max": eff.gemm_max,
+        "gemm_half": eff.gemm_half,
+        "network": eff.network,
+        "memory": eff.memory,
+    }
     return doc
 
 

@@ -211,6 +211,10 @@ def test_cli_check_reports_a_time_object_and_refuses_bad_hardware(tmp_path: Path
     time = json.loads(ok.stdout)["time"]
     assert {"step_seconds", "mfu", "tflops_per_device", "tokens_per_second", "breakdown"} <= set(time)
     assert set(time["breakdown"]) >= {"compute", "exposed_communication", "bubble", "optimizer"}
+    parts = time["breakdown"]
+    total = parts["compute"] + sum(parts["exposed_communication"].values()) + parts["bubble"]
+    assert time["step_seconds"] == pytest.approx(total + parts["optimizer"] + parts["host_transfers"], rel=1e-12)
+    assert set(time["constants"]) == {"gemm_max", "gemm_half", "network", "memory"}
     bad = tmp_path / "bad.toml"
     bad.write_text('base = "a100-80gb"\nnvlink_gb_s = 0\n')
     refused = subprocess.run(

@@ -22,12 +22,12 @@ from checker._import_common import Imported, Unmapped
 from checker._numbers import gb
 from checker._output import Column, fitted_table
 from checker._parse import readable
-from checker._step_time import StepTime
 from formal._costs import ceil_int
 from formal._exact import exact
 from formal._input import printable
 from formal._model import ParameterCount, Transformer
 from formal._placement import Recompute
+from formal._steptime import StepTime
 from formal._verdict import Condition, Status, Verdict
 from formal._vocab import Axis, Stage
 from formal.errors import PlacementError
@@ -439,6 +439,19 @@ class CrossCheck:
 
 
 @dataclass(frozen=True)
+class Timed:
+    """The step time on named hardware (``--hardware``: a preset or a TOML file; docs/steptime.md)."""
+
+    hardware: str
+    time: StepTime
+
+    def as_json(self) -> dict[str, Any]:
+        from checker._steptime_command import time_json
+
+        return time_json(self.time, self.hardware)
+
+
+@dataclass(frozen=True)
 class Report:
     """One ``check``: the typed results its JSON document and terminal view are read from."""
 
@@ -450,7 +463,7 @@ class Report:
     simulation: CrossCheck | None = None
     cores: bool = False  # --explain=all: the unsat cores too (terminal only; the JSON lists them under explain)
     hints: tuple[WhatIf, ...] = ()  # the composition with one more modifier (``what_ifs``)
-    step: StepTime | None = None  # when hardware is given (``--device-flops``, bandwidths)
+    step: Timed | None = None  # with --hardware: the step-time model's estimate
     disagreement: CrossCheck | None = None  # z3 and the simulation disagree: said first
 
     @property
@@ -467,6 +480,8 @@ class Report:
             extra["validation"] = dict(self.validation.doc)
         if self.simulation is not None:
             extra["simulation"] = dict(self.simulation.doc)
+        if self.step is not None:
+            extra["time"] = self.step.as_json()
         doc = {**to_json(self.analysis), "verdict": verdict_json(self.verdict, self.explain), **extra}
         if self.disagreement is not None:  # the first key: a bug in the tool comes before anything else
             return {"disagreement": dict(self.disagreement.doc), **doc}
@@ -486,10 +501,18 @@ def print_report(report: Report, console: Console) -> None:
     for line in summary_lines(a, report.verdict):
         console.print(escape(line), highlight=False)
     if report.step is not None:
-        t = report.step
+        t = report.step.time
+        comm = sum(seconds for _, seconds in t.exposed)
         console.print(
-            f"step     {t.total_s * 1e3:,.0f} ms = compute {t.compute_s * 1e3:,.0f} + bubble {t.bubble_s * 1e3:,.0f}"
-            f" + comm {t.communication_s * 1e3:,.0f} + host {t.host_s * 1e3:,.0f} ms",
+            escape(
+                f"step     {t.step_seconds:.3g} s on {printable(report.step.hardware, 40)} · MFU {t.mfu:.1%} · "
+                f"{t.tflops_per_device:.0f} TFLOP/s per device · {t.tokens_per_second:,.0f} tokens/s"
+            ),
+            highlight=False,
+        )
+        console.print(
+            f"         compute {t.compute_seconds:.3g} s · exposed comm {comm:.3g} s · bubble "
+            f"{t.bubble_seconds:.3g} s · optimizer {t.optimizer_seconds + t.host_seconds:.3g} s",
             highlight=False,
         )
     console.print(escape(f"assumes  {assumptions(a)}"), highlight=False)

@@ -15,12 +15,10 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import click
 
-from checker._analysis import Analysis
 from checker._command import (
     DEFAULT_RESERVE,
     EXIT_CODES,
@@ -37,11 +35,10 @@ from checker._command import (
     set_outcome,
     verdict_exit,
 )
-from checker._numbers import MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, WholeNumber, parse_count
+from checker._numbers import MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, WholeNumber
 from checker._output import PipeClosed, output_path, terminal
 from checker._parse import DEFAULT_NODE_SIZE, MODIFIERS
-from checker._report import CrossCheck, Report, global_batch, print_report, what_ifs
-from checker._step_time import StepTime
+from checker._report import CrossCheck, Report, Timed, print_report, what_ifs
 from checker._toml import load as load_strategies
 from formal._input import printable
 from formal._model import PRECISIONS
@@ -62,7 +59,7 @@ Examples:
   check-composition tp3                            # exit 1: divides[heads, tp] (32 heads)
   check-composition zero2-skew4 --strategies examples/broken_optimizer_shards.toml --explain
   check-composition tp2xzero3xpp4 --reserve 8GB    # keep 8 GB back for the runtime
-  check-composition tp2xzero3xpp4 --device-flops 312e12   # and the step time
+  check-composition tp2xzero3xpp4 --hardware a100-80gb   # and the step time
 
 """
     + EXIT_CODES
@@ -234,14 +231,6 @@ def main() -> None:
 )
 @click.option("--reserve", default=DEFAULT_RESERVE, show_default=True, help=RESERVE_HELP)
 @click.option(
-    "--device-flops",
-    default=None,
-    help="Peak FLOP/s per device (e.g. 312e12, an A100's bf16): prints the step time, the plan's model "
-    "(compute at peak, communication not overlapped: an upper bound).",
-)
-@click.option("--intra-node-bandwidth", default=None, help="Bytes/s per device within a node (default 300GB/s).")
-@click.option("--inter-node-bandwidth", default=None, help="Bytes/s per device across nodes (default 25GB/s).")
-@click.option(
     "--rlimit",
     type=WholeNumber(1, 10**12),
     default=DEFAULT_RUN_RLIMIT,
@@ -277,6 +266,12 @@ def main() -> None:
     help="Also run the composition on the small reference model over simulated devices beside "
     "single-device training: match, or the first diverging element.",
 )
+@click.option(
+    "--hardware",
+    default=None,
+    help="Estimate the step time on a GPU preset (v100-32gb, a100-40gb, a100-80gb, h100-80gb, h200, b200) "
+    "or a FILE.toml (docs/steptime.md).",
+)
 def check(
     composition: str | None,
     devices: int | None,
@@ -293,15 +288,13 @@ def check(
     explain: bool = False,
     explain_all: bool = False,
     reserve: str = DEFAULT_RESERVE,
-    device_flops: str | None = None,
-    intra_node_bandwidth: str | None = None,
-    inter_node_bandwidth: str | None = None,
     timeout_ms: int = DEFAULT_TIMEOUT_MS,
     validate: str | None = None,
     simulate: bool = False,
     as_csv: bool = False,
     rlimit: int = DEFAULT_RUN_RLIMIT,
     node_size: int = DEFAULT_NODE_SIZE,
+    hardware: str | None = None,
 ) -> None:
     """Check COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG: memory, communication and verdict.
 
@@ -330,8 +323,7 @@ def check(
         if req.imported is not None:
             print_import(req.imported)
         analysis = analysis_of(req)
-        hardware = (device_flops, intra_node_bandwidth, inter_node_bandwidth)
-        step = _step(analysis, node_size, *hardware) if any(h is not None for h in hardware) else None
+        step = Timed(hardware, time_of(analysis, hardware)) if hardware is not None else None
     except InputError as err:
         fail(str(err))
         return
@@ -405,22 +397,6 @@ def check(
     sys.exit(code)
 
 
-def _step(analysis: Analysis, node_size: int, flops: str | None, intra: str | None, inter: str | None) -> StepTime:
-    """The step time on the hardware the options give (the planner's defaults for the rest)."""
-    from checker._plan_command import _bandwidth
-    from checker._plan_space import Cluster
-    from checker._step_time import step_time
-
-    base = Cluster(analysis.composition.devices, analysis.device_memory or 1, node_size=node_size)
-    cluster = replace(
-        base,
-        device_flops=float(parse_count(flops, "--device-flops", 10**18)) if flops else base.device_flops,
-        intra_node_bandwidth=_bandwidth(intra) if intra else base.intra_node_bandwidth,
-        inter_node_bandwidth=_bandwidth(inter) if inter else base.inter_node_bandwidth,
-    )
-    return step_time(analysis, cluster, global_batch(analysis))
-
-
 @main.command(
     "strategies",
     epilog="\b\nExamples:\n  check-composition strategies\n  check-composition strategies | grep zero\n\n" + EXIT_CODES,
@@ -454,6 +430,10 @@ from checker._commands_reports import (  # noqa: E402 (configs in and out, repor
 
 for _command in (explain, compare, sweep, export_command):
     main.add_command(_command)
+
+from checker._steptime_command import time_of, validate_command  # noqa: E402 (step time)
+
+main.add_command(validate_command)
 
 
 if __name__ == "__main__":

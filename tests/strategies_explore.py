@@ -1,0 +1,183 @@
+"""The exploring generators' cases and the known classes of z3/simulator disagreement.
+
+``explorations()`` draws a library composition (``strategies_sim.compositions()``) or one over
+user strategies (``strategies_sim.user_strategies()``) and changes its derived program with
+``strategies_sim.programs()``. ``KNOWN_CLASSES`` holds one membership predicate per known class
+of disagreement, each written from the class's definition (not from any disagreement seen):
+
+ 1. a gradient broadcast or all-gather of an unreduced (partial) gradient;
+ 2. a forward-phase gradient op with more than one micro-batch;
+ 3. a backward-phase gradient op with more than one micro-batch (which buffer it acts on: the
+    accumulated ``.grad`` or the micro-batch's fresh gradient);
+ 4. a group computed sharded along an axis where its P, O or G is replicated;
+ 5. activations replicated along an axis that splits the batch (every rank on the same samples);
+ 6. a scale of the parameters or the optimizer state;
+ 7. one normalising scale spanning several axes (a sum over dp and cp, then one 1/(dp cp));
+ 8. the derived program of ZeRO-2 with parameter offload.
+
+The differential test labels each disagreement with the classes it belongs to and fails only on
+a disagreement of no known class.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import sympy as sp
+from hypothesis import strategies as st
+from strategies_sim import compositions, programs, user_strategies
+
+from formal._program import Origin, StepProgram, derive_program
+from formal._reference import ReferenceModel
+from formal._strategies import Composition
+from formal._vocab import LAYER_GROUPS, Axis, Mode, OpKind, Phase, Reduce, State
+
+
+@dataclass(frozen=True)
+class Explored:
+    """A case of the exploring generators: a composition (library or user strategies), its
+    reference model, and its derived program after zero or more changes."""
+
+    composition: Composition
+    model: ReferenceModel
+    program: StepProgram
+    changes: tuple[str, ...] = ()
+    description: str = "derived"
+    toml: str = ""
+
+
+@st.composite
+def explorations(draw: st.DrawFn, mutate: bool | None = None, max_devices: int = 32) -> Explored:
+    """A library composition (one draw in two) or one over user strategies, and its derived
+    program, changed by ``programs()`` in three draws of four (always when ``mutate``)."""
+    toml = ""
+    if draw(st.booleans()):
+        composition, model = draw(compositions(max_devices=min(8, max_devices)))
+    else:
+        user = draw(user_strategies(max_devices=max_devices))
+        composition, model, toml = user.composition, user.model, user.toml
+    transformer = model.transformer()
+    program = derive_program(composition.placement(transformer), transformer)
+    if mutate is None:
+        mutate = draw(st.integers(0, 3)) > 0
+    if not mutate:
+        return Explored(composition, model, program, toml=toml)
+    changed = draw(programs(program, transformer))
+    return Explored(composition, model, changed.program, changed.kinds, str(changed), toml)
+
+
+def _split(e: Explored, axis: Axis | None) -> bool:
+    return axis is not None and int(e.program.placement.degree(axis)) > 1
+
+
+def _micro_batched(e: Explored) -> bool:
+    return e.program.placement.options.micro_batches > 1
+
+
+def _gradient_op_in(e: Explored, phase: Phase) -> bool:
+    return any(
+        op.state is State.GRADIENTS and op.phase is phase and op.kind is not OpKind.COMPUTE for op in e.program.ops
+    )
+
+
+def _spreads_unreduced_gradient(e: Explored) -> bool:
+    """Class 1: a broadcast or all-gather of G along a split axis where the gradient is partial,
+    before any reduction of that group's G along that axis."""
+    ops = e.program.ops
+    for i, op in enumerate(ops):
+        if not (op.state is State.GRADIENTS and op.kind in (OpKind.BROADCAST, OpKind.ALL_GATHER)):
+            continue
+        if not _split(e, op.axis) or op.axis is None or e.program.origin(op.group, op.axis) is Origin.COMPLETE:
+            continue
+        earlier = ops[:i]
+        if not any(
+            o.state is State.GRADIENTS and o.kind.is_reduction and o.group == op.group and o.axis is op.axis
+            for o in earlier
+        ):
+            return True
+    return False
+
+
+def _computes_sharded_over_replicated(e: Explored) -> bool:
+    """Class 4: a group computed sharded along a split axis whose P, O or G is replicated there
+    (a first- or last-stage group replicated along pp is the tied embedding on both ends, as
+    every pipeline derives it, and is not a member)."""
+    pl = e.program.placement
+    return any(
+        pl.computes_sharded(axis, g) and pl.mode(s, g, axis) is Mode.REPLICATED
+        for axis, d in pl.mesh
+        if int(d) > 1
+        for g in pl.groups(State.PARAMETERS)
+        if not (axis is Axis.PP and g not in LAYER_GROUPS)
+        for s in (State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS)
+    )
+
+
+def _replicated_activations_on_data_axis(e: Explored) -> bool:
+    """Class 5: activations replicated along a split axis that splits the batch (dp, dpr, cp, ep)."""
+    pl = e.program.placement
+    return any(
+        pl.mode(State.ACTIVATIONS, g, axis) is Mode.REPLICATED
+        for axis, d in pl.mesh
+        if int(d) > 1 and axis.splits_data
+        for g in pl.groups(State.ACTIVATIONS)
+    )
+
+
+def _scales_model_state(e: Explored) -> bool:
+    """Class 6: a scale of P or O."""
+    return any(op.kind is OpKind.SCALE and op.state in (State.PARAMETERS, State.OPTIMIZER) for op in e.program.ops)
+
+
+def _scale_spans_axes(e: Explored) -> bool:
+    """Class 7: a gradient scale whose factor is 1/(d1 d2 ...) over two or more split axes along
+    each of which the group's gradient is reduced by a sum."""
+    pl = e.program.placement
+    for op in e.program.ops:
+        if op.kind is not OpKind.SCALE or op.state is not State.GRADIENTS or op.scale is None:
+            continue
+        summed = {
+            o.axis
+            for o in e.program.ops
+            if o.state is State.GRADIENTS
+            and o.kind.is_reduction
+            and o.reduce is Reduce.SUM
+            and o.group == op.group
+            and _split(e, o.axis)
+        }
+        for size in range(2, len(summed) + 1):
+            for axes in itertools.combinations(sorted(a for a in summed if a is not None), size):
+                if sp.simplify(op.scale * sp.Mul(*(pl.degree(a) for a in axes)) - 1) == 0:
+                    return True
+    return False
+
+
+def _zero2_offload_params_derived(e: Explored) -> bool:
+    """Class 8: the derived (unchanged) program of ZeRO-2 with parameter offload."""
+    names = {s.name for s in e.composition.strategies}
+    return not e.changes and "zero2" in names and e.composition.options.offload_parameters
+
+
+KNOWN_CLASSES: dict[str, tuple[str, Callable[[Explored], bool]]] = {
+    "1": ("gradient broadcast / all-gather of unreduced G", _spreads_unreduced_gradient),
+    "2": ("a forward-phase gradient op with m > 1", lambda e: _micro_batched(e) and _gradient_op_in(e, Phase.FORWARD)),
+    "3": (
+        "a backward-phase gradient op with m > 1 (accumulated .grad or fresh gradient)",
+        lambda e: _micro_batched(e) and _gradient_op_in(e, Phase.BACKWARD),
+    ),
+    "4": ("compute_sharded group over replicated P/O/G", _computes_sharded_over_replicated),
+    "5": ("activations replicated along a data axis", _replicated_activations_on_data_axis),
+    "6": ("a scale of P or O", _scales_model_state),
+    "7": ("one normalising scale spanning several summed axes", _scale_spans_axes),
+    "8": ("the derived program of zero2 x offload-params", _zero2_offload_params_derived),
+}
+
+
+def known_classes(e: Explored) -> tuple[str, ...]:
+    """The known classes (1-8) ``e`` belongs to."""
+    return tuple(k for k, (_, member) in KNOWN_CLASSES.items() if member(e))
+
+
+__all__ = ["KNOWN_CLASSES", "Explored", "explorations", "known_classes"]

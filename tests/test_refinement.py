@@ -1,0 +1,66 @@
+"""Refinement: the shipped encoder (``formal._smt.decide``) and the proof machine agree, group by
+group, on every program the exploring generators draw and on every example in ``examples/``
+(``proofs/refinement.py``; groups outside the machine's scope are counted and skipped, never
+taken as agreement)."""
+
+from __future__ import annotations
+
+import shlex
+import tomllib
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from strategies_explore import Explored, explorations
+
+from checker._command import build
+from checker._toml import load
+from formal.errors import InputError
+from proofs.refinement import Comparison, compare
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _disagreements(comparisons: list[Comparison]) -> list[str]:
+    return [
+        f"{c.group}: shipped {c.shipped.label}, machine {c.machine.label if c.machine else '-'} ({c.reason})"
+        for c in comparisons
+        if not c.agrees
+    ]
+
+
+def _example_cases() -> list[tuple[str, list[str]]]:
+    doc = tomllib.loads((ROOT / "examples" / "expected.toml").read_text())
+    return [(case["name"], case["args"]) for case in doc["case"] if case.get("exit") in (0, 1)]
+
+
+def _option(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+@pytest.mark.parametrize(("name", "args"), _example_cases(), ids=[n for n, _ in _example_cases()])
+def test_the_shipped_encoder_refines_the_machine_on_every_example(name: str, args: list[str]) -> None:
+    strategies = _option(args, "--strategies")
+    devices = _option(args, "--devices")
+    try:
+        analysis = build(
+            args[0],
+            int(devices) if devices else None,
+            _option(args, "--model"),
+            None,
+            "zero",
+            None,
+            strategies=load(ROOT / strategies) if strategies else None,
+        )
+    except InputError as err:
+        pytest.fail(f"{shlex.join(args)}: {err}")
+    comparisons = compare(analysis.composition, analysis.program, analysis.model)
+    assert not _disagreements(comparisons), (name, _disagreements(comparisons))
+
+
+@settings(max_examples=max(10, settings().max_examples // 4), database=None)
+@given(explorations(simulated=False))
+def test_the_shipped_encoder_refines_the_machine_on_explored_programs(e: Explored) -> None:
+    comparisons = compare(e.composition, e.program, e.model.transformer())
+    assert not _disagreements(comparisons), (str(e.composition), e.description, e.toml, _disagreements(comparisons))

@@ -11,9 +11,10 @@ optimizer, activation collectives other than the derived ones). A group left out
 never taken as agreement.
 
 The obligation ``refinement.shipped_encoder[NAME]`` checks the derived programs of the library
-strategy NAME alone on 4 devices and with every other strategy (2 x 2), and every program
-one dropped P/O/G collective or scale away from the strategy alone. ``tests/test_refinement.py`` runs the same comparison on the programs
-the exploring generators draw and on every example in ``examples/``.
+strategy NAME alone on 4 devices and with every other strategy (2 x 2), and every program one
+dropped P/O/G collective or scale away from the strategy alone. ``tests/test_refinement.py``
+runs the same comparison on the programs the exploring generators draw and on every example in
+``examples/``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from formal._smt import decide
 from formal._strategies import LIBRARY, Composition
 from formal._verdict import Status
 from formal._vocab import Group, Mode, OpKind, Phase, State
+from proofs._machine import Mesh, Program
 from proofs._obligation import Obligation, Outcome
 from proofs._translate import Translated, translate
 from proofs.sufficiency import STRATEGIES, compositions_with, instance, model_for, options_for
@@ -134,9 +136,8 @@ class Comparison:
 
 
 @functools.cache
-def _machine(key: tuple[object, object]) -> Outcome:
-    mesh, prog = key
-    return instance(mesh, prog)  # type: ignore[arg-type]
+def _machine(key: tuple[Mesh, Program]) -> Outcome:
+    return instance(*key)
 
 
 def compare(composition: Composition, program: StepProgram, model: Model) -> list[Comparison]:

@@ -327,7 +327,7 @@ def _move_scale(draw: st.DrawFn, program: StepProgram, sizes: Mapping[Group, sp.
     op = program.ops[i]
     ops = list(program.ops)
     others = [a for a in _split_axes(program) if a is not op.axis]
-    if others and draw(st.booleans()):
+    if draw(st.booleans()) and others:
         ops[i] = replace(op, axis=draw(st.sampled_from(others)))
         return ops, f"move scale op {i} ({op}) onto {ops[i].axis}"
     phase = draw(st.sampled_from([p for p in Phase if p is not op.phase]))

@@ -227,6 +227,35 @@ def _sequence_region_computed_sharded(e: Explored) -> bool:
     return any(pl.computes_sharded(Axis.TP, g) for g in pl.groups(State.PARAMETERS) if g in SEQUENCE_REGION_GROUPS)
 
 
+def _one_stage_group_moved_along_pp(e: Explored) -> bool:
+    """Class 13: a collective of P or O along pp of a group that lives on one pipeline stage (the
+    embedding, untied, on the first; the head and final norm on the last)."""
+    pl = e.program.placement
+    return _split(e, Axis.PP) and any(
+        op.kind.is_collective
+        and op.state in (State.PARAMETERS, State.OPTIMIZER)
+        and op.axis is Axis.PP
+        and op.group not in LAYER_GROUPS
+        and op.group not in pl.tied
+        for op in e.program.ops
+    )
+
+
+def _reduces_complete_split_gradient(e: Explored) -> bool:
+    """Class 14: a reduction of G along a split axis along which the group is computed sharded
+    and its gradient complete (each device's shard of a tensor-parallel matrix)."""
+    pl = e.program.placement
+    return any(
+        op.state is State.GRADIENTS
+        and op.kind.is_reduction
+        and op.axis is not None
+        and _split(e, op.axis)
+        and pl.computes_sharded(op.axis, op.group)
+        and e.program.origin(op.group, op.axis) is Origin.COMPLETE
+        for op in e.program.ops
+    )
+
+
 # Classes this suite found, beyond the eight known ones (docs/semantics.md; the report of the
 # branch that added them says which side is wrong). They are labelled like the known ones so
 # that the test keeps failing only on what nobody has classified yet.

@@ -169,7 +169,7 @@ def test_derived_programs_agree_and_cost_what_the_cost_model_says(case: Case) ->
 # the thorough profile ten times its ``max_examples`` (20,000); ``EXPLORE_PROGRAMS`` overrides
 # the count and ``EXPLORE_SECONDS`` stops the evaluation at a deadline (what finished counts).
 
-EXPLORE_CI = 120
+EXPLORE_CI = 80
 
 
 @dataclass(frozen=True)

@@ -256,16 +256,41 @@ def _reduces_complete_split_gradient(e: Explored) -> bool:
     )
 
 
-# Classes this suite found, beyond the eight known ones (docs/semantics.md; the report of the
-# branch that added them says which side is wrong). They are labelled like the known ones so
-# that the test keeps failing only on what nobody has classified yet.
+# Classes this suite found, beyond the eight known ones, each with the side that single-device
+# training says is wrong (as judged when they were found). They are labelled like the known ones
+# so that the test keeps failing only on what nobody has classified yet.
 FOUND_CLASSES: dict[str, tuple[str, Callable[[Explored], bool]]] = {
-    "9": ("P or O materialized (M) or offloaded (O) by a per-axis mode", _materialized_or_offloaded_state),
-    "10": ("tp activation collectives with no layer computed sharded along tp", _tp_exchanged_without_split),
-    "11": ("a gradient scale off its own axis (or phase)", _scale_off_its_axis),
+    "9": (
+        "P or O materialized (M) or offloaded (O) by a per-axis mode (M: nothing holds the state "
+        "between steps, z3's coverage refutation is right and the simulator, which keeps it, is wrong)",
+        _materialized_or_offloaded_state,
+    ),
+    "10": (
+        "tp activation collectives with no layer computed sharded along tp (the all-reduce sums "
+        "complete outputs d times: the simulator diverges, z3 proves it: z3 is wrong)",
+        _tp_exchanged_without_split,
+    ),
+    "11": (
+        "a gradient scale off its own axis or phase (a local product: the simulator trains like one "
+        "device, z3 ties the factor to the scale's axis and refutes: z3 is wrong)",
+        _scale_off_its_axis,
+    ),
     "12": (
-        "sequence parallelism with a sequence-region group computed sharded along tp",
+        "sequence parallelism with a sequence-region group computed sharded along tp (its gradient "
+        "is a partial sum over the sequence shards whatever compute_sharded says: the derived "
+        "program and z3's proof are wrong, the simulator diverges)",
         _sequence_region_computed_sharded,
+    ),
+    "13": (
+        "a P or O collective along pp of a group living on one stage (z3 cuts the group into pp "
+        "blocks and refutes; the simulator keeps it whole on its stage and matches: z3 judged wrong)",
+        _one_stage_group_moved_along_pp,
+    ),
+    "14": (
+        "a reduction of a complete gradient along an axis that splits its computation (the shards "
+        "are different elements: summing them is wrong, z3 refutes; the simulator pads each shard "
+        "with zeros to the full tensor, so its all-reduce acts as an all-gather: simulator wrong)",
+        _reduces_complete_split_gradient,
     ),
 }
 

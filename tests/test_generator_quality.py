@@ -159,6 +159,19 @@ def _one_scale_for_two_sums(program: StepProgram) -> StepProgram:
     return _with(program.with_ops(ops), scale, _first(program, OpKind.OPTIMIZER_STEP, State.OPTIMIZER))
 
 
+def _tp_gradient_all_reduce(program: StepProgram) -> StepProgram:
+    op = Op(OpKind.ALL_REDUCE, State.GRADIENTS, ATTENTION, Axis.TP, Phase.GRAD_SYNC, reduce=Reduce.SUM)
+    return _with(program, op, _first(program, OpKind.OPTIMIZER_STEP, State.OPTIMIZER))
+
+
+def _scale_without_axis(program: StepProgram) -> StepProgram:
+    ops = list(program.ops)
+    i = _first(program, OpKind.ALL_REDUCE)
+    ops[i] = replace(ops[i], reduce=Reduce.SUM)
+    ops.insert(i + 1, Op(OpKind.SCALE, State.GRADIENTS, ops[i].group, None, Phase.GRAD_SYNC, scale=sp.Rational(1, 2)))
+    return program.with_ops(ops)
+
+
 REPLICATED_COMPUTE = '[strategies.rep-tp]\naxis = "tp"\nP = "R"\ncompute_sharded = ["attention"]\n'
 SAME_SAMPLES = '[strategies.same-dp]\naxis = "dp"\nP = "R"\nA = "R"\n'
 HAND_MADE = {
@@ -169,6 +182,11 @@ HAND_MADE = {
     "5": ("same-dp2", SAME_SAMPLES, None),
     "6": ("dp2", "", _parameter_scale),
     "7": ("dp2xcp2", "", _one_scale_for_two_sums),
+    "9": ("m-dp2", '[strategies.m-dp]\naxis = "dp"\nP = "M"\n', None),
+    "10": ("plain-tp2", '[strategies.plain-tp]\naxis = "tp"\nP = "R"\nO = "R"\n', None),
+    "11": ("dp2", "", _scale_without_axis),
+    "12": ("sp-tp2xsp", '[strategies.sp-tp]\naxis = "tp"\nP = "S"\nO = "S"\nG = "S"\ncompute_sharded = "all"\n', None),
+    "14": ("tp2", "", _tp_gradient_all_reduce),
 }
 
 

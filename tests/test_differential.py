@@ -6,6 +6,10 @@ update is read again). A PROVED verdict with a mismatch is a soundness bug; a RE
 with a match is re-run on fresh data (two more seeds) before it counts as a completeness bug.
 UNKNOWN verdicts are counted and never taken as valid.
 
+The exploring test draws programs that change op kinds and states, insert collectives in any
+phase, and move or split scales, over library and user strategies (``strategies_explore``); it
+labels each disagreement with its known class and fails only on an unclassified one.
+
 The bulk test draws its cases with hypothesis (the active profile's seed and example budget)
 and evaluates them on every core; the property tests run through hypothesis itself so that a
 failure shrinks to a small composition and mutation.

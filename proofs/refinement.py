@@ -33,10 +33,11 @@ from formal._smt import decide
 from formal._strategies import LIBRARY, Composition
 from formal._verdict import Status
 from formal._vocab import Group, Mode, OpKind, Phase, State
-from proofs._machine import Mesh, Program
+from proofs._machine import Mesh, Program, constant_features, mesh_name, sufficiency_query
 from proofs._obligation import Obligation, Outcome
+from proofs._solver import Answer, prove
 from proofs._translate import Translated, translate
-from proofs.sufficiency import STRATEGIES, compositions_with, instance, model_for, options_for
+from proofs.sufficiency import STRATEGIES, compositions_with, model_for, options_for
 
 P, O, G, A = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS, State.ACTIVATIONS  # noqa: E741
 MAX_MACHINE_DEVICES = 8  # larger meshes are counted out of scope (the machine grows with the devices)
@@ -66,6 +67,15 @@ def scope(program: StepProgram, model: Model, group: Group) -> str | None:
     pl = program.placement
     if pl.local_mode(O, group) is Mode.OFFLOADED:
         return "host optimizer"
+    for state in (P, O, G):
+        if any(pl.mode(state, group, a) in (Mode.MATERIALIZED, Mode.OFFLOADED) for a in pl.axes):
+            return f"{state.value}: a per-axis mode M or O (the machine has no feature for it)"
+    if pl.local_mode(P, group) is Mode.OFFLOADED and any(
+        pl.mode(O, group, a).is_sharded and not pl.mode(P, group, a).is_sharded for a in pl.axes
+    ):
+        # The machine keeps one host copy of P; here every rank offloads its replica and updates
+        # only its optimizer shard, so the other shards of its host copy go stale.
+        return "offloaded replicas updated from a sharded optimizer (one host copy in the machine)"
     if _activations(program.ops) != _activations(derive_program(pl, model).ops):
         return "activation collectives other than the derived ones"
     mine = [op for op in program.ops if op.group == group and op.state is not A]
@@ -139,7 +149,21 @@ class Comparison:
 
 @functools.cache
 def _machine(key: tuple[Mesh, Program]) -> Outcome:
-    return instance(*key)
+    """The machine's own verdict on a concrete program: one step from the invariant, without the
+    conditions (they are sufficient, not necessary: a mean all-reduce done twice breaks
+    ``grad_reduced_once`` yet averages values already equal). Unsat: every live copy and read is
+    right (proved); sat: z3 built a model, data and optimizer on which one is wrong (refuted)."""
+    mesh, program = key
+    hyps, goal = sufficiency_query(mesh, constant_features(program))
+    hyps = {k: v for k, v in hyps.items() if k == "invariant_before_step" or k.startswith("domain")}
+    check = prove(hyps, goal)
+    match check.answer:
+        case Answer.UNSAT:
+            return Outcome(Status.PROVED, f"{mesh_name(mesh)}: unsat")
+        case Answer.SAT:
+            return Outcome(Status.REFUTED, f"{mesh_name(mesh)}: z3 found a counterexample")
+        case _:
+            return Outcome(Status.UNKNOWN, reason_unknown=check.reason_unknown)
 
 
 def compare(composition: Composition, program: StepProgram, model: Model) -> list[Comparison]:

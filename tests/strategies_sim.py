@@ -16,6 +16,14 @@ collectives (tp's partial sums, sequence shards, cp's keys and values, pp's send
 too, by drop, duplicate, reorder, re-axis and sum <-> mean: z3 judges them
 (``formal/_activation_flow.py``) as the simulator runs them.
 Shifting a boundary includes an optimizer step's own offset (its shard cut against the gradient's).
+
+``programs(program, model)`` explores further: one or two changes from ``CHANGES`` (an op's
+kind or state changed, a P/O/G collective inserted in any phase, a gradient op moved into
+another phase, a mean turned into a sum and a 1/d scale on some axis and phase, a scale moved,
+one scale split over two summed axes, a scale of P or O, or one of ``mutations()``'s).
+``user_strategies()`` draws compositions over user strategies written as a ``--strategies``
+TOML file would give them (random modes per state and group, offsets, holds, activations,
+compute_sharded), with library strategies beside them, ep, degrees up to 8 and up to 32 devices.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from formal._program import Op, StepProgram, derive_program
 from formal._smt import decide
 from formal._strategies import LIBRARY, Composition
 from formal._verdict import Status
-from formal._vocab import Group, Mode, OpKind, Phase, State
+from formal._vocab import Axis, Group, Mode, OpKind, Phase, State
 from proofs._machine import Mesh, Program, constant_features, mesh_name, sufficiency_query
 from proofs._obligation import Obligation, Outcome
 from proofs._solver import Answer, prove
@@ -71,11 +71,14 @@ def scope(program: StepProgram, model: Model, group: Group) -> str | None:
         if any(pl.mode(state, group, a) in (Mode.MATERIALIZED, Mode.OFFLOADED) for a in pl.axes):
             return f"{state.value}: a per-axis mode M or O (the machine has no feature for it)"
     if pl.local_mode(P, group) is Mode.OFFLOADED and any(
-        pl.mode(O, group, a).is_sharded and not pl.mode(P, group, a).is_sharded for a in pl.axes
+        pl.mode(O, group, a).is_sharded or pl.mode(P, group, a).is_sharded for a in pl.axes
     ):
-        # The machine keeps one host copy of P; here every rank offloads its replica and updates
-        # only its optimizer shard, so the other shards of its host copy go stale.
-        return "offloaded replicas updated from a sharded optimizer (one host copy in the machine)"
+        # The machine keeps one whole host copy of P. Here each rank offloads its own shard
+        # (ZeRO-Infinity), which must still be gathered after the fetch, or its own replica,
+        # updated only on its optimizer shard, whose other shards go stale on the host.
+        return "offloaded P with P or O sharded (the machine keeps one whole host copy)"
+    if any(pl.computes_sharded(a, group) and a.splits_data and a is not Axis.EP for a in pl.axes):
+        return "computation split along a data axis (no machine class for it)"
     if _activations(program.ops) != _activations(derive_program(pl, model).ops):
         return "activation collectives other than the derived ones"
     mine = [op for op in program.ops if op.group == group and op.state is not A]

@@ -111,3 +111,14 @@ def test_modes_and_host_copies_the_machine_lacks_are_out_of_scope() -> None:
         composition, program, model = _derived(text, toml)
         comparisons = compare(composition, program, model)
         assert comparisons and all(c.machine is None and c.shipped is Status.REFUTED for c in comparisons), text
+
+
+def test_sharded_offload_is_out_of_scope() -> None:
+    """Was a refinement disagreement: ZeRO-3 with parameter offload and a forward all-gather
+    dropped. Each rank offloads only its shard (ZeRO-Infinity), so the fetched shard must still be
+    gathered: the shipped encoder refutes; the machine, whose one host copy is whole, proved it."""
+    composition, program, model = _derived("zero32xoffload-params")
+    ops = [op for op in program.ops if not (op.kind is OpKind.ALL_GATHER and op.phase.value == "forward")]
+    comparisons = compare(composition, program.with_ops(ops), model)
+    assert comparisons and all(c.machine is None and "whole host copy" in c.reason for c in comparisons)
+    assert any(c.shipped is Status.REFUTED for c in comparisons)

@@ -1,8 +1,8 @@
 """Machine-checked obligations for placement semantics: run ``python -m proofs``.
 
-``all_obligations()`` lists every obligation (sufficiency, necessity, composition, costs) in a
-stable order; ``proofs/README.md`` maps each paper claim to its written proof, its obligation and
-its Lean theorem.
+``all_obligations()`` lists every obligation (sufficiency, necessity, composition, costs,
+refinement) in a stable order; ``proofs/README.md`` maps each paper claim to its written proof,
+its obligation and its Lean theorem.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from proofs._obligation import Obligation, Result, discharge
 
 
 def all_obligations() -> list[Obligation]:
-    from proofs import activations, composition, costs, necessity, sufficiency
+    from proofs import activations, composition, costs, necessity, refinement, sufficiency
 
     return (
         sufficiency.obligations()
@@ -19,6 +19,7 @@ def all_obligations() -> list[Obligation]:
         + activations.obligations()
         + composition.obligations()
         + costs.obligations()
+        + refinement.obligations()
     )
 
 

@@ -1,7 +1,9 @@
 """Hypothesis profiles: ``ci`` (the default: a few minutes on two cores) and ``thorough``.
 
 Select with ``pytest --hypothesis-profile=thorough`` (or ``HYPOTHESIS_PROFILE=thorough``). The
-differential tests scale their example counts from the active profile's ``max_examples``.
+differential tests scale their example counts from the active profile's ``max_examples`` (the
+exploring test: 80 programs under ``ci``, ten times ``max_examples`` otherwise, i.e. 20,000 under
+``thorough``; ``EXPLORE_PROGRAMS`` and ``EXPLORE_SECONDS`` bound a long run by count and time).
 """
 
 from __future__ import annotations

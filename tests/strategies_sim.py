@@ -15,21 +15,34 @@ collectives (tp's partial sums, sequence shards, cp's keys and values, pp's send
 too, by drop, duplicate, reorder, re-axis and sum <-> mean: z3 judges them
 (``formal/_activation_flow.py``) as the simulator runs them.
 Shifting a boundary includes an optimizer step's own offset (its shard cut against the gradient's).
+
+``programs(program, model)`` explores further: one or two changes from ``CHANGES`` (an op's
+kind or state changed, a P/O/G collective inserted in any phase, a gradient op moved into
+another phase, a mean turned into a sum and a 1/d scale on some axis and phase, a scale moved,
+one scale split over two summed axes, a scale of P or O, or one of ``mutations()``'s).
+``user_strategies()`` draws compositions over user strategies written as a ``--strategies``
+TOML file would give them (random modes per state and group, offsets, holds, activations,
+compute_sharded), with library strategies beside them, ep, degrees up to 8 and up to 32 devices.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
+import sympy as sp
 from hypothesis import assume
 from hypothesis import strategies as st
 
 from checker._parse import parse
-from formal._program import Op, StepProgram
+from checker._toml import loads
+from formal._model import Model
+from formal._program import Op, StepProgram, derive_program, group_sizes, shard_elements
 from formal._reference import ReferenceModel
 from formal._simulator import reference_for
-from formal._strategies import Composition
-from formal._vocab import OpKind, Phase, Reduce, State
+from formal._strategies import LIBRARY, Composition
+from formal._vocab import Axis, Group, OpKind, Phase, Reduce, State
+from formal.errors import InputError
 
 DATA_PARALLEL = ("dp", "zero1", "zero2", "zero3", "fsdp", "fsdp-sgo", "hsdp", "distopt")
 MUTATION_KINDS = (
@@ -190,4 +203,352 @@ def mutations(draw: st.DrawFn, program: StepProgram) -> tuple[StepProgram, str]:
     return program.with_ops(ops), f"{kind} op {i}: {op}"
 
 
-__all__ = ["MUTATION_KINDS", "Op", "applicable", "compositions", "mutations"]
+# --- exploring programs: kinds, states, inserted collectives, scales across axes and phases -----
+#
+# ``programs(program, model)`` applies one to ``max_changes`` changes, each drawn from
+# ``CHANGES``: a name and a function ``(draw, program, sizes) -> (ops, description) | None``
+# (``None``: the change does not apply to this program). Adding a change (the swap of a gradient
+# op's buffer between the fresh and the accumulated gradient, once ``Op.buffer`` exists) is one
+# function and one entry in ``CHANGES``.
+
+COLLECTIVE_KINDS = (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.BROADCAST)
+MODEL_STATES = (State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS)
+Change = Callable[[st.DrawFn, StepProgram, Mapping[Group, sp.Expr]], "tuple[list[Op], str] | None"]
+
+
+def _split_axes(program: StepProgram) -> list[Axis]:
+    return [a for a, d in program.placement.mesh if int(d) > 1]
+
+
+def _reduce_for(axis: Axis | None) -> Reduce:
+    return Reduce.MEAN if axis is not None and axis.splits_data else Reduce.SUM
+
+
+def _count(program: StepProgram, phase: Phase) -> sp.Expr:
+    m = sp.Integer(program.placement.options.micro_batches)
+    return m if phase in (Phase.FORWARD, Phase.BACKWARD) else sp.Integer(1)
+
+
+def _position(draw: st.DrawFn, ops: list[Op], phase: Phase) -> int:
+    """A place among (or right after) the ops of ``phase``, or the end of the program."""
+    places = [i for i, op in enumerate(ops) if op.phase is phase] + [
+        i + 1 for i, op in enumerate(ops) if op.phase is phase
+    ]
+    return draw(st.sampled_from(sorted(set(places)) or [len(ops)]))
+
+
+def _model_state_ops(program: StepProgram, pick: Callable[[Op], bool]) -> list[int]:
+    return [i for i, op in enumerate(program.ops) if op.state is not State.ACTIVATIONS and pick(op)]
+
+
+def _rekind(draw: st.DrawFn, program: StepProgram, sizes: Mapping[Group, sp.Expr]) -> tuple[list[Op], str] | None:
+    """A collective of P/O/G becomes another collective (all-reduce, reduce-scatter, all-gather, broadcast)."""
+    found = _model_state_ops(program, lambda op: op.kind in COLLECTIVE_KINDS)
+    if not found:
+        return None
+    i = draw(st.sampled_from(found))
+    op = program.ops[i]
+    kind = draw(st.sampled_from([k for k in COLLECTIVE_KINDS if k is not op.kind]))
+    ops = list(program.ops)
+    ops[i] = replace(op, kind=kind, reduce=_reduce_for(op.axis) if kind.is_reduction else None)
+    return ops, f"rekind op {i} ({op}) to {kind.value}"
+
+
+def _restate(draw: st.DrawFn, program: StepProgram, sizes: Mapping[Group, sp.Expr]) -> tuple[list[Op], str] | None:
+    """A collective, transfer or scale of one model state acts on another (P, O or G)."""
+    found = _model_state_ops(
+        program, lambda op: op.kind.is_collective or op.kind.is_transfer or op.kind is OpKind.SCALE
+    )
+    if not found:
+        return None
+    i = draw(st.sampled_from(found))
+    op = program.ops[i]
+    state = draw(st.sampled_from([s for s in MODEL_STATES if s is not op.state]))
+    ops = list(program.ops)
+    ops[i] = replace(op, state=state)
+    return ops, f"restate op {i} ({op}) to {state.value}"
+
+
+def _insert(draw: st.DrawFn, program: StepProgram, sizes: Mapping[Group, sp.Expr]) -> tuple[list[Op], str] | None:
+    """A new collective of P/O/G in any phase (forward and after-step ones included)."""
+    mesh = _split_axes(program)
+    groups = [g for g in program.placement.groups(State.PARAMETERS) if g in sizes]
+    if not mesh or not groups:
+        return None
+    kind = draw(st.sampled_from(COLLECTIVE_KINDS))
+    state = draw(st.sampled_from(MODEL_STATES))
+    group = draw(st.sampled_from(groups))
+    axis = draw(st.sampled_from(mesh))
+    phase = draw(st.sampled_from(list(Phase)))
+    reduce = draw(st.sampled_from([Reduce.SUM, Reduce.MEAN])) if kind.is_reduction else None
+    elements = shard_elements(program.placement, state, group, sizes[group], axis)
+    new = Op(kind, state, group, axis, phase, elements, _count(program, phase), reduce, note="inserted")
+    ops = list(program.ops)
+    j = _position(draw, ops, phase)
+    ops.insert(j, new)
+    return ops, f"insert {new} at {j}"
+
+
+def _rephase(draw: st.DrawFn, program: StepProgram, sizes: Mapping[Group, sp.Expr]) -> tuple[list[Op], str] | None:
+    """A gradient op moves into another phase (forward, backward, optimizer, refresh), placed among its ops."""
+    found = _model_state_ops(program, lambda op: op.state is State.GRADIENTS and op.kind is not OpKind.COMPUTE)
+    if not found:
+        return None
+    i = draw(st.sampled_from(found))
+    op = program.ops[i]
+    phase = draw(st.sampled_from([p for p in Phase if p is not op.phase]))
+    ops = list(program.ops)
+    del ops[i]
+    moved = replace(op, phase=phase, count=_count(program, phase) if op.kind.is_collective else op.count)
+    j = _position(draw, ops, phase)
+    ops.insert(j, moved)
+    return ops, f"rephase op {i} ({op}) to {phase.value} at {j}"
+
+
+def _normalise_later(
+    draw: st.DrawFn, program: StepProgram, sizes: Mapping[Group, sp.Expr]
+) -> tuple[list[Op], str] | None:
+    """A mean reduction becomes a sum and a 1/d scale, on its axis or another, in some phase."""
+    found = _model_state_ops(program, lambda op: op.kind.is_reduction and op.reduce is Reduce.MEAN)
+    if not found:
+        return None
+    i = draw(st.sampled_from(found))
+    op = program.ops[i]
+    assert op.axis is not None
+    ops = list(program.ops)
+    ops[i] = replace(op, reduce=Reduce.SUM)
+    axis = draw(st.sampled_from([op.axis, *[a for a in _split_axes(program) if a is not op.axis], None]))
+    phase = draw(st.sampled_from([op.phase, op.phase, Phase.OPTIMIZER, Phase.BACKWARD, Phase.FORWARD]))
+    scale = Op(OpKind.SCALE, op.state, op.group, axis, phase, scale=1 / program.placement.degree(op.axis))
+    j = i + 1 if phase is op.phase and draw(st.booleans()) else _position(draw, ops, phase)
+    ops.insert(j, scale)
+    return ops, f"normalise op {i} ({op}) later: {scale} at {j}"
+
+
+def _move_scale(draw: st.DrawFn, program: StepProgram, sizes: Mapping[Group, sp.Expr]) -> tuple[list[Op], str] | None:
+    """A scale op moves to another axis (its factor kept) or another phase."""
+    found = _model_state_ops(program, lambda op: op.kind is OpKind.SCALE)
+    if not found:
+        return None
+    i = draw(st.sampled_from(found))
+    op = program.ops[i]
+    ops = list(program.ops)
+    others = [a for a in _split_axes(program) if a is not op.axis]
+    if draw(st.booleans()) and others:
+        ops[i] = replace(op, axis=draw(st.sampled_from(others)))
+        return ops, f"move scale op {i} ({op}) onto {ops[i].axis}"
+    phase = draw(st.sampled_from([p for p in Phase if p is not op.phase]))
+    del ops[i]
+    j = _position(draw, ops, phase)
+    ops.insert(j, replace(op, phase=phase))
+    return ops, f"move scale op {i} ({op}) into {phase.value} at {j}"
+
+
+def _split_scale(draw: st.DrawFn, program: StepProgram, sizes: Mapping[Group, sp.Expr]) -> tuple[list[Op], str] | None:
+    """Two mean reductions of one group on two axes become sums and one scale 1/(d1 d2)."""
+    by_group: dict[tuple[State, Group], list[int]] = {}
+    for i in _model_state_ops(program, lambda op: op.kind.is_reduction and op.reduce is Reduce.MEAN):
+        by_group.setdefault((program.ops[i].state, program.ops[i].group), []).append(i)
+    pairs = [
+        (a, b)
+        for found in by_group.values()
+        for a in found
+        for b in found
+        if a < b and program.ops[a].axis is not program.ops[b].axis
+    ]
+    if not pairs:
+        return None
+    a, b = draw(st.sampled_from(pairs))
+    ops = list(program.ops)
+    first, second = ops[a], ops[b]
+    assert first.axis is not None and second.axis is not None
+    ops[a], ops[b] = replace(first, reduce=Reduce.SUM), replace(second, reduce=Reduce.SUM)
+    factor = 1 / (program.placement.degree(first.axis) * program.placement.degree(second.axis))
+    axis = draw(st.sampled_from([first.axis, second.axis, None]))
+    scale = Op(OpKind.SCALE, second.state, second.group, axis, second.phase, scale=factor, note="one scale, two axes")
+    ops.insert(b + 1, scale)
+    return ops, f"split scale over ops {a} and {b}: {scale}"
+
+
+def _scale_state(draw: st.DrawFn, program: StepProgram, sizes: Mapping[Group, sp.Expr]) -> tuple[list[Op], str] | None:
+    """A scale of the parameters or the optimizer state (by 1/d, 2 or 1) in some phase."""
+    groups = list(program.placement.groups(State.PARAMETERS))
+    if not groups:
+        return None
+    state = draw(st.sampled_from([State.PARAMETERS, State.OPTIMIZER]))
+    group = draw(st.sampled_from(groups))
+    axis = draw(st.sampled_from([None, *_split_axes(program)]))
+    factor = draw(
+        st.sampled_from([sp.Integer(2), sp.Integer(1)] + ([1 / program.placement.degree(axis)] if axis else []))
+    )
+    phase = draw(st.sampled_from(list(Phase)))
+    ops = list(program.ops)
+    new = Op(OpKind.SCALE, state, group, axis, phase, scale=factor, note="scale a model state")
+    j = _position(draw, ops, phase)
+    ops.insert(j, new)
+    return ops, f"scale {new} at {j}"
+
+
+def _classic(draw: st.DrawFn, program: StepProgram, sizes: Mapping[Group, sp.Expr]) -> tuple[list[Op], str] | None:
+    """One of ``mutations()``'s changes (drop, duplicate, reorder, re-axis, sum <-> mean, ...)."""
+    if not applicable(program):
+        return None
+    mutated, what = draw(mutations(program))
+    return list(mutated.ops), what
+
+
+CHANGES: dict[str, Change] = {
+    "classic": _classic,
+    "rekind": _rekind,
+    "restate": _restate,
+    "insert": _insert,
+    "rephase": _rephase,
+    "normalise_later": _normalise_later,
+    "move_scale": _move_scale,
+    "split_scale": _split_scale,
+    "scale_state": _scale_state,
+}
+
+
+@dataclass(frozen=True)
+class Changed:
+    """A program after ``programs()``: the changes' names and descriptions, in order."""
+
+    program: StepProgram
+    kinds: tuple[str, ...]
+    descriptions: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return "; ".join(self.descriptions) or "derived"
+
+
+@st.composite
+def programs(
+    draw: st.DrawFn, program: StepProgram, model: Model, max_changes: int = 2, kinds: Sequence[str] | None = None
+) -> Changed:
+    """``program`` after one to ``max_changes`` changes from ``CHANGES`` (those in ``kinds`` if given)."""
+    sizes = group_sizes(model)
+    names = list(kinds or CHANGES)
+    done: list[str] = []
+    descriptions: list[str] = []
+    for _ in range(draw(st.integers(1, max_changes))):
+        name = draw(st.sampled_from(names))
+        result = CHANGES[name](draw, program, sizes)
+        if result is None:
+            continue
+        ops, what = result
+        program = program.with_ops(ops)
+        done.append(name)
+        descriptions.append(what)
+    assume(done)
+    return Changed(program, tuple(done), tuple(descriptions))
+
+
+# --- user strategies: random modes per state and group, as a --strategies TOML file gives them ---
+
+USER_AXES = (Axis.DP, Axis.DPR, Axis.TP, Axis.PP, Axis.CP, Axis.EP)
+USER_GROUPS = ("attention", "mlp", "norm", "final_norm", "embedding", "head")
+LIBRARY_ON: dict[Axis, tuple[str, ...]] = {
+    axis: tuple(sorted(n for n, make in LIBRARY.items() if make().axis is axis and n != "hpz-dpr")) for axis in Axis
+}
+P_MODES = ("R", "R", "S", "S*", "S*", "S*+hold", "M", "O")
+O_MODES = ("R", "R", "S", "S", "O", "M")
+G_MODES = ("R", "R", "S", "S", "M")
+
+
+@dataclass(frozen=True)
+class UserComposition:
+    """A composition over user strategies (and library ones), its reference model, the TOML text."""
+
+    composition: Composition
+    model: ReferenceModel
+    toml: str
+
+
+def _mode(draw: st.DrawFn, modes: Sequence[str], degree: int) -> str:
+    """A mode word; one sharded mode in six is rotated by an offset (shard k on coordinate k + offset)."""
+    mode = draw(st.sampled_from(modes))
+    if mode.startswith("S") and degree > 1 and draw(st.integers(0, 5)) == 0:
+        offset = draw(st.integers(1, degree - 1))
+        mode = mode.replace("S*", f"S*@{offset}", 1) if "*" in mode else f"S@{offset}"
+    return mode
+
+
+def _strategy_table(draw: st.DrawFn, name: str, axis: Axis, degree: int) -> str:
+    lines = [f"[strategies.{name}]", f'axis = "{axis.value}"']
+    for key, modes in (("P", P_MODES), ("O", O_MODES), ("G", G_MODES)):
+        if key == "P" or draw(st.integers(0, 4)) > 0:
+            lines.append(f'{key} = "{_mode(draw, modes, degree)}"')
+    if draw(st.integers(0, 3)) == 0:
+        lines.append(f'A = "{draw(st.sampled_from(["R", "S"]))}"')
+    # The simulator splits computation along tp and pp only: elsewhere compute_sharded is rare.
+    match draw(st.integers(0, 4 if axis in (Axis.TP, Axis.PP, Axis.EP) else 12)):
+        case 0:
+            lines.append('compute_sharded = "all"')
+        case 1:
+            chosen = draw(st.lists(st.sampled_from(USER_GROUPS), min_size=1, max_size=3, unique=True))
+            lines.append(f"compute_sharded = {chosen!r}".replace("'", '"'))
+        case _:
+            pass
+    for group in draw(st.lists(st.sampled_from(USER_GROUPS), max_size=2, unique=True)):
+        lines.append(f"[strategies.{name}.groups.{group}]")
+        for key, modes in (("P", P_MODES), ("O", O_MODES), ("G", G_MODES)):
+            if draw(st.booleans()):
+                lines.append(f'{key} = "{_mode(draw, modes, degree)}"')
+        if len(lines[-1].split("=")) < 2:
+            lines.append('P = "R"')
+    return "\n".join(lines)
+
+
+@st.composite
+def user_strategies(
+    draw: st.DrawFn, max_devices: int = 32, max_degree: int = 8, axes: Sequence[Axis] = USER_AXES
+) -> UserComposition:
+    """One to three axes, each a user strategy (random modes per state and group, offsets, holds,
+    activations, compute_sharded, per-group tables) or a library one; degrees up to ``max_degree``,
+    at most ``max_devices`` devices; modifiers; the smallest reference model the degrees divide."""
+    chosen = draw(st.lists(st.sampled_from(list(axes)), min_size=1, max_size=3, unique=True))
+    devices = 1
+    terms: list[str] = []
+    tables: list[str] = []
+    for k, axis in enumerate(chosen):
+        fitting = [d for d in (1, 2, 2, 4, 8) if d <= max_degree and devices * d <= max_devices]
+        degree = draw(st.sampled_from(fitting))
+        devices *= degree
+        library = LIBRARY_ON[axis]
+        if library and draw(st.integers(0, 3)) == 0:
+            terms.append(f"{draw(st.sampled_from(library))}{degree}")
+            continue
+        name = f"user-{'abc'[k]}"
+        tables.append(_strategy_table(draw, name, axis, degree))
+        terms.append(f"{name}{degree}")
+    if Axis.TP in chosen and draw(st.booleans()):
+        terms.append("sp")
+    terms.append(f"m{draw(st.sampled_from([1, 1, 2, 4]))}")
+    if draw(st.integers(0, 5)) == 0:
+        terms.append(draw(st.sampled_from(["offload", "offload-params", "recompute"])))
+    text = "\n\n".join(tables) + "\n"
+    try:
+        factories = loads(text).factories() if tables else {}
+        composition = parse("x".join(terms), factories)
+        model = reference_for(composition, ReferenceModel(tied=draw(st.booleans())))
+        transformer = model.transformer()
+        derive_program(composition.placement(transformer), transformer)
+    except InputError:
+        assume(False)
+        raise  # unreachable: assume(False) raises
+    return UserComposition(composition, model, text)
+
+
+__all__ = [
+    "CHANGES",
+    "MUTATION_KINDS",
+    "Changed",
+    "Op",
+    "UserComposition",
+    "applicable",
+    "compositions",
+    "mutations",
+    "programs",
+    "user_strategies",
+]

@@ -7,6 +7,8 @@ its Lean theorem.
 
 from __future__ import annotations
 
+import importlib
+
 from proofs._obligation import Obligation, Result, discharge
 
 
@@ -19,6 +21,7 @@ def all_obligations() -> list[Obligation]:
         + activations.obligations()
         + composition.obligations()
         + costs.obligations()
+        + list[Obligation](importlib.import_module("proofs.programs").obligations())
     )
 
 

@@ -375,10 +375,12 @@ def data_assignment() -> Outcome:
     of the batch (a witness, replayed exactly)."""
     w, x1, x2, y1, y2 = z3.Reals("w x1 x2 y1 y2")
     g1, g2 = _sample_gradient(w, x1, y1), _sample_gradient(w, x2, y2)
-    batch = (g1 + g2) / 2
+    # The single-device gradient of the batch loss (1/2) sum_k (w x_k - y_k)^2 / 2, differentiated
+    # by hand (not through the per-sample gradients): (w (x1^2 + x2^2) - (x1 y1 + x2 y2)) / 2.
+    batch = (w * (x1 * x1 + x2 * x2) - (x1 * y1 + x2 * y2)) / 2
     distinct = proved_if_unsat(prove({}, (g1 + g2) / 2 == batch, TIMEOUT_MS))
-    same = (g1 + g1) / 2
-    half = proved_if_unsat(prove({}, same == g1, TIMEOUT_MS))  # the gradient of the first half
+    same = (g1 + g1) / 2  # both devices read sample 1
+    half = proved_if_unsat(prove({}, same == w * x1 * x1 - x1 * y1, TIMEOUT_MS))  # the first half's gradient
     found = check({"replicated_data_differs": same != batch}, TIMEOUT_MS)
 
     def replay() -> str | None:
@@ -405,7 +407,10 @@ def split_compute() -> Outcome:
         g = [z3.Real(f"g{e}") for e in range(d)]
         stale = [[z3.Real(f"u_{i}_{e}") for e in range(d)] for i in range(d)]
         held = [[g[e] if e == i else stale[i][e] for e in range(d)] for i in range(d)]
-        outcomes.append(proved_if_unsat(prove({}, z3.And(*[held[i][i] == g[i] for i in range(d)]), TIMEOUT_MS)))
+        # sharded: device i reads its own slice; gathered from the owners, every element is right
+        own = z3.And(*[held[i][i] == g[i] for i in range(d)])
+        gathered = z3.And(*[held[e][e] == g[e] for _ in range(d) for e in range(d)])
+        outcomes.append(proved_if_unsat(prove({}, z3.And(own, gathered), TIMEOUT_MS)))
         hyps = {"untouched_outside_slice_is_zero": z3.And(*[stale[0][e] == 0 for e in range(d)]), "g1": g[1] == 1}
         outcomes.append(proved_if_unsat(prove(hyps, held[0][1] != g[1], TIMEOUT_MS)))
     g1, u = z3.Reals("g1 u")  # u: what device 0 holds of element 1 (never computed)

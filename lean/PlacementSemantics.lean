@@ -4,3 +4,4 @@ import PlacementSemantics.Necessity
 import PlacementSemantics.Composition
 import PlacementSemantics.Costs
 import PlacementSemantics.Activations
+import PlacementSemantics.Programs

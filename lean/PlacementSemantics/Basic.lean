@@ -131,3 +131,60 @@ the last the final norm's and head's inputs (`4u`) and the fp32 logits (`4w`). `
 def ioActivations (first last u w : Nat) : Nat := first * u + last * (4 * u + 4 * w)
 
 end PlacementSemantics
+
+/-! Program semantics (docs/semantics.md, "Gradient buffers", "Gradient integrity", "State
+consistency", "Composition rules"); theorems in `Programs.lean`. -/
+
+namespace PlacementSemantics
+
+/-- Gradient accumulation with a SUM all-reduce of each micro-batch's FRESH gradient (each
+micro-batch a list of the devices' contributions): what every device's `.grad` holds after the
+loop, before the one normalising scale. -/
+def freshReduced : List (List Int) → Int
+  | [] => 0
+  | mb :: rest => total mb + freshReduced rest
+
+/-- The same SUM all-reduce on the ACCUMULATED `.grad` after each micro-batch, on `d` devices
+that agree on `acc`: each holds `acc + c_i`, and the all-reduce gives `d * acc + total mb`. -/
+def accumulatedReduced (d : Int) : Int → List (List Int) → Int
+  | acc, [] => acc
+  | acc, mb :: rest => accumulatedReduced d (d * acc + total mb) rest
+
+/-- A forward-phase scale `s` of `.grad` in every micro-batch: it acts on what the earlier
+micro-batches accumulated, then the micro-batch's reduced fresh gradient is added. -/
+def forwardScaled (s : Int) : Int → List (List Int) → Int
+  | acc, [] => acc
+  | acc, mb :: rest => forwardScaled s (s * acc + total mb) rest
+
+/-- The product of a list of integer scale factors. -/
+def prodList : List Int → Int
+  | [] => 1
+  | k :: ks => k * prodList ks
+
+/-- A parameter or optimizer state scaled by each factor in turn (the last one first). -/
+def scaledBy : List Int → Int → Int
+  | [], p => p
+  | k :: ks, p => k * scaledBy ks p
+
+/-- A broadcast from the axis's first device: every device takes device 0's value. -/
+def broadcast0 : List Int → List Int
+  | [] => []
+  | c :: cs => copiesOf c (count (c :: cs))
+
+/-- Two devices, two elements: a SUM reduce-scatter leaves device 0 the reduced element 0 and
+device 1 the reduced element 1 (each device's contribution is a pair, one per element). -/
+def reduceScatter2 (a b : Int × Int) : Int × Int := (a.1 + b.1, a.2 + b.2)
+
+/-- An all-gather of two devices' shards: both hold both shards. -/
+def allGather2 (s : Int × Int) : (Int × Int) × (Int × Int) := (s, s)
+
+/-- Linear regression's per-sample gradient, `d/dw (w x - y)^2 / 2`. -/
+def sampleGrad (w x y : Int) : Int := (w * x - y) * x
+
+/-- Split computation: device `i` computes only element `i` of the gradient; the elements
+outside its slice stay as the zeroed buffer left them. -/
+def splitGrad (i : Nat) : Nat → List Int → List Int
+  | _, [] => []
+  | e, x :: xs => (if e == i then x else 0) :: splitGrad i (e + 1) xs
+
+end PlacementSemantics

@@ -18,10 +18,10 @@ from formal._costs import communication, transfers
 from formal._exact import exact_fraction
 from formal._model import Precision
 from formal._program import Op, StepProgram
-from formal._reference import IndexArray, Numbers, Optimizer
+from formal._reference import Array, IndexArray, Numbers, Optimizer
 from formal._sim_mesh import Device, _chunk, _Layout, _Mesh
 from formal._sim_results import OpTraffic, _Judge
-from formal._sim_states import _States
+from formal._sim_states import Masks, _States
 from formal._vocab import Axis, Group, OpKind, Phase, Reduce, State
 from formal.errors import SimulationError
 
@@ -179,6 +179,10 @@ class _StateOps:
 
             for d in members:
                 self.traffic.add(index, d, len(bases[d]), len(bases[d]) * self._wire(op.state) * share)
+            split = structural or (axis.kind.places_experts and self.pl.computes_sharded(axis, op.group))
+            if split and op.kind is OpKind.ALL_REDUCE and op.state is G:
+                self._reduce_slices(op, members, arrays, live)
+                continue
             match op.kind:
                 case OpKind.ALL_REDUCE | OpKind.REDUCE_SCATTER:
                     first = bases[members[0]]
@@ -222,6 +226,26 @@ class _StateOps:
             self.states.gathered[op.group].add(axis)
         elif op.state is G and op.kind is OpKind.REDUCE_SCATTER:
             scattered.add(axis)
+
+    def _reduce_slices(
+        self, op: Op, members: list[Device], arrays: dict[Device, Array], live: Masks
+    ) -> None:
+        """An all-reduce of a gradient along an axis that splits the group's computation (Megatron-LM's
+        column/row-parallel slices, GShard's experts, pipeline stages): each device's gradient tensor
+        is only its own slice, and ``torch.distributed.all_reduce`` combines the devices' tensors
+        element by element, so the j-th element of one device's slice is summed with the j-th element
+        of the others' (another slice's value, or another expert's), not with the same parameter."""
+        slices = {d: self.layout.compute(op.group, d) for d in members}
+        sizes = {len(s) for s in slices.values()}
+        if len(sizes) != 1:
+            raise SimulationError(f"{op}: an all-reduce of tensors of different sizes ({sorted(sizes)}) along {op.axis}")
+        total = self.n.sum_of([arrays[d][..., slices[d]] for d in members])
+        if op.reduce is Reduce.MEAN:
+            total = self.n.scale(total, Fraction(1, len(members)))
+        for d in members:
+            arrays[d][..., slices[d]] = total
+            live[d][op.group][...] = False
+            live[d][op.group][slices[d]] = True
 
     def transfer(self, index: int, op: Op) -> None:
         n, st = self.n, self.states

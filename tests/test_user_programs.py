@@ -319,16 +319,40 @@ def test_hsdp_normalised_once_over_shard_and_replicate_axes(tmp_path: Path) -> N
     assert matches is False
 
 
+DENSE_GROUPS = ("attention", "row_bias", "norm", "final_norm", "embedding", "router")
+
+
 def test_expert_data_parallel_normalised_over_dp_and_ep(tmp_path: Path) -> None:
-    """MoE: dense gradients summed over dp and ep (every device of the 2 x 2 mesh sees its own
-    tokens), one scale by 1/(dp x ep) = 1/4: the single-device mean. 1/2 doubles it. (The simulator
-    models no experts: z3 only.)"""
-    program = SUM_DP_CP.replace('axis = "cp"', 'axis = "ep"')
-    verdict, _ = _judge(tmp_path, "dp2xep2", program.format(scale="1/4"), simulated=False)
-    integrity = [ob for ob in verdict.obligations if ob.name.startswith("gradient_integrity[G.attention")]
-    assert integrity and all(ob.status is Status.PROVED for ob in integrity)
-    verdict, _ = _judge(tmp_path, "dp2xep2", program.format(scale="1/2"), simulated=False)
-    assert _fired(verdict, "normalisation[G.attention")
+    """MoE over a 2 x 2 (dp, ep) mesh, Megatron-LM's layout: the dense gradients are summed over dp
+    and ep (every device sees its own tokens), the experts' over dp only (ep places different
+    experts), then one scale by 1/(dp x ep) = 1/4. A device's expert gradient sums its ep group's
+    tokens over their local batch (the all-to-all brings them), so the dp sum times 1/4 is the
+    single-device mean too. 1/2 doubles every dense gradient."""
+    program = (
+        '[[program]]\nop = "all_reduce"\naxis = "dp"\nreduce = "sum"\n'
+        + "".join(f'[[program]]\nop = "all_reduce"\naxis = "ep"\nreduce = "sum"\ngroup = "{g}"\n' for g in DENSE_GROUPS)
+        + '[[program]]\nop = "scale"\nscale = "{scale}"\n'
+    )
+    verdict, matches = _judge(tmp_path, "dp2xep2", program.format(scale="1/4"))
+    _proved(verdict)
+    assert matches is True
+    verdict, matches = _judge(tmp_path, "dp2xep2", program.format(scale="1/2"))
+    violation = _refuted(verdict, "normalisation[G.attention")
+    assert violation.axis == "ep"
+    assert matches is False
+
+
+def test_an_all_reduce_of_the_experts_along_ep_is_refuted(tmp_path: Path) -> None:
+    """Summing every group's gradient over ep, the experts included: device 0's expert tensor holds
+    expert 0, device 1's expert 1, and ``all_reduce`` adds them element by element, so each device's
+    expert ends as the sum of two different experts' gradients, not its own. (The simulator once
+    summed by global parameter index, as if each device held every expert, and matched single-device
+    training while z3 refuted: the simulator was wrong.)"""
+    program = SUM_DP_CP.replace('axis = "cp"', 'axis = "ep"').format(scale="1/4")
+    verdict, matches = _judge(tmp_path, "dp2xep2", program)
+    _refuted(verdict, "reduction_closure[G.experts, ep]")
+    assert not _fired(verdict, "normalisation[G.attention")
+    assert matches is False
 
 
 # --------------------------------------------------------------------------- properties

@@ -114,6 +114,24 @@ def test_reduce_scatter_then_all_gather_of_the_gradient_is_right(tmp_path: Path)
     assert matches is True
 
 
+def test_an_all_reduce_after_a_reduce_scatter_of_the_gradient_is_refuted(tmp_path: Path) -> None:
+    """dp2, replicated G, a mean reduce-scatter then a mean all-reduce. ``reduce_scatter_tensor``
+    into the gradient's own shard (ZeRO-2, FSDP) leaves device 0 the mean m = (g0 + g1)/2 on shard
+    0 and, outside it, its unreduced g0 or freed memory; device 1 holds g1 on shard 0. The
+    all-reduce then gives shard 0 the value (m + g1)/2, not m: both z3 and the simulator refute it.
+    Gathering the shards first makes every device hold m everywhere, and the all-reduce of equal
+    values changes nothing: proved and matching."""
+    scatter = '[[program]]\nop = "reduce_scatter"\naxis = "dp"\nreduce = "mean"\n'
+    gather = '[[program]]\nop = "all_gather"\nstate = "G"\naxis = "dp"\nphase = "grad_sync"\n'
+    verdict, matches = _judge(tmp_path, "dp2", scatter + MEAN_DP)
+    assert verdict.status is Status.REFUTED
+    assert _fired(verdict, "alignment[O/G.attention, dp]") or _fired(verdict, "reduction_closure[G.attention")
+    assert matches is False
+    verdict, matches = _judge(tmp_path, "dp2", scatter + gather + MEAN_DP)
+    _proved(verdict)
+    assert matches is True
+
+
 # --------------------------------------------------------------------------- 2: forward-phase gradient ops
 
 

@@ -247,7 +247,7 @@ class _StateOps:
             live[d][op.group][...] = False
             live[d][op.group][slices[d]] = True
 
-    def transfer(self, index: int, op: Op) -> None:
+    def transfer(self, index: int, op: Op, per_mb: bool = False) -> None:
         n, st = self.n, self.states
         for dev in self.mesh.devices:
             g = op.group
@@ -261,11 +261,14 @@ class _StateOps:
                         st.P[dev][g][pos] = src[pos]
                 case (OpKind.DEVICE_TO_HOST, State.GRADIENTS):
                     # What the device holds of its gradient: outside a reduce-scatter's shard
-                    # the buffer is freed, and the host copy gets nothing from there.
+                    # the buffer is freed, and the host copy gets nothing from there. A copy of
+                    # the fresh buffer (inside a micro-batch's backward, before accumulation)
+                    # copies that micro-batch's gradient; otherwise ``.grad`` as it stands.
                     pos = self.layout.holding(G, g, dev)
-                    alive = st.live[dev][g][pos]
+                    src, live = (st.fresh, st.live_fresh) if per_mb else (st.G, st.live)
+                    alive = live[dev][g][pos]
                     st.host.setdefault((G, dev, g), n.zeros(st.model.size(g)))[pos] = np.where(
-                        alive, st.G[dev][g][pos], 0
+                        alive, src[dev][g][pos], 0
                     )
                 case (OpKind.DEVICE_TO_HOST, State.PARAMETERS):
                     pos = self.layout.holding(P, g, dev)
@@ -308,7 +311,7 @@ class _StateOps:
         if op.kind.is_collective:
             self.collective(index, op, per_mb)
         elif op.kind.is_transfer:
-            self.transfer(index, op)
+            self.transfer(index, op, per_mb)
         elif op.kind is OpKind.SCALE:
             for dev in self.mesh.devices:
                 arr = self.states.array(op.state, dev, op.group, per_mb)

@@ -373,6 +373,45 @@ def test_an_all_reduce_of_the_experts_along_ep_is_refuted(tmp_path: Path) -> Non
     assert matches is False
 
 
+OFFLOADED = '[[program]]\nop = "host_to_device"\nstate = "P"\nphase = "refresh"\n'
+BACKWARD_MEAN = '[[program]]\nop = "all_reduce"\naxis = "dp"\nreduce = "mean"\nphase = "backward"\n'
+
+
+def _host_copy(buffer: str) -> str:
+    return f'[[program]]\nop = "device_to_host"\nstate = "G"\nphase = "backward"\nbuffer = "{buffer}"\n'
+
+
+@pytest.mark.parametrize("m", [2, 3])
+def test_a_host_copy_of_grad_inside_the_loop_copies_what_is_accumulated(tmp_path: Path, m: int) -> None:
+    """ZeRO-Offload-like dp2 with m micro-batches: each fresh gradient is mean all-reduced, added
+    to ``.grad``, and ``.grad`` is copied to the host after every backward. ``p.grad.copy_``
+    copies what is accumulated so far, so the last copy holds the sum of the m reduced
+    micro-batch gradients: the single-device gradient (z3 once took a copy inside the loop for an
+    empty one and refuted this program; the simulator was right). Copying the fresh buffer instead
+    keeps only the last micro-batch's gradient, 1/m of the sum: wrong on both sides."""
+    composition = f"dp2xoffloadxm{m}"
+    verdict, matches = _judge(tmp_path, composition, BACKWARD_MEAN + _host_copy("accumulated") + OFFLOADED)
+    _proved(verdict)
+    assert matches is True
+    verdict, matches = _judge(tmp_path, composition, BACKWARD_MEAN + _host_copy("fresh") + OFFLOADED)
+    violation = _refuted(verdict, "transfer_after_reduction[G.attention")
+    assert "last micro-batch" in violation.explanation
+    assert matches is False
+
+
+def test_a_host_copy_of_the_fresh_gradient_with_one_micro_batch_is_the_gradient(tmp_path: Path) -> None:
+    """With one micro-batch the fresh gradient, reduced before the copy, is the whole step's
+    gradient: the copy is right (the simulator once copied ``.grad`` before the accumulation, an
+    empty buffer, and diverged while z3 proved it). Copied before the reduction it is the local
+    gradient: wrong on both sides."""
+    verdict, matches = _judge(tmp_path, "dp2xoffload", BACKWARD_MEAN + _host_copy("fresh") + OFFLOADED)
+    _proved(verdict)
+    assert matches is True
+    verdict, matches = _judge(tmp_path, "dp2xoffload", _host_copy("fresh") + BACKWARD_MEAN + OFFLOADED)
+    _refuted(verdict, "transfer_after_reduction[G.attention")
+    assert matches is False
+
+
 # --------------------------------------------------------------------------- properties
 
 

@@ -180,7 +180,7 @@ class _StateOps:
             for d in members:
                 self.traffic.add(index, d, len(bases[d]), len(bases[d]) * self._wire(op.state) * share)
             split = structural or (axis.kind.places_experts and self.pl.computes_sharded(axis, op.group))
-            if split and op.kind is OpKind.ALL_REDUCE and op.state is G:
+            if split and op.kind in (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER) and op.state is G:
                 self._reduce_slices(op, members, arrays, live)
                 continue
             match op.kind:
@@ -230,11 +230,13 @@ class _StateOps:
     def _reduce_slices(
         self, op: Op, members: list[Device], arrays: dict[Device, Array], live: Masks
     ) -> None:
-        """An all-reduce of a gradient along an axis that splits the group's computation (Megatron-LM's
+        """An all-reduce or reduce-scatter of a gradient along an axis that splits the group's computation (Megatron-LM's
         column/row-parallel slices, GShard's experts, pipeline stages): each device's gradient tensor
         is only its own slice, and ``torch.distributed.all_reduce`` combines the devices' tensors
         element by element, so the j-th element of one device's slice is summed with the j-th element
-        of the others' (another slice's value, or another expert's), not with the same parameter."""
+        of the others' (another slice's value, or another expert's), not with the same parameter. A
+        reduce-scatter leaves each device its chunk of that element-wise sum (chunk ``coordinate -
+        offset`` of its local tensor), at the positions of its own slice."""
         slices = {d: self.layout.compute(op.group, d) for d in members}
         sizes = {len(s) for s in slices.values()}
         if len(sizes) != 1:
@@ -242,10 +244,14 @@ class _StateOps:
         total = self.n.sum_of([arrays[d][..., slices[d]] for d in members])
         if op.reduce is Reduce.MEAN:
             total = self.n.scale(total, Fraction(1, len(members)))
+        local = np.arange(len(slices[members[0]]))
         for d in members:
-            arrays[d][..., slices[d]] = total
+            keep = local
+            if op.kind is OpKind.REDUCE_SCATTER:
+                keep = _chunk(local, len(members), (members.index(d) - op.offset) % len(members))
+            arrays[d][..., slices[d][keep]] = total[..., keep]
             live[d][op.group][...] = False
-            live[d][op.group][slices[d]] = True
+            live[d][op.group][slices[d][keep]] = True
 
     def transfer(self, index: int, op: Op, per_mb: bool = False) -> None:
         n, st = self.n, self.states

@@ -373,6 +373,23 @@ def test_an_all_reduce_of_the_experts_along_ep_is_refuted(tmp_path: Path) -> Non
     assert matches is False
 
 
+def test_a_reduce_scatter_of_the_experts_along_ep_is_refuted(tmp_path: Path) -> None:
+    """The dense gradients as Megatron-LM reduces them, the experts' reduce-scattered over ep:
+    ``reduce_scatter_tensor`` sums device 0's expert-0 tensor with device 1's expert-1 tensor element
+    by element and leaves each half of that sum, so no device holds its own expert's gradient.
+    (The simulator once reduced by global parameter index and matched while z3 refuted: the
+    simulator was wrong.)"""
+    program = (
+        '[[program]]\nop = "all_reduce"\naxis = "dp"\nreduce = "sum"\n'
+        + "".join(f'[[program]]\nop = "all_reduce"\naxis = "ep"\nreduce = "sum"\ngroup = "{g}"\n' for g in DENSE_GROUPS)
+        + '[[program]]\nop = "reduce_scatter"\naxis = "ep"\nreduce = "sum"\ngroup = "experts"\n'
+        + '[[program]]\nop = "scale"\nscale = "1/4"\n'
+    )
+    verdict, matches = _judge(tmp_path, "dp2xep2", program)
+    _refuted(verdict, "reduction_closure[G.experts, ep]")
+    assert matches is False
+
+
 OFFLOADED = '[[program]]\nop = "host_to_device"\nstate = "P"\nphase = "refresh"\n'
 BACKWARD_MEAN = '[[program]]\nop = "all_reduce"\naxis = "dp"\nreduce = "mean"\nphase = "backward"\n'
 

@@ -227,20 +227,18 @@ class _StateOps:
         elif op.state is G and op.kind is OpKind.REDUCE_SCATTER:
             scattered.add(axis)
 
-    def _reduce_slices(
-        self, op: Op, members: list[Device], arrays: dict[Device, Array], live: Masks
-    ) -> None:
-        """An all-reduce or reduce-scatter of a gradient along an axis that splits the group's computation (Megatron-LM's
-        column/row-parallel slices, GShard's experts, pipeline stages): each device's gradient tensor
-        is only its own slice, and ``torch.distributed.all_reduce`` combines the devices' tensors
-        element by element, so the j-th element of one device's slice is summed with the j-th element
-        of the others' (another slice's value, or another expert's), not with the same parameter. A
-        reduce-scatter leaves each device its chunk of that element-wise sum (chunk ``coordinate -
-        offset`` of its local tensor), at the positions of its own slice."""
+    def _reduce_slices(self, op: Op, members: list[Device], arrays: dict[Device, Array], live: Masks) -> None:
+        """An all-reduce or reduce-scatter of a gradient along an axis that splits the group's
+        computation (Megatron-LM's column/row-parallel slices, GShard's experts, pipeline stages):
+        each device's gradient tensor is only its own slice, and ``torch.distributed.all_reduce``
+        combines the devices' tensors element by element, so the j-th element of one device's slice
+        is summed with the j-th element of the others' (another slice's value, or another expert's),
+        not with the same parameter. A reduce-scatter leaves each device its chunk of that sum
+        (chunk ``coordinate - offset`` of its local tensor), at the positions of its own slice."""
         slices = {d: self.layout.compute(op.group, d) for d in members}
         sizes = {len(s) for s in slices.values()}
         if len(sizes) != 1:
-            raise SimulationError(f"{op}: an all-reduce of tensors of different sizes ({sorted(sizes)}) along {op.axis}")
+            raise SimulationError(f"{op}: a {op.kind.value} of tensors of different sizes ({sorted(sizes)})")
         total = self.n.sum_of([arrays[d][..., slices[d]] for d in members])
         if op.reduce is Reduce.MEAN:
             total = self.n.scale(total, Fraction(1, len(members)))
@@ -271,10 +269,10 @@ class _StateOps:
                     # the fresh buffer (inside a micro-batch's backward, before accumulation)
                     # copies that micro-batch's gradient; otherwise ``.grad`` as it stands.
                     pos = self.layout.holding(G, g, dev)
-                    src, live = (st.fresh, st.live_fresh) if per_mb else (st.G, st.live)
+                    grads, live = (st.fresh, st.live_fresh) if per_mb else (st.G, st.live)
                     alive = live[dev][g][pos]
                     st.host.setdefault((G, dev, g), n.zeros(st.model.size(g)))[pos] = np.where(
-                        alive, src[dev][g][pos], 0
+                        alive, grads[dev][g][pos], 0
                     )
                 case (OpKind.DEVICE_TO_HOST, State.PARAMETERS):
                     pos = self.layout.holding(P, g, dev)

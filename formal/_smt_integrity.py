@@ -351,7 +351,11 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
     model = answer.model
     ref_value = _number(model.eval(target, model_completion=True))
     held = {str(i): _number(model.eval(read[i], model_completion=True)) for i in owners}
-    accumulated = [op for op, b in zip(ops, case.buffers, strict=True) if _in_loop(op, m) and b is Buffer.ACCUMULATED]
+    accumulated = [
+        op
+        for op, b in zip(ops, case.buffers, strict=True)
+        if _in_loop(op, m) and b is Buffer.ACCUMULATED and not _passes_accumulation_through(op)
+    ]
     rule, defect = _classify_integrity(
         origin,
         ops,
@@ -396,6 +400,15 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
             f"{rule}[{name}]", Condition.GRADIENT_INTEGRITY, G.value, group.name, axis.value, explanation, witness
         )
     ]
+
+
+def _passes_accumulation_through(op: Op) -> bool:
+    """A mean all-reduce of ``.grad`` inside the micro-batch loop: what the earlier micro-batches
+    left is already equal across the axis (their own mean all-reduce made it so), and a mean of
+    equal values is that value, so only the new micro-batch's gradient is averaged: the op cannot
+    be what breaks the gradient (docs/semantics.md, "Gradient buffers"), and a wrong value is
+    then the normaliser's or another op's."""
+    return op.kind is OpKind.ALL_REDUCE and op.reduce is Reduce.MEAN
 
 
 def _classify_integrity(

@@ -390,6 +390,35 @@ def test_a_reduce_scatter_of_the_experts_along_ep_is_refuted(tmp_path: Path) -> 
     assert matches is False
 
 
+def _per_micro_batch_dp_then_cp(reduce: str, scale: str) -> str:
+    return (
+        f'[[program]]\nop = "all_reduce"\naxis = "dp"\nreduce = "{reduce}"\nphase = "backward"\n'
+        'buffer = "accumulated"\n'
+        '[[program]]\nop = "all_reduce"\naxis = "cp"\nreduce = "sum"\n'
+        f'[[program]]\nop = "scale"\nscale = "{scale}"\n'
+    )
+
+
+def test_a_per_micro_batch_mean_of_grad_with_a_later_cp_normaliser(tmp_path: Path) -> None:
+    """dp2 x cp2 with three micro-batches: ``.grad`` mean all-reduced over dp after each backward
+    (what the earlier micro-batches left is already equal over dp, so only the new gradient is
+    averaged), then summed over cp once and scaled by 1/2: the mean over dp and over cp, the
+    single-device gradient. (z3 once named the per-micro-batch mean a ``gradient_buffer`` defect
+    on dp, which kept the cross-axis normaliser from being read off, and refuted this right
+    program; the simulator was right.) Scaled by 1/4 the cp sum is halved twice: a normaliser
+    defect; a sum all-reduce of ``.grad`` sums the earlier micro-batches again: a buffer defect."""
+    verdict, matches = _judge(tmp_path, "dp2xcp2xm3", _per_micro_batch_dp_then_cp("mean", "1/2"))
+    _proved(verdict)
+    assert matches is True
+    verdict, matches = _judge(tmp_path, "dp2xcp2xm3", _per_micro_batch_dp_then_cp("mean", "1/4"))
+    _refuted(verdict, "normalisation[G.attention")
+    assert not _fired(verdict, "gradient_buffer[")
+    assert matches is False
+    verdict, matches = _judge(tmp_path, "dp2xcp2xm3", _per_micro_batch_dp_then_cp("sum", "1/4"))
+    _refuted(verdict, "gradient_buffer[G.attention, dp]")
+    assert matches is False
+
+
 OFFLOADED = '[[program]]\nop = "host_to_device"\nstate = "P"\nphase = "refresh"\n'
 BACKWARD_MEAN = '[[program]]\nop = "all_reduce"\naxis = "dp"\nreduce = "mean"\nphase = "backward"\n'
 

@@ -223,10 +223,14 @@ _CONTEXT = (
 )  # fmt: skip
 
 # Expert parallelism (GShard): tokens to their experts' devices and back, an all-to-all each way.
+# Full recomputation checkpoints whole transformer layers (Megatron-LM's
+# ``--recompute-granularity full``, Korthikanti et al. 2022, section 5): the backward replays
+# the layer's forward, the MoE token dispatcher's dispatch and combine included, before its own
+# two, so the backward's count doubles (``replayed``), as for tp's f/g operators.
 _EXPERT = tuple(
     Exchange(
         ph, LAYER_IO, OpKind.ALL_TO_ALL, "all-to-all", "tokens routed to their experts' devices",
-        split=Split.LAYER, width=Width.ROUTED, per_layer=2, note="token dispatch and combine",
+        split=Split.LAYER, width=Width.ROUTED, per_layer=2, replayed=ph is _B, note="token dispatch and combine",
     )
     for ph in (_F, _B)
 )  # fmt: skip

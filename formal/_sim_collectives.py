@@ -18,10 +18,10 @@ from formal._costs import communication, transfers
 from formal._exact import exact_fraction
 from formal._model import Precision
 from formal._program import Op, StepProgram
-from formal._reference import IndexArray, Numbers, Optimizer
+from formal._reference import Array, IndexArray, Numbers, Optimizer
 from formal._sim_mesh import Device, _chunk, _Layout, _Mesh
 from formal._sim_results import OpTraffic, _Judge
-from formal._sim_states import _States
+from formal._sim_states import Masks, _States
 from formal._vocab import Axis, Group, OpKind, Phase, Reduce, State
 from formal.errors import SimulationError
 
@@ -179,6 +179,10 @@ class _StateOps:
 
             for d in members:
                 self.traffic.add(index, d, len(bases[d]), len(bases[d]) * self._wire(op.state) * share)
+            split = structural or (axis.kind.places_experts and self.pl.computes_sharded(axis, op.group))
+            if split and op.kind in (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER) and op.state is G:
+                self._reduce_slices(op, members, arrays, live)
+                continue
             match op.kind:
                 case OpKind.ALL_REDUCE | OpKind.REDUCE_SCATTER:
                     first = bases[members[0]]
@@ -223,7 +227,31 @@ class _StateOps:
         elif op.state is G and op.kind is OpKind.REDUCE_SCATTER:
             scattered.add(axis)
 
-    def transfer(self, index: int, op: Op) -> None:
+    def _reduce_slices(self, op: Op, members: list[Device], arrays: dict[Device, Array], live: Masks) -> None:
+        """An all-reduce or reduce-scatter of a gradient along an axis that splits the group's
+        computation (Megatron-LM's column/row-parallel slices, GShard's experts, pipeline stages):
+        each device's gradient tensor is only its own slice, and ``torch.distributed.all_reduce``
+        combines the devices' tensors element by element, so the j-th element of one device's slice
+        is summed with the j-th element of the others' (another slice's value, or another expert's),
+        not with the same parameter. A reduce-scatter leaves each device its chunk of that sum
+        (chunk ``coordinate - offset`` of its local tensor), at the positions of its own slice."""
+        slices = {d: self.layout.compute(op.group, d) for d in members}
+        sizes = {len(s) for s in slices.values()}
+        if len(sizes) != 1:
+            raise SimulationError(f"{op}: a {op.kind.value} of tensors of different sizes ({sorted(sizes)})")
+        total = self.n.sum_of([arrays[d][..., slices[d]] for d in members])
+        if op.reduce is Reduce.MEAN:
+            total = self.n.scale(total, Fraction(1, len(members)))
+        local = np.arange(len(slices[members[0]]))
+        for d in members:
+            keep = local
+            if op.kind is OpKind.REDUCE_SCATTER:
+                keep = _chunk(local, len(members), (members.index(d) - op.offset) % len(members))
+            arrays[d][..., slices[d][keep]] = total[..., keep]
+            live[d][op.group][...] = False
+            live[d][op.group][slices[d][keep]] = True
+
+    def transfer(self, index: int, op: Op, per_mb: bool = False) -> None:
         n, st = self.n, self.states
         for dev in self.mesh.devices:
             g = op.group
@@ -237,11 +265,14 @@ class _StateOps:
                         st.P[dev][g][pos] = src[pos]
                 case (OpKind.DEVICE_TO_HOST, State.GRADIENTS):
                     # What the device holds of its gradient: outside a reduce-scatter's shard
-                    # the buffer is freed, and the host copy gets nothing from there.
+                    # the buffer is freed, and the host copy gets nothing from there. A copy of
+                    # the fresh buffer (inside a micro-batch's backward, before accumulation)
+                    # copies that micro-batch's gradient; otherwise ``.grad`` as it stands.
                     pos = self.layout.holding(G, g, dev)
-                    alive = st.live[dev][g][pos]
+                    grads, live = (st.fresh, st.live_fresh) if per_mb else (st.G, st.live)
+                    alive = live[dev][g][pos]
                     st.host.setdefault((G, dev, g), n.zeros(st.model.size(g)))[pos] = np.where(
-                        alive, st.G[dev][g][pos], 0
+                        alive, grads[dev][g][pos], 0
                     )
                 case (OpKind.DEVICE_TO_HOST, State.PARAMETERS):
                     pos = self.layout.holding(P, g, dev)
@@ -284,7 +315,7 @@ class _StateOps:
         if op.kind.is_collective:
             self.collective(index, op, per_mb)
         elif op.kind.is_transfer:
-            self.transfer(index, op)
+            self.transfer(index, op, per_mb)
         elif op.kind is OpKind.SCALE:
             for dev in self.mesh.devices:
                 arr = self.states.array(op.state, dev, op.group, per_mb)

@@ -88,8 +88,11 @@ def _unrolled(ops: list[tuple[Op, Buffer]], m: int) -> int:
     """Micro-batches to model one by one: ``m`` when an op inside the loop acts on ``.grad``
     (then the micro-batches do not commute with the ops, and even with one the op runs after
     the fresh-buffer ops of its micro-batch), else 0: every loop op is linear on the fresh
-    gradient, so applying it to each micro-batch equals applying it to their sum."""
-    if not any(_in_loop(op, m) and buffer is Buffer.ACCUMULATED for op, buffer in ops):
+    gradient, so applying it to each micro-batch equals applying it to their sum. A device-to-host
+    copy inside the loop is not: it snapshots one micro-batch's buffer, so it is unrolled too."""
+    if not any(
+        _in_loop(op, m) and (buffer is Buffer.ACCUMULATED or op.kind is OpKind.DEVICE_TO_HOST) for op, buffer in ops
+    ):
         return 0
     if m > MAX_UNROLLED_MICRO_BATCHES:
         raise InputError(
@@ -228,20 +231,30 @@ def _start(
 
 def _micro_batches(
     case: _IntegrityCase, solver: _Solver, k: int, rest: int, name: str
-) -> tuple[list[z3.ArithRef], z3.ArithRef, dict[str, z3.ArithRef], z3.ArithRef]:
+) -> tuple[list[z3.ArithRef], z3.ArithRef, dict[str, z3.ArithRef], z3.ArithRef, dict[int, list[z3.ArithRef]]]:
     """The micro-batch loop modelled one by one (docs/semantics.md, "Gradient buffers"): in each,
     the forward's gradient ops act on ``.grad``, the backward's fresh-buffer ops on the fresh
     gradient, which is then added to ``.grad``, then the ops on the accumulated buffer run.
-    Returns ``.grad`` after the loop, the named contributions and the single-device value."""
+    A device-to-host copy inside the loop snapshots the buffer it names at its point of the loop
+    (``.grad`` as the earlier micro-batches and the ops so far left it, or this micro-batch's fresh
+    gradient), each micro-batch overwriting the host copy, as ``copy_`` of ``p.grad`` does.
+    Returns ``.grad`` after the loop, the named contributions, the single-device value and, by
+    op number, the host copy each in-loop device-to-host copy left after the last micro-batch."""
     m = case.micro_batches
     acc: list[z3.ArithRef] = [z3.RealVal(0)] * k
     acc_rest: z3.ArithRef = z3.RealVal(0)
     named: dict[str, z3.ArithRef] = {}
     references: list[z3.ArithRef] = []
     ops = list(enumerate(zip(case.ops, case.buffers, strict=True), start=1))
-    loop = [(n, op, b) for n, (op, b) in ops if _in_loop(op, m) and op.kind is not OpKind.DEVICE_TO_HOST]
+    loop = [(n, op, b) for n, (op, b) in ops if _in_loop(op, m)]
+    copies: dict[int, list[z3.ArithRef]] = {}
 
     def run(n: int, op: Op, values: list[z3.ArithRef], rest_v: z3.ArithRef, j: int) -> tuple[Any, Any]:
+        if op.kind is OpKind.DEVICE_TO_HOST:
+            copy = [z3.Real(f"h{n}_{i}@mb{j}") for i in range(k)]
+            solver.track(f"{_op_label(n, op)}@mb{j}", z3.And(*[copy[i] == values[i] for i in range(k)]))
+            copies[n] = copy
+            return values, rest_v
         new = [z3.Real(f"v{n}_{i}@mb{j}") for i in range(k)]
         new_rest = z3.Real(f"v{n}_rest@mb{j}")
         exprs, rest_expr = _apply(op, values, rest_v, case, rest, scatter=True)
@@ -269,7 +282,7 @@ def _micro_batches(
         for n, op, buffer in loop:
             if op.phase is not Phase.FORWARD and buffer is Buffer.ACCUMULATED:
                 acc, acc_rest = run(n, op, acc, acc_rest, j)
-    return acc, acc_rest, named, z3.Sum(*references)
+    return acc, acc_rest, named, z3.Sum(*references), copies
 
 
 def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation, list[Violation]]:
@@ -280,8 +293,9 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
     rest = degree - k  # devices folded into one aggregate
     solver = _Solver(timeout_ms)
     m = case.micro_batches
+    copies: dict[int, list[z3.ArithRef]] = {}
     if m:
-        values, rest_v, contributions, reference = _micro_batches(case, solver, k, rest, name)
+        values, rest_v, contributions, reference, copies = _micro_batches(case, solver, k, rest, name)
     else:
         values, rest_v, contributions, _, reference = _start(case, solver, k, rest, name)
     # A gradient sharded along the axis is read by its one holder (device 0 by symmetry).
@@ -294,12 +308,14 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
     for n, op in enumerate(ops, start=1):
         if op.kind is OpKind.DEVICE_TO_HOST:
             # A copy of the device value at the time of the transfer: later device-side
-            # reductions do not reach it. Before the backward has produced the gradient (a copy
-            # in the forward or the backward phase) the buffer holds none of it.
-            host = [z3.Real(f"h{n}_{i}") for i in range(k)]
-            incomplete = op.phase in (Phase.FORWARD, Phase.BACKWARD)
-            solver.track(_op_label(n, op), z3.And(*[host[i] == (0 if incomplete else values[i]) for i in range(k)]))
+            # reductions do not reach it. Inside the micro-batch loop the copy is the last
+            # micro-batch's snapshot of its buffer (``_micro_batches``).
             copied = n - 1
+            if n in copies:
+                host = copies[n]
+                continue
+            host = [z3.Real(f"h{n}_{i}") for i in range(k)]
+            solver.track(_op_label(n, op), z3.And(*[host[i] == values[i] for i in range(k)]))
             continue
         if m and _in_loop(op, m):
             continue  # run with each micro-batch (``_micro_batches``)
@@ -335,7 +351,11 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
     model = answer.model
     ref_value = _number(model.eval(target, model_completion=True))
     held = {str(i): _number(model.eval(read[i], model_completion=True)) for i in owners}
-    accumulated = [op for op, b in zip(ops, case.buffers, strict=True) if _in_loop(op, m) and b is Buffer.ACCUMULATED]
+    accumulated = [
+        op
+        for op, b in zip(ops, case.buffers, strict=True)
+        if _in_loop(op, m) and b is Buffer.ACCUMULATED and not _passes_accumulation_through(op)
+    ]
     rule, defect = _classify_integrity(
         origin,
         ops,
@@ -382,6 +402,15 @@ def _decide_integrity(case: _IntegrityCase, timeout_ms: int) -> tuple[Obligation
     ]
 
 
+def _passes_accumulation_through(op: Op) -> bool:
+    """A mean all-reduce of ``.grad`` inside the micro-batch loop: what the earlier micro-batches
+    left is already equal across the axis (their own mean all-reduce made it so), and a mean of
+    equal values is that value, so only the new micro-batch's gradient is averaged: the op cannot
+    be what breaks the gradient (docs/semantics.md, "Gradient buffers"), and a wrong value is
+    then the normaliser's or another op's."""
+    return op.kind is OpKind.ALL_REDUCE and op.reduce is Reduce.MEAN
+
+
 def _classify_integrity(
     origin: Origin,
     ops: list[Op],
@@ -397,13 +426,14 @@ def _classify_integrity(
     on ``.grad`` inside the loop over ``m`` micro-batches."""
     if copied is not None:
         copy = ops[copied]
-        if copy.phase in (Phase.FORWARD, Phase.BACKWARD):
+        after = [op for op in ops[copied + 1 :] if op.kind.is_reduction or op.kind is OpKind.SCALE]
+        if copy.phase in (Phase.FORWARD, Phase.BACKWARD) and (m > 1 or copy.phase is Phase.FORWARD or not after):
             return (
                 "transfer_after_reduction",
-                f"the gradient is copied to the host in the {copy.phase.value} "
-                "phase, before the backward has produced it: the host optimizer reads an incomplete gradient",
+                f"the gradient is copied to the host in the {copy.phase.value} phase, inside the micro-batch "
+                "loop: the host keeps the last micro-batch's snapshot of the buffer the copy names (its fresh "
+                "gradient, or .grad as accumulated so far), not the step's synchronised gradient",
             )
-        after = [op for op in ops[copied + 1 :] if op.kind.is_reduction or op.kind is OpKind.SCALE]
         if after:
             what = f"{after[0].kind.value}" + (f" ({after[0].reduce.value})" if after[0].reduce else "")
             return (

@@ -261,16 +261,23 @@ def test_z3_proves_a_mutated_expert_parallel_program_iff_it_trains_like_one_devi
     assert (verdict.status is Status.PROVED) == matches, (str(composition), what, verdict.status)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cost model: under full recomputation the replayed forward's token all-to-alls are not "
-    "counted (formal/_program.py's ep ops keep 2 per layer in backward; tp and cp double theirs)",
-)
 def test_full_recomputation_replays_the_token_all_to_alls_in_the_cost_model_too() -> None:
     """Megatron-LM's full recomputation checkpoints whole layers, the MoE token dispatcher's
-    all-to-alls included, so the backward runs them twice: four per layer, as the simulator sends."""
+    all-to-alls included, so the backward runs them twice: four per layer, as the simulator sends.
+    (The cost model once counted two per layer in backward: it was wrong, the simulator right.)"""
     composition = parse("ep2xrecompute")
-    result = simulate(composition, reference_for(composition), steps=1)
+    model = reference_for(composition)
+    transformer = model.transformer()
+    program = derive_program(composition.placement(transformer), transformer)
+    # Per micro-batch and layer: dispatch and combine in the forward, their replay and the
+    # backward's own two in the backward (one micro-batch, no pipeline: every layer on the device).
+    sent = {
+        phase: sum(op.count for op in program.ops if op.kind is OpKind.ALL_TO_ALL and op.phase is phase)
+        for phase in (Phase.FORWARD, Phase.BACKWARD)
+    }
+    layers = transformer.layers * composition.options.micro_batches
+    assert sent == {Phase.FORWARD: 2 * layers, Phase.BACKWARD: 4 * layers}
+    result = simulate(composition, model, steps=1)
     assert result.matches, str(result.divergence)
     assert not result.cost_mismatches, result.cost_mismatches
 

@@ -114,6 +114,24 @@ def test_reduce_scatter_then_all_gather_of_the_gradient_is_right(tmp_path: Path)
     assert matches is True
 
 
+def test_an_all_reduce_after_a_reduce_scatter_of_the_gradient_is_refuted(tmp_path: Path) -> None:
+    """dp2, replicated G, a mean reduce-scatter then a mean all-reduce. ``reduce_scatter_tensor``
+    into the gradient's own shard (ZeRO-2, FSDP) leaves device 0 the mean m = (g0 + g1)/2 on shard
+    0 and, outside it, its unreduced g0 or freed memory; device 1 holds g1 on shard 0. The
+    all-reduce then gives shard 0 the value (m + g1)/2, not m: both z3 and the simulator refute it.
+    Gathering the shards first makes every device hold m everywhere, and the all-reduce of equal
+    values changes nothing: proved and matching."""
+    scatter = '[[program]]\nop = "reduce_scatter"\naxis = "dp"\nreduce = "mean"\n'
+    gather = '[[program]]\nop = "all_gather"\nstate = "G"\naxis = "dp"\nphase = "grad_sync"\n'
+    verdict, matches = _judge(tmp_path, "dp2", scatter + MEAN_DP)
+    assert verdict.status is Status.REFUTED
+    assert _fired(verdict, "alignment[O/G.attention, dp]") or _fired(verdict, "reduction_closure[G.attention")
+    assert matches is False
+    verdict, matches = _judge(tmp_path, "dp2", scatter + gather + MEAN_DP)
+    _proved(verdict)
+    assert matches is True
+
+
 # --------------------------------------------------------------------------- 2: forward-phase gradient ops
 
 
@@ -319,16 +337,125 @@ def test_hsdp_normalised_once_over_shard_and_replicate_axes(tmp_path: Path) -> N
     assert matches is False
 
 
+DENSE_GROUPS = ("attention", "row_bias", "norm", "final_norm", "embedding", "router")
+
+
 def test_expert_data_parallel_normalised_over_dp_and_ep(tmp_path: Path) -> None:
-    """MoE: dense gradients summed over dp and ep (every device of the 2 x 2 mesh sees its own
-    tokens), one scale by 1/(dp x ep) = 1/4: the single-device mean. 1/2 doubles it. (The simulator
-    models no experts: z3 only.)"""
-    program = SUM_DP_CP.replace('axis = "cp"', 'axis = "ep"')
-    verdict, _ = _judge(tmp_path, "dp2xep2", program.format(scale="1/4"), simulated=False)
-    integrity = [ob for ob in verdict.obligations if ob.name.startswith("gradient_integrity[G.attention")]
-    assert integrity and all(ob.status is Status.PROVED for ob in integrity)
-    verdict, _ = _judge(tmp_path, "dp2xep2", program.format(scale="1/2"), simulated=False)
-    assert _fired(verdict, "normalisation[G.attention")
+    """MoE over a 2 x 2 (dp, ep) mesh, Megatron-LM's layout: the dense gradients are summed over dp
+    and ep (every device sees its own tokens), the experts' over dp only (ep places different
+    experts), then one scale by 1/(dp x ep) = 1/4. A device's expert gradient sums its ep group's
+    tokens over their local batch (the all-to-all brings them), so the dp sum times 1/4 is the
+    single-device mean too. 1/2 doubles every dense gradient."""
+    program = (
+        '[[program]]\nop = "all_reduce"\naxis = "dp"\nreduce = "sum"\n'
+        + "".join(f'[[program]]\nop = "all_reduce"\naxis = "ep"\nreduce = "sum"\ngroup = "{g}"\n' for g in DENSE_GROUPS)
+        + '[[program]]\nop = "scale"\nscale = "{scale}"\n'
+    )
+    verdict, matches = _judge(tmp_path, "dp2xep2", program.format(scale="1/4"))
+    _proved(verdict)
+    assert matches is True
+    verdict, matches = _judge(tmp_path, "dp2xep2", program.format(scale="1/2"))
+    violation = _refuted(verdict, "normalisation[G.attention")
+    assert violation.axis == "ep"
+    assert matches is False
+
+
+def test_an_all_reduce_of_the_experts_along_ep_is_refuted(tmp_path: Path) -> None:
+    """Summing every group's gradient over ep, the experts included: device 0's expert tensor holds
+    expert 0, device 1's expert 1, and ``all_reduce`` adds them element by element, so each device's
+    expert ends as the sum of two different experts' gradients, not its own. (The simulator once
+    summed by global parameter index, as if each device held every expert, and matched single-device
+    training while z3 refuted: the simulator was wrong.)"""
+    program = SUM_DP_CP.replace('axis = "cp"', 'axis = "ep"').format(scale="1/4")
+    verdict, matches = _judge(tmp_path, "dp2xep2", program)
+    _refuted(verdict, "reduction_closure[G.experts, ep]")
+    assert not _fired(verdict, "normalisation[G.attention")
+    assert matches is False
+
+
+def test_a_reduce_scatter_of_the_experts_along_ep_is_refuted(tmp_path: Path) -> None:
+    """The dense gradients as Megatron-LM reduces them, the experts' reduce-scattered over ep:
+    ``reduce_scatter_tensor`` sums device 0's expert-0 tensor with device 1's expert-1 tensor element
+    by element and leaves each half of that sum, so no device holds its own expert's gradient.
+    (The simulator once reduced by global parameter index and matched while z3 refuted: the
+    simulator was wrong.)"""
+    program = (
+        '[[program]]\nop = "all_reduce"\naxis = "dp"\nreduce = "sum"\n'
+        + "".join(f'[[program]]\nop = "all_reduce"\naxis = "ep"\nreduce = "sum"\ngroup = "{g}"\n' for g in DENSE_GROUPS)
+        + '[[program]]\nop = "reduce_scatter"\naxis = "ep"\nreduce = "sum"\ngroup = "experts"\n'
+        + '[[program]]\nop = "scale"\nscale = "1/4"\n'
+    )
+    verdict, matches = _judge(tmp_path, "dp2xep2", program)
+    _refuted(verdict, "reduction_closure[G.experts, ep]")
+    assert matches is False
+
+
+def _per_micro_batch_dp_then_cp(reduce: str, scale: str) -> str:
+    return (
+        f'[[program]]\nop = "all_reduce"\naxis = "dp"\nreduce = "{reduce}"\nphase = "backward"\n'
+        'buffer = "accumulated"\n'
+        '[[program]]\nop = "all_reduce"\naxis = "cp"\nreduce = "sum"\n'
+        f'[[program]]\nop = "scale"\nscale = "{scale}"\n'
+    )
+
+
+def test_a_per_micro_batch_mean_of_grad_with_a_later_cp_normaliser(tmp_path: Path) -> None:
+    """dp2 x cp2 with three micro-batches: ``.grad`` mean all-reduced over dp after each backward
+    (what the earlier micro-batches left is already equal over dp, so only the new gradient is
+    averaged), then summed over cp once and scaled by 1/2: the mean over dp and over cp, the
+    single-device gradient. (z3 once named the per-micro-batch mean a ``gradient_buffer`` defect
+    on dp, which kept the cross-axis normaliser from being read off, and refuted this right
+    program; the simulator was right.) Scaled by 1/4 the cp sum is halved twice: a normaliser
+    defect; a sum all-reduce of ``.grad`` sums the earlier micro-batches again: a buffer defect."""
+    verdict, matches = _judge(tmp_path, "dp2xcp2xm3", _per_micro_batch_dp_then_cp("mean", "1/2"))
+    _proved(verdict)
+    assert matches is True
+    verdict, matches = _judge(tmp_path, "dp2xcp2xm3", _per_micro_batch_dp_then_cp("mean", "1/4"))
+    _refuted(verdict, "normalisation[G.attention")
+    assert not _fired(verdict, "gradient_buffer[")
+    assert matches is False
+    verdict, matches = _judge(tmp_path, "dp2xcp2xm3", _per_micro_batch_dp_then_cp("sum", "1/4"))
+    _refuted(verdict, "gradient_buffer[G.attention, dp]")
+    assert matches is False
+
+
+OFFLOADED = '[[program]]\nop = "host_to_device"\nstate = "P"\nphase = "refresh"\n'
+BACKWARD_MEAN = '[[program]]\nop = "all_reduce"\naxis = "dp"\nreduce = "mean"\nphase = "backward"\n'
+
+
+def _host_copy(buffer: str) -> str:
+    return f'[[program]]\nop = "device_to_host"\nstate = "G"\nphase = "backward"\nbuffer = "{buffer}"\n'
+
+
+@pytest.mark.parametrize("m", [2, 3])
+def test_a_host_copy_of_grad_inside_the_loop_copies_what_is_accumulated(tmp_path: Path, m: int) -> None:
+    """ZeRO-Offload-like dp2 with m micro-batches: each fresh gradient is mean all-reduced, added
+    to ``.grad``, and ``.grad`` is copied to the host after every backward. ``p.grad.copy_``
+    copies what is accumulated so far, so the last copy holds the sum of the m reduced
+    micro-batch gradients: the single-device gradient (z3 once took a copy inside the loop for an
+    empty one and refuted this program; the simulator was right). Copying the fresh buffer instead
+    keeps only the last micro-batch's gradient, 1/m of the sum: wrong on both sides."""
+    composition = f"dp2xoffloadxm{m}"
+    verdict, matches = _judge(tmp_path, composition, BACKWARD_MEAN + _host_copy("accumulated") + OFFLOADED)
+    _proved(verdict)
+    assert matches is True
+    verdict, matches = _judge(tmp_path, composition, BACKWARD_MEAN + _host_copy("fresh") + OFFLOADED)
+    violation = _refuted(verdict, "transfer_after_reduction[G.attention")
+    assert "last micro-batch" in violation.explanation
+    assert matches is False
+
+
+def test_a_host_copy_of_the_fresh_gradient_with_one_micro_batch_is_the_gradient(tmp_path: Path) -> None:
+    """With one micro-batch the fresh gradient, reduced before the copy, is the whole step's
+    gradient: the copy is right (the simulator once copied ``.grad`` before the accumulation, an
+    empty buffer, and diverged while z3 proved it). Copied before the reduction it is the local
+    gradient: wrong on both sides."""
+    verdict, matches = _judge(tmp_path, "dp2xoffload", BACKWARD_MEAN + _host_copy("fresh") + OFFLOADED)
+    _proved(verdict)
+    assert matches is True
+    verdict, matches = _judge(tmp_path, "dp2xoffload", _host_copy("fresh") + BACKWARD_MEAN + OFFLOADED)
+    _refuted(verdict, "transfer_after_reduction[G.attention")
+    assert matches is False
 
 
 # --------------------------------------------------------------------------- properties

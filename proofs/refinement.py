@@ -32,7 +32,7 @@ from formal._program import Op, StepProgram, derive_program
 from formal._smt import decide
 from formal._strategies import LIBRARY, Composition
 from formal._verdict import Status
-from formal._vocab import Axis, Group, Mode, OpKind, Phase, State
+from formal._vocab import Group, Mode, OpKind, Phase, State
 from proofs._machine import Mesh, Program, constant_features, mesh_name, sufficiency_query
 from proofs._obligation import Obligation, Outcome
 from proofs._solver import Answer, prove
@@ -77,8 +77,16 @@ def scope(program: StepProgram, model: Model, group: Group) -> str | None:
         # (ZeRO-Infinity), which must still be gathered after the fetch, or its own replica,
         # updated only on its optimizer shard, whose other shards go stale on the host.
         return "offloaded P with P or O sharded (the machine keeps one whole host copy)"
-    if any(pl.computes_sharded(a, group) and a.splits_data and a is not Axis.EP for a in pl.axes):
+    if any(pl.computes_sharded(a, group) and a.kind.splits_data and not a.kind.places_experts for a in pl.axes):
         return "computation split along a data axis (no machine class for it)"
+    if any(
+        pl.computes_sharded(a, group) and not a.kind.is_pipeline and not pl.mode(G, group, a).is_sharded
+        for a in pl.axes
+    ):
+        # The machine reads a gradient computed in slices as whole wherever G is replicated: it
+        # has no computation slices, so it cannot see the stale replica outside a rank's slice
+        # (formal._rules, split computation needs a sharded gradient).
+        return "computation split over a replicated gradient (the machine has no computation slices)"
     if _activations(program.ops) != _activations(derive_program(pl, model).ops):
         return "activation collectives other than the derived ones"
     mine = [op for op in program.ops if op.group == group and op.state is not A]

@@ -172,7 +172,7 @@ def _scale_without_axis(program: StepProgram) -> StepProgram:
     return program.with_ops(ops)
 
 
-REPLICATED_COMPUTE = '[strategies.rep-tp]\naxis = "tp"\nP = "R"\ncompute_sharded = ["attention"]\n'
+REPLICATED_COMPUTE = '[strategies.rep-tp]\naxis = "tp"\nP = "R"\ncompute_sharded = ["attention", "mlp"]\n'
 SAME_SAMPLES = '[strategies.same-dp]\naxis = "dp"\nP = "R"\nA = "R"\n'
 HAND_MADE = {
     "1": ("dp2", "", _gradient_broadcast_before_reduction),
@@ -183,7 +183,6 @@ HAND_MADE = {
     "6": ("dp2", "", _parameter_scale),
     "7": ("dp2xcp2", "", _one_scale_for_two_sums),
     "9": ("m-dp2", '[strategies.m-dp]\naxis = "dp"\nP = "M"\n', None),
-    "10": ("plain-tp2", '[strategies.plain-tp]\naxis = "tp"\nP = "R"\nO = "R"\n', None),
     "11": ("dp2", "", _scale_without_axis),
     "12": ("sp-tp2xsp", '[strategies.sp-tp]\naxis = "tp"\nP = "S"\nO = "S"\nG = "S"\ncompute_sharded = "all"\n', None),
     "14": ("tp2", "", _tp_gradient_all_reduce),
@@ -194,6 +193,15 @@ HAND_MADE = {
 def test_a_hand_made_member_of_each_class_is_recognised(name: str) -> None:
     text, toml, change = HAND_MADE[name]
     assert name in known_classes(_explored(text, toml, change))
+
+
+def test_class_10_is_gone_at_its_source() -> None:
+    """Class 10 (tp activation sums over blocks no rank splits) came from the derived program; a
+    step-program file cannot add activation collectives, so it has no hand-made member. The
+    derivation now emits no tp sums when nothing is computed split along tp."""
+    explored = _explored("plain-tp2", '[strategies.plain-tp]\naxis = "tp"\nP = "R"\nO = "R"\n', None)
+    assert "10" not in known_classes(explored)
+    assert not [op for op in explored.program.ops if op.state is State.ACTIVATIONS and op.axis is not None]
 
 
 def test_the_gradient_op_classes_need_several_micro_batches() -> None:

@@ -106,11 +106,27 @@ def test_a_mean_all_reduce_done_twice_is_proved_by_both() -> None:
 def test_modes_and_host_copies_the_machine_lacks_are_out_of_scope() -> None:
     """Were refinement disagreements: a per-axis mode M (nothing held between uses) read by the
     machine as replicated, and offloaded replicas updated from optimizer shards (the machine keeps
-    one host copy): the shipped encoder refutes both, the machine cannot judge them."""
-    for text, toml in (("m-dp2", '[strategies.m-dp]\naxis = "dp"\nP = "M"\n'), ("distopt2xoffload-params", "")):
+    one host copy): the machine cannot judge them. The shipped encoder refutes the first and proves
+    the second, whose derived refresh brings the updated shard to the device, gathers it there and
+    copies the replica back (ZeRO-Infinity)."""
+    for text, toml, shipped in (
+        ("m-dp2", '[strategies.m-dp]\naxis = "dp"\nP = "M"\n', Status.REFUTED),
+        ("distopt2xoffload-params", "", Status.PROVED),
+    ):
         composition, program, model = _derived(text, toml)
         comparisons = compare(composition, program, model)
-        assert comparisons and all(c.machine is None and c.shipped is Status.REFUTED for c in comparisons), text
+        assert comparisons and all(c.machine is None and c.shipped is shipped for c in comparisons), text
+
+
+def test_split_computation_over_a_replicated_gradient_is_out_of_scope() -> None:
+    """Was a refinement disagreement: tp-replicated states with attention and mlp computed split.
+    Each rank's gradient is right on its own slice only; the shipped encoder refutes it by rule,
+    the machine (no computation slices) proved it: it is out of the machine's scope."""
+    toml = '[strategies.rep-tp]\naxis = "tp"\nP = "R"\nO = "R"\nG = "R"\ncompute_sharded = ["attention", "mlp"]\n'
+    composition, program, model = _derived("rep-tp2", toml)
+    comparisons = {c.group: c for c in compare(composition, program, model)}
+    for group in ("attention", "mlp"):
+        assert comparisons[group].machine is None and "computation slices" in comparisons[group].reason
 
 
 def test_sharded_offload_is_out_of_scope() -> None:

@@ -186,7 +186,7 @@ def request(
         given = base_model(model, params) if (model or params) else None
         imported = load_config(Path(from_path), devices=devices, model=given, seq=seq)
         comp = imported.composition
-        base = given or imported.transformer or base_model(imported.model, None)
+        base = imported.transformer or given or base_model(imported.model, None)  # the import's dropout wins
         chosen = sized(
             base,
             micro_batch if micro_batch is not None else imported.micro_batch,

@@ -4,20 +4,26 @@ report's heading and witness tables."""
 
 from __future__ import annotations
 
+import json
 import math
 from fractions import Fraction
+from pathlib import Path
 
+import pytest
+from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies_costs import compositions, transformers
 
 from checker._analysis import analyze
+from checker._import_common import ConfigError
+from checker._import_megatron import import_megatron
 from checker._parse import parse
 from checker._report import to_json
-from formal._model import PRECISIONS, Transformer
-from formal._presets import PRESETS
-from formal._model import ParameterCount
+from checker.cli import main
+from formal._model import PRECISIONS, ParameterCount, Transformer
+from formal._presets import DEFAULT_MODEL, PRESETS
 from formal._schedules import Schedule
-from strategies_costs import compositions, transformers
 
 PROPERTY = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ZERO = PRECISIONS["zero"]  # 16-bit activations, 1-byte dropout masks (Korthikanti et al. 2022, section 4.1)
@@ -63,10 +69,73 @@ def test_gpt3_xl_layer_is_korthikanti_34sbh_plus_5as2b() -> None:
     doc = to_json(analyze(parse("dp1"), model, ZERO))
     parts = doc["memory"]["activations_by_group"]
     assert sum(parts["layer"].values()) == 34 * s * b * h + 5 * a * s * s * b
-    assert parts["layer"] == {"layer_io": 10 * s * b * h, "linear_inner": 24 * s * b * h, "attn_scores": 5 * a * s * s * b}
+    sbh = s * b * h
+    assert parts["layer"] == {"layer_io": 10 * sbh, "linear_inner": 24 * sbh, "attn_scores": 5 * a * s * s * b}
     assert sum(parts["layers"].values()) == model.layers * (34 * s * b * h + 5 * a * s * s * b)
 
 
 def test_a_bare_parameter_count_has_no_activation_groups() -> None:
     doc = to_json(analyze(parse("zero3(dp=8)"), ParameterCount(7 * 10**9)))
     assert doc["memory"]["activations_by_group"] is None and doc["memory"]["per_device"]["activations"] is None
+
+
+# --- 2. Megatron dropout -----------------------------------------------------------------
+
+MEG_GPT = [  # GPT-3 XL's dimensions (Brown et al. 2020, Table 2.1) with GPT-2's tokenizer
+    "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+    "--seq-length", "2048", "--tokenizer-type", "GPT2BPETokenizer",
+]  # fmt: skip
+rates = st.sampled_from(["0", "0.0", "0.1", "0.05", "1e-1", "0.00"])
+
+
+@given(st.none() | rates, st.none() | rates, st.booleans())
+@settings(max_examples=30, deadline=None)
+def test_megatron_dropout_is_off_only_when_both_rates_are_zero(
+    attention: str | None, hidden: str | None, sized: bool
+) -> None:
+    """Megatron-LM's defaults are 0.1 for both (``megatron/training/arguments.py``); the model
+    keeps dropout masks unless both rates are zero (Korthikanti et al. 2022, section 4.1)."""
+    args = list(MEG_GPT) if sized else []
+    if attention is not None:
+        args += ["--attention-dropout", attention]
+    if hidden is not None:
+        args += ["--hidden-dropout", hidden]
+    out = import_megatron(args, devices=8)
+    off = attention is not None and hidden is not None and Fraction(attention) == 0 == Fraction(hidden)
+    model = out.transformer or PRESETS[out.model or DEFAULT_MODEL]  # what check analyses
+    assert isinstance(model, Transformer)
+    expected = PRESETS["gpt3-1.3b"] if sized else PRESETS[DEFAULT_MODEL]
+    same = ("layers", "hidden", "heads", "kv_heads_", "ffn_", "ffn_kind", "norm", "bias", "experts")
+    assert all(getattr(model, k) == getattr(expected, k) for k in same)
+    if sized or attention is not None or hidden is not None:  # the rates (default 0.1) decide
+        assert model.dropout is not off
+    else:  # the default model, which the arguments do not describe, keeps its own setting
+        assert model.dropout is expected.dropout
+    one_zero = [r for r in (attention, hidden) if r is not None and Fraction(r) == 0]
+    assert any("one dropout setting" in u.why for u in out.unmapped) == (len(one_zero) == 1 and not off)
+
+
+def test_megatron_dropout_zero_applies_to_a_given_model_and_drops_the_masks(tmp_path: Path) -> None:
+    """Through ``check --from``: no dropout removes the masks, so the per-layer activations are
+    Korthikanti et al. 2022's 34sbh + 5as²b (section 4.1) less the two sbh residual masks, the as²b
+    score mask, and the dropout's 2as²b output (without dropout the V product reads the softmax
+    output it already keeps): 32sbh + 2as²b."""
+    script = tmp_path / "train.sh"
+    rates = " --bf16 --attention-dropout 0 --hidden-dropout 0\n"
+    script.write_text("torchrun pretrain_gpt.py " + " ".join(MEG_GPT) + rates)
+    ran = CliRunner().invoke(main, ["check", "--from", str(script), "--model", "gpt3-1.3b", "--devices", "1", "--json"])
+    assert ran.exit_code == 0, ran.output
+    doc = json.loads(ran.stdout)
+    m = PRESETS["gpt3-1.3b"]
+    assert isinstance(m, Transformer)
+    s, b, h, a = m.seq, m.micro_batch, m.hidden, m.heads
+    layer = doc["memory"]["activations_by_group"]["layer"]
+    assert doc["precision"]["activations"] == 2  # --bf16
+    assert sum(layer.values()) == 32 * s * b * h + 2 * a * s * s * b
+
+
+def test_megatron_dropout_rate_that_is_not_a_rate_is_refused() -> None:
+    with pytest.raises(ConfigError, match="--hidden-dropout"):
+        import_megatron(["--hidden-dropout", "1.5"], devices=8)
+    with pytest.raises(ConfigError, match="--attention-dropout"):
+        import_megatron(["--attention-dropout", "none"], devices=8)

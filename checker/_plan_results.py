@@ -208,6 +208,7 @@ class Plan:
             "parameters": self.model.parameter_count(),
             "devices": self.cluster.devices,
             "device_memory": self.cluster.device_memory,
+            "reserve": self.cluster.reserve,
             "global_batch": self.global_batch,
             "precision": self.precision.name,
             "rank_by": self.rank_by.value,
@@ -423,7 +424,7 @@ def _alternatives(result: Plan) -> list[Alternative]:
             out.append(
                 Alternative(
                     shape.label,
-                    f"{c.readable}: {gb(c.memory)} per device > "
+                    f"{c.readable}: {gb(c.memory)} per device + {gb(result.cluster.reserve)} reserve > "
                     f"{gb(result.cluster.device_memory)} (the lightest variant: "
                     f"b={c.micro_batch}, recompute {c.family.recompute.value})",
                     c,

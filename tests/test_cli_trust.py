@@ -8,6 +8,7 @@ import json
 import math
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -139,3 +140,38 @@ def test_megatron_dropout_rate_that_is_not_a_rate_is_refused() -> None:
         import_megatron(["--hidden-dropout", "1.5"], devices=8)
     with pytest.raises(ConfigError, match="--attention-dropout"):
         import_megatron(["--attention-dropout", "none"], devices=8)
+
+
+# --- 3. plan --reserve -------------------------------------------------------------------
+
+PSI = 7 * 10**9  # ZeRO-3 on 8 devices keeps 16 Psi / 8 bytes of model states (Rajbhandari et al. 2020, Figure 1)
+
+
+def _json(*args: str) -> dict[str, Any]:
+    ran = CliRunner().invoke(main, list(args))
+    if ran.exception is not None and not isinstance(ran.exception, SystemExit):
+        raise ran.exception
+    doc: dict[str, Any] = json.loads(ran.stdout)
+    return doc
+
+
+@given(st.sampled_from(["0", "1GB", "4GB", "6.5GB"]), st.sampled_from([-1, 0, 1, -(10**9)]))
+@settings(max_examples=6, deadline=None)
+def test_plan_and_check_agree_on_fit_with_the_same_reserve(reserve: str, delta: int) -> None:
+    """A composition fits when its peak + reserve <= device memory, in ``check`` and ``plan``
+    alike; here the peak is ZeRO-3's 16 Psi / N, so the device memory is set at the boundary."""
+    kept = 0 if reserve == "0" else int(Fraction(reserve.removesuffix("GB")) * 10**9)
+    capacity = 16 * PSI // 8 + kept + delta
+    common = ["--params", "7e9", "--device-memory", str(capacity), "--reserve", reserve]
+    checked = _json("check", "zero3(dp=8)", *common, "--json")
+    pins = ["--fix", "dp=8,tp=1,pp=1,cp=1", "--data", "zero3", "--micro-batch", "1", "--top", "10"]
+    planned = _json("plan", *common, "--devices", "8", *pins, "--json")
+    fits = 16 * PSI // 8 + kept <= capacity
+    assert checked["memory"]["fits"] is fits and checked["memory"]["reserve"] == kept
+    shown = [c for c in planned["candidates"] if c["composition"] == checked["composition"]]  # no offload
+    assert planned["reserve"] == kept and bool(shown) is fits
+    assert all(c["memory_bytes"] + kept <= capacity for c in planned["candidates"])
+
+
+def test_plan_takes_checks_default_reserve() -> None:
+    assert _json("plan", "--params", "7e9", "--devices", "8", "--top", "1", "--json")["reserve"] == 4 * 10**9

@@ -253,6 +253,8 @@ def plan_command() -> Any:
         proved = bool(result.top) and all(c.status is Status.PROVED for c in result.top)
         code = EXIT_VALID if proved else EXIT_UNKNOWN if result.top else EXIT_INVALID
         set_outcome(code)
+        for warning in result.warnings:
+            click.echo(f"warning: {warning}", err=True)
         if as_json:
             click.echo(json.dumps(result.as_json(), indent=2))
         else:

@@ -198,6 +198,18 @@ class Plan:
         return position, self.candidate(row)
 
     @property
+    def warnings(self) -> list[str]:
+        """What the ranking cannot see: a bare parameter count has no layers, so its candidates'
+        activations (0 in the memory figure) and FLOPs (0 in the step time) are unknown and they
+        are ranked by model states, buffers and communication alone."""
+        if isinstance(self.model, Transformer):
+            return []
+        return [
+            f"{self.model.parameter_count():,} parameters without layers: activations and FLOPs are unknown, "
+            "so candidates are ranked without activation memory or compute time (give --model)"
+        ]
+
+    @property
     def feasible(self) -> int:
         return int(self.fits.sum())
 
@@ -212,6 +224,7 @@ class Plan:
             "global_batch": self.global_batch,
             "precision": self.precision.name,
             "rank_by": self.rank_by.value,
+            "warnings": self.warnings,
             "counts": {
                 "families": len(self.families),
                 "enumerated": self.enumerated,

@@ -175,3 +175,30 @@ def test_plan_and_check_agree_on_fit_with_the_same_reserve(reserve: str, delta: 
 
 def test_plan_takes_checks_default_reserve() -> None:
     assert _json("plan", "--params", "7e9", "--devices", "8", "--top", "1", "--json")["reserve"] == 4 * 10**9
+
+
+# --- 4. plan's warning on unknown activations ------------------------------------------
+
+
+def _plan(*args: str) -> tuple[str, str]:
+    ran = CliRunner().invoke(main, ["plan", "--devices", "8", "--top", "1", "--data", "zero3", *args])
+    if ran.exception is not None and not isinstance(ran.exception, SystemExit):
+        raise ran.exception
+    return ran.stdout, ran.stderr
+
+
+@given(st.sampled_from(["7e9", "70B", "1.3e9"]), st.booleans())
+@settings(max_examples=4, deadline=None)
+def test_plan_on_a_bare_parameter_count_warns_once(params: str, as_json: bool) -> None:
+    """A parameter count has no layers: activations and FLOPs unknown, said once on stderr and
+    in the JSON's ``warnings``."""
+    out, err = _plan("--params", params, *(["--json"] if as_json else []))
+    lines = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(lines) == 1 and "activations and FLOPs are unknown" in lines[0]
+    if as_json:
+        assert json.loads(out)["warnings"] == [lines[0].removeprefix("warning: ")]
+
+
+def test_plan_on_a_model_with_layers_does_not_warn() -> None:
+    out, err = _plan("--model", "gpt3-1.3b", "--json")
+    assert "warning:" not in err and json.loads(out)["warnings"] == []

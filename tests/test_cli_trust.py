@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from fractions import Fraction
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from strategies_costs import compositions, transformers
 
 from checker._analysis import analyze
+from checker._html import render_html
 from checker._import_common import ConfigError
 from checker._import_megatron import import_megatron
 from checker._parse import parse
@@ -25,6 +27,7 @@ from checker.cli import main
 from formal._model import PRECISIONS, ParameterCount, Transformer
 from formal._presets import DEFAULT_MODEL, PRESETS
 from formal._schedules import Schedule
+from formal._verdict import Condition, Obligation, Status, Verdict, Violation
 
 PROPERTY = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ZERO = PRECISIONS["zero"]  # 16-bit activations, 1-byte dropout masks (Korthikanti et al. 2022, section 4.1)
@@ -202,3 +205,92 @@ def test_plan_on_a_bare_parameter_count_warns_once(params: str, as_json: bool) -
 def test_plan_on_a_model_with_layers_does_not_warn() -> None:
     out, err = _plan("--model", "gpt3-1.3b", "--json")
     assert "warning:" not in err and json.loads(out)["warnings"] == []
+
+
+# --- 5. the HTML report's heading and witnesses ------------------------------------------
+
+
+class _Page(HTMLParser):
+    """The page's <h1> text and its witness tables, each as (key, value) rows, nested tables'
+    rows kept apart (a table inside a cell is its own table)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h1 = ""
+        self._in_h1 = False
+        self.witnesses: list[list[tuple[str, str]]] = []
+        self._stack: list[list[list[str]] | None] = []  # per open table: its rows (None: not a witness)
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "h1":
+            self._in_h1 = True
+        elif tag == "table":
+            self._stack.append([] if ("class", "witness") in attrs else None)
+        elif tag == "tr" and self._stack and self._stack[-1] is not None:
+            self._stack[-1].append([])
+        elif tag == "td" and self._stack and self._stack[-1] is not None:
+            self._cell = []
+            self._stack[-1][-1].append("")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "h1":
+            self._in_h1 = False
+        elif tag == "table" and self._stack:
+            rows = self._stack.pop()
+            if rows is not None:
+                self.witnesses.append([(r[0], r[1]) for r in rows if len(r) == 2])
+
+    def handle_data(self, data: str) -> None:
+        if self._in_h1:
+            self.h1 += data
+        if self._stack and self._stack[-1] is not None and self._stack[-1] and self._stack[-1][-1]:
+            self._stack[-1][-1][-1] += data
+
+
+def _page(doc: dict[str, Any]) -> _Page:
+    parser = _Page()
+    parser.feed(render_html(doc))
+    return parser
+
+
+witness_values = st.recursive(
+    st.integers(-(10**6), 10**6) | st.text('abcdefgh_.<>&"', min_size=1, max_size=6),
+    lambda inner: st.dictionaries(st.text("xyz_dptc", min_size=1, max_size=4), inner, min_size=1, max_size=3),
+    max_leaves=6,
+)
+
+
+@given(
+    st.sampled_from(["tp2xzero3xpp4xsp", "zero3", "tp4xdpxcp2", "hsdpxdpr2"]),
+    st.dictionaries(st.text("abcdefg_", min_size=1, max_size=5), witness_values, min_size=1, max_size=4),
+)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_the_html_report_heads_with_the_readable_echo_and_tabulates_witnesses(
+    text: str, witness: dict[str, Any]
+) -> None:
+    comp = parse(text, devices=64)
+    doc = to_json(analyze(comp, PRESETS["llama2-7b"], ZERO, 80 * 10**9))
+    violation = Violation("rule[G.norm, tp]", Condition.GRADIENT_INTEGRITY, "G", "norm", "tp", "why", witness)
+    doc["verdict"] = Verdict(
+        obligations=(Obligation("g", Condition.GRADIENT_INTEGRITY, Status.REFUTED),), violations=(violation,)
+    ).as_json()
+    page = _page(doc)
+    # The heading is the composition as the CLI echoes it: strategies joined by " × ", a degree
+    # glued to a strategy's final digit written with its axis (zero3(dp=8), never zero38).
+    terms = [f"{s.name}({s.axis.value}={s.degree})" if s.name[-1].isdigit() else str(s) for s in comp.strategies]
+    assert page.h1 == " × ".join(terms + list(comp.modifiers))
+    assert "{" not in page.h1
+    # The witness is a table of its variables, not JSON: the top table's keys are the witness's.
+    top = page.witnesses[-1]  # the outermost table closes last
+    assert [k for k, _ in top] == sorted(witness, key=str)
+    for key, shown in top:
+        value = witness[key]
+        if not isinstance(value, dict):
+            assert shown == str(value)
+    nested = sum(_tables(v) for v in witness.values())
+    assert len(page.witnesses) == 1 + nested
+
+
+def _tables(value: object) -> int:
+    return 1 + sum(_tables(v) for v in value.values()) if isinstance(value, dict) else 0

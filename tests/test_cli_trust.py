@@ -109,6 +109,7 @@ def test_megatron_dropout_is_off_only_when_both_rates_are_zero(
     model = out.transformer or PRESETS[out.model or DEFAULT_MODEL]  # what check analyses
     assert isinstance(model, Transformer)
     expected = PRESETS["gpt3-1.3b"] if sized else PRESETS[DEFAULT_MODEL]
+    assert isinstance(expected, Transformer)
     same = ("layers", "hidden", "heads", "kv_heads_", "ffn_", "ffn_kind", "norm", "bias", "experts")
     assert all(getattr(model, k) == getattr(expected, k) for k in same)
     if sized or attention is not None or hidden is not None:  # the rates (default 0.1) decide

@@ -186,7 +186,7 @@ def request(
         given = base_model(model, params) if (model or params) else None
         imported = load_config(Path(from_path), devices=devices, model=given, seq=seq)
         comp = imported.composition
-        base = given or imported.transformer or base_model(imported.model, None)
+        base = imported.transformer or given or base_model(imported.model, None)  # the import's dropout wins
         chosen = sized(
             base,
             micro_batch if micro_batch is not None else imported.micro_batch,
@@ -200,11 +200,18 @@ def request(
     if precision not in PRECISIONS:
         raise InputError(f"--precision {precision}: unknown (known: {', '.join(PRECISIONS)})")
     mem = parse_bytes(device_memory) if device_memory is not None else DEFAULT_DEVICE_MEMORY
+    kept = reserve_bytes(reserve, mem)
+    return Request(comp, chosen, PRECISIONS[precision], mem, devices, strategies, imported, kept)
+
+
+def reserve_bytes(reserve: str, device_memory: int | None) -> int:
+    """``--reserve`` in bytes (``0`` in any unit: no headroom); refused when it leaves nothing of
+    the device memory. ``check`` and ``plan`` read it alike."""
     nothing = re.fullmatch(r"[ \t]*0+(\.0*)?[ \t]*([kmgt]i?)?b?[ \t]*", reserve.lower())  # --reserve 0: no headroom
     kept = 0 if nothing else parse_bytes(reserve, "--reserve")
-    if mem is not None and kept >= mem:
-        raise InputError(f"--reserve {reserve}: leaves nothing of the {mem / 1e9:,.1f} GB device memory")
-    return Request(comp, chosen, PRECISIONS[precision], mem, devices, strategies, imported, kept)
+    if device_memory is not None and kept >= device_memory:
+        raise InputError(f"--reserve {reserve}: leaves nothing of the {device_memory / 1e9:,.1f} GB device memory")
+    return kept
 
 
 def analysis_of(req: Request) -> Analysis:

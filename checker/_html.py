@@ -14,7 +14,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from formal.errors import InputError
+from formal.errors import InputError, PlacementError
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 72em; color: #222; }
@@ -30,16 +30,54 @@ def _e(x: object) -> str:
     return html.escape(str(x))
 
 
-def _table(headers: Sequence[str], rows: Iterable[Sequence[object]], numeric: Iterable[int] = ()) -> str:
+class _Html(str):
+    """Markup built here from escaped parts (a nested table): put into a cell as it is."""
+
+
+def _cell(c: object) -> str:
+    return str(c) if isinstance(c, _Html) else _e(c)
+
+
+def _table(headers: Sequence[str], rows: Iterable[Sequence[object]], numeric: Iterable[int] = (), css: str = "") -> str:
     num = set(numeric)
     head = "".join(f"<th>{_e(h)}</th>" for h in headers)
     body = "".join(
         "<tr>"
-        + "".join(f'<td class="n">{_e(c)}</td>' if i in num else f"<td>{_e(c)}</td>" for i, c in enumerate(row))
+        + "".join(f'<td class="n">{_cell(c)}</td>' if i in num else f"<td>{_cell(c)}</td>" for i, c in enumerate(row))
         + "</tr>"
         for row in rows
     )
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    klass = f' class="{_e(css)}"' if css else ""
+    return f"<table{klass}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _witness(value: object) -> object:
+    """A witness (the z3 model's values, ``Violation.witness``) as a person reads it: a mapping as
+    a table of its keys and values, a list item by item, nested alike; a scalar as it is."""
+    if isinstance(value, dict):
+        if not value:
+            return "none"
+        rows = [(k, _witness(v)) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))]
+        return _Html(_table(["variable", "value"], rows, css="witness"))
+    if isinstance(value, list | tuple):
+        return _Html("<ul>" + "".join(f"<li>{_cell(_witness(v))}</li>" for v in value) + "</ul>")
+    return value
+
+
+def _readable(doc: dict[str, Any]) -> str:
+    """The composition as the CLI echoes it (``checker._parse.readable``: ``tp2 × zero3(dp=8) × pp4``,
+    no degree glued to a strategy's digit); the document's own text when it does not parse with
+    the built-in strategies (a user's strategy file)."""
+    from checker._parse import parse, readable
+
+    text = str(doc["composition"])
+    devices = doc.get("devices")
+    try:
+        return readable(
+            parse(text, devices=devices if isinstance(devices, int) and not isinstance(devices, bool) else None)
+        )
+    except PlacementError:
+        return text
 
 
 def _decimal(exact_text: object) -> str:
@@ -94,7 +132,7 @@ def _verdict_section(doc: dict[str, Any]) -> str:
                         v.get("rule"),
                         v.get("condition"),
                         v.get("explanation"),
-                        json.dumps(v.get("witness", {}), sort_keys=True),
+                        _witness(v.get("witness", {})),
                     )
                     for v in violations
                 ],
@@ -157,12 +195,15 @@ def render_html(doc: dict[str, Any]) -> str:
             "</section>"
         )
     data = json.dumps(doc, sort_keys=True).replace("</", "<\\/")
-    title = f"{doc['composition']} — placement-semantics report"
+    shown = _readable(doc)
+    title = f"{shown} — placement-semantics report"
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title><style>{_CSS}</style></head>
 <body>
-<h1>{_e(doc["composition"])}</h1>
-<p>{_e(doc["devices"])} devices, mesh {_e(" x ".join(f"{a}={d}" for a, d in doc["mesh"].items()))};
+<h1>{_e(shown)}</h1>
+<p>Composition text <code>{_e(doc["composition"])}</code>; {_e(doc["devices"])} devices, mesh {
+        _e(" x ".join(f"{a}={d}" for a, d in doc["mesh"].items()))
+    };
 model <b>{_e(model["name"])}</b> ({model["parameters"]:,} parameters); precision {_e(prec["name"])}
 ({prec["parameters"]}/{prec["gradients"]}/{prec["optimizer"]} bytes per parameter). GB = 1e9 bytes.</p>
 {_verdict_section(doc)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable
 from dataclasses import replace
+from fractions import Fraction
 
 from checker._import_common import ConfigError, Framework, Imported, Unmapped, _divide, imported
 from checker._import_shell import arguments, script_command
@@ -392,8 +393,48 @@ def import_megatron(
     precision = "megatron-fp16" if "--fp16" in flags else "megatron" if "--bf16" in flags else "fp32"
     if {"--fp16", "--bf16"} <= flags:
         raise ConfigError(f"{where}: --fp16 and --bf16 are both given")
+    # Whether the run keeps dropout masks. A model the arguments do not describe (--model, or the
+    # default) keeps its own setting unless a rate is stated; one they describe takes the defaults.
+    dropout = _meg_dropout(values, where, notes)
+    stated = any(name in values for name in _MEG_DROPOUT)
+    base = own or (PRESETS[preset] if preset else model if stated else None)
+    if model is None and preset is None and own is None and stated:
+        base = PRESETS[DEFAULT_MODEL]
+    if isinstance(base, Transformer) and base.dropout != dropout:
+        own = replace(base, dropout=dropout)  # a preset keeps its name (``model``), trained as the arguments say
     out = imported(Framework.MEGATRON, layout, total, micro, seq, precision, preset, notes)
     return out if own is None else replace(out, transformer=own)
+
+
+# Megatron-LM's defaults (``megatron/training/arguments.py``): --attention-dropout 0.1 on the
+# softmax output, --hidden-dropout 0.1 on the residual branches.
+_MEG_DROPOUT = ("--attention-dropout", "--hidden-dropout")
+
+
+def _meg_dropout(values: dict[str, str], where: str, notes: list[Unmapped]) -> bool:
+    """Whether the run applies dropout, and so keeps its masks for the backward (Korthikanti et al.
+    2022, section 4.1): False only when both rates are zero. The model has one dropout setting for
+    the scores and the residuals: with one rate zero and the other not, the masks of both are
+    counted (an upper bound, noted)."""
+    rates: dict[str, Fraction] = {}
+    for name in _MEG_DROPOUT:
+        text = values.get(name, "0.1")
+        try:
+            rate = Fraction(text.strip())
+        except (ValueError, ZeroDivisionError):
+            raise ConfigError(f"{where}: {name} {text}: not a number") from None
+        if not 0 <= rate < 1:
+            raise ConfigError(f"{where}: {name} {text}: a dropout rate is from 0 to below 1")
+        rates[name] = rate
+    zero = [name for name, rate in rates.items() if rate == 0]
+    if len(zero) == 1:
+        notes.append(
+            Unmapped(
+                f"{zero[0]} 0",
+                "the model has one dropout setting: the masks of both attention and hidden dropout are counted",
+            )
+        )
+    return len(zero) < len(rates)
 
 
 _MEG_SIZE = ("--num-layers", "--hidden-size", "--num-attention-heads")
@@ -512,8 +553,9 @@ def _meg_model(
 
 
 def _canonical(t: Transformer) -> Transformer:
-    """``t`` with its defaults spelled out and no name: equal for equal models."""
-    return replace(t, name="", source="", ffn=t.ffn_, kv_heads=t.kv_heads_, head_size=t.head_dim)
+    """``t`` with its defaults spelled out, no name, and dropout (set by the rates, not the
+    dimensions) left out: equal for equal models."""
+    return replace(t, name="", source="", ffn=t.ffn_, kv_heads=t.kv_heads_, head_size=t.head_dim, dropout=True)
 
 
 def _vocab_of(preset: str) -> int:

@@ -51,7 +51,8 @@ def _print_plan(result: Plan) -> None:
     model_name = escape(getattr(result.model, "name", "") or "custom")  # a config's own text: no markup
     console.print(
         f"[bold]plan[/bold] {model_name} ({result.model.parameter_count():,} parameters) on "
-        f"{result.cluster.devices} devices x {gb(result.cluster.device_memory)}; global batch "
+        f"{result.cluster.devices} devices x {gb(result.cluster.device_memory)} "
+        f"({gb(result.cluster.reserve)} reserved); global batch "
         f"{result.global_batch}; precision {result.precision.name}; ranked by "
         f"{'step time' if result.rank_by is RankBy.TIME else 'communication per step'}"
     )
@@ -108,6 +109,7 @@ def plan_command() -> Any:
 
     import click
 
+    from checker._command import DEFAULT_RESERVE, RESERVE_HELP
     from checker._commands_reports import examples
     from checker._numbers import (
         MAX_BATCH,
@@ -137,6 +139,7 @@ def plan_command() -> Any:
     @click.option("--devices", type=WholeNumber(1, MAX_DEGREE), default=DEFAULT_DEVICES, show_default=True)
     @click.option("--device-memory", default=None, help="Per-device memory, e.g. 80GB (default 80GB).")
     @click.option("--precision", default="zero", show_default=True, help="Bytes per element: " + ", ".join(PRECISIONS))
+    @click.option("--reserve", default=DEFAULT_RESERVE, show_default=True, help=RESERVE_HELP)
     @click.option(
         "--global-batch",
         type=WholeNumber(1, MAX_BATCH),
@@ -178,6 +181,7 @@ def plan_command() -> Any:
         devices: int,
         device_memory: str | None,
         precision: str,
+        reserve: str,
         global_batch: int | None,
         seq: int | None,
         micro_batches: str,
@@ -197,7 +201,7 @@ def plan_command() -> Any:
     ) -> None:
         """Find the best valid composition for a model on a cluster, e.g.
         ``check-composition plan --model llama3-70b --devices 512 --device-memory 80GB``."""
-        from checker._command import fail, load_model, set_outcome
+        from checker._command import fail, load_model, reserve_bytes, set_outcome
 
         try:
             csv_file = output_path(csv_path, "--csv") if csv_path is not None else None
@@ -217,9 +221,11 @@ def plan_command() -> Any:
                         f"--data {part}: unknown (known: {', '.join(d.value for d in DataParallel)})"
                     ) from None
             pins = _axis_values("--fix", fix, lambda v: float(parse_int(v, "--fix", high=MAX_DEGREE)))
+            capacity = parse_bytes(device_memory) if device_memory is not None else DEFAULT_DEVICE_MEMORY
             cluster = Cluster(
                 devices,
-                parse_bytes(device_memory) if device_memory is not None else DEFAULT_DEVICE_MEMORY,
+                capacity,
+                reserve=reserve_bytes(reserve, capacity),
                 node_size=node_size,
                 intra_node_bandwidth=_bandwidth(intra_node_bandwidth),
                 inter_node_bandwidth=_bandwidth(inter_node_bandwidth),
@@ -247,6 +253,8 @@ def plan_command() -> Any:
         proved = bool(result.top) and all(c.status is Status.PROVED for c in result.top)
         code = EXIT_VALID if proved else EXIT_UNKNOWN if result.top else EXIT_INVALID
         set_outcome(code)
+        for warning in result.warnings:
+            click.echo(f"warning: {warning}", err=True)
         if as_json:
             click.echo(json.dumps(result.as_json(), indent=2))
         else:

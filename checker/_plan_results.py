@@ -198,6 +198,18 @@ class Plan:
         return position, self.candidate(row)
 
     @property
+    def warnings(self) -> list[str]:
+        """What the ranking cannot see: a bare parameter count has no layers, so its candidates'
+        activations (0 in the memory figure) and FLOPs (0 in the step time) are unknown and they
+        are ranked by model states, buffers and communication alone."""
+        if isinstance(self.model, Transformer):
+            return []
+        return [
+            f"{self.model.parameter_count():,} parameters without layers: activations and FLOPs are unknown, "
+            "so candidates are ranked without activation memory or compute time (give --model)"
+        ]
+
+    @property
     def feasible(self) -> int:
         return int(self.fits.sum())
 
@@ -208,9 +220,11 @@ class Plan:
             "parameters": self.model.parameter_count(),
             "devices": self.cluster.devices,
             "device_memory": self.cluster.device_memory,
+            "reserve": self.cluster.reserve,
             "global_batch": self.global_batch,
             "precision": self.precision.name,
             "rank_by": self.rank_by.value,
+            "warnings": self.warnings,
             "counts": {
                 "families": len(self.families),
                 "enumerated": self.enumerated,
@@ -423,7 +437,7 @@ def _alternatives(result: Plan) -> list[Alternative]:
             out.append(
                 Alternative(
                     shape.label,
-                    f"{c.readable}: {gb(c.memory)} per device > "
+                    f"{c.readable}: {gb(c.memory)} per device + {gb(result.cluster.reserve)} reserve > "
                     f"{gb(result.cluster.device_memory)} (the lightest variant: "
                     f"b={c.micro_batch}, recompute {c.family.recompute.value})",
                     c,

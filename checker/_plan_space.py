@@ -206,10 +206,13 @@ class Cluster:
     host_bandwidth: float = 32e9  # bytes/s per device, PCIe
     device_flops: float = 312e12  # FLOP/s per device
     bandwidths: tuple[tuple[Axis, float], ...] = ()  # per-axis overrides (bytes/s)
+    reserve: int = 0  # bytes kept back for the runtime (``--reserve``): a fit is peak + reserve <= device_memory
 
     def __post_init__(self) -> None:
         if self.devices < 1:
             raise InputError(f"--devices {self.devices}: must be at least 1")
+        if not 0 <= self.reserve < self.device_memory:
+            raise InputError(f"--reserve {self.reserve:,} bytes: leaves nothing of {self.device_memory:,} bytes")
         if self.node_size < 1:
             raise InputError(f"--node-size {self.node_size}: must be at least 1")
         for name in ("intra_node_bandwidth", "inter_node_bandwidth", "host_bandwidth", "device_flops"):
@@ -218,6 +221,11 @@ class Cluster:
         for axis, bw in self.bandwidths:
             if not bw > 0:
                 raise InputError(f"--bandwidth {axis.value}={bw}: must be positive")
+
+    @property
+    def usable_memory(self) -> int:
+        """Bytes of each device the training state may take: the device memory less the reserve."""
+        return self.device_memory - self.reserve
 
 
 @dataclass(frozen=True)

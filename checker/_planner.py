@@ -176,7 +176,7 @@ def plan(
 
     # The ZeRO paper's capacity tables are exact at the boundary (16 Psi / N = 32 GB): allow
     # float rounding here, and confirm every shown candidate with exact integers.
-    fits = table.memory <= cluster.device_memory * (1 + 1e-12)
+    fits = table.memory <= cluster.usable_memory * (1 + 1e-12)  # peak + reserve <= device memory
     fit_rows = np.flatnonzero(fits)
     comm = table.traffic.sum(axis=1)
     if rank_by is RankBy.TIME:
@@ -325,7 +325,7 @@ def _prove_top(result: Plan, deriver: Deriver, decide: Decide | None, top: int, 
         if fi in refuted_families:
             continue
         mem, comm, stage, program = exact_costs(cand, result.model, result.precision)
-        if mem > result.cluster.device_memory:
+        if mem > result.cluster.usable_memory:
             continue  # within float rounding of the capacity, and over it exactly
         cand = replace(cand, exact_memory=mem, exact_communication=comm, stage=stage)
         if decide is None:

@@ -22,7 +22,7 @@ from checker._import_common import Imported, Unmapped
 from checker._numbers import gb
 from checker._output import Column, fitted_table
 from checker._parse import readable
-from formal._costs import ceil_int
+from formal._costs import activation_breakdown, ceil_int, deferred_layer_activations
 from formal._exact import exact
 from formal._input import printable
 from formal._model import ParameterCount, Transformer
@@ -63,6 +63,23 @@ def model_json(analysis: Analysis) -> dict[str, Any]:
     elif isinstance(m, ParameterCount):
         out.update(kind="parameter-count", note="activations unknown for a bare parameter count")
     return out
+
+
+def activations_by_group(analysis: Analysis) -> dict[str, Any] | None:
+    """The most-loaded stage's activation bytes by group (``formal._costs.activation_breakdown``)
+    for one micro-batch, and what the schedule multiplies them by at its peak: for a schedule that
+    defers nothing, ``per_device.activations`` is ``in_flight_micro_batches`` times the ``layers``
+    and ``io`` parts (each rounded up to whole bytes, so the product may exceed it by under one byte
+    per part and micro-batch); ZB-H1 also keeps, per micro-batch whose backward has run, the
+    ``deferred`` bytes its postponed weight-gradient passes read (all the stage's layers;
+    ``PipelineSchedule.peak_activations``). None for a bare parameter count."""
+    pl, model, precision, stage = analysis.placement, analysis.model, analysis.precision, analysis.memory.stage
+    parts = activation_breakdown(pl, model, precision, stage)
+    if parts is None or not isinstance(model, Transformer):
+        return None
+    sbh = sp.Integer(model.seq * model.micro_batch * model.hidden)
+    deferred = deferred_layer_activations(pl, sbh, precision) * pl.stage_layers(model.layers)
+    return {**parts, "deferred": _num(deferred), "in_flight_micro_batches": _exact(analysis.in_flight)}
 
 
 def to_json(analysis: Analysis) -> dict[str, Any]:
@@ -123,6 +140,7 @@ def to_json(analysis: Analysis) -> dict[str, Any]:
             "per_device": per_device,
             "host": _num(mem.host),
             "most_loaded_rank": {"pipeline_stage": mem.stage, "in_flight_micro_batches": _exact(analysis.in_flight)},
+            "activations_by_group": activations_by_group(analysis),
             "expressions": expressions,
             "device_memory": analysis.device_memory,
             "reserve": analysis.reserve,

@@ -13,7 +13,8 @@ the one public entry to both::
 
 The names below are re-exported from their one home (``formal`` or ``checker``'s underscored
 modules); ``__all__`` lists them and ``tests/test_public_api.py`` pins it. The simulator's types
-load on first use, so that the CLI does not import the reference model unless it simulates.
+and the config readers load on first use, so that the CLI does not import the reference model
+unless it simulates, nor the DeepSpeed/Megatron/torchtitan readers unless it reads a config.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from checker._analysis import Analysis, analyze
-from checker._importers import Imported, Unmapped, load_config
+from checker._import_common import Imported, Unmapped
 from checker._parse import MODIFIERS, parse
 from checker._report import Report
 from checker._simulate import reference_model, simulate
@@ -51,7 +52,10 @@ if TYPE_CHECKING:
     from formal._reference import ReferenceModel
     from formal._simulator import Divergence, SimulationResult
 
+    from checker._importers import load_config
+
 _LAZY = {
+    "load_config": "checker._importers",
     "Divergence": "formal._simulator",
     "SimulationResult": "formal._simulator",
     "ReferenceModel": "formal._reference",
@@ -59,7 +63,7 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    """The simulator's types, imported when first asked for (PEP 562)."""
+    """The simulator's types and ``load_config``, imported when first asked for (PEP 562)."""
     if name in _LAZY:
         import importlib
 

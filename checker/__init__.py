@@ -49,10 +49,9 @@ from formal.errors import (
 )
 
 if TYPE_CHECKING:
+    from checker._importers import load_config
     from formal._reference import ReferenceModel
     from formal._simulator import Divergence, SimulationResult
-
-    from checker._importers import load_config
 
 _LAZY = {
     "load_config": "checker._importers",

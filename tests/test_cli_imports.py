@@ -110,3 +110,12 @@ def test_the_fast_exit_runs_atexit_callbacks() -> None:
         "from checker.cli import main\nmain()"
     )
     assert done.returncode == 1 and done.stderr.endswith("atexit ran\nos._exit(1)\n"), done.stderr
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_the_import_restores_the_garbage_collector(collecting: bool) -> None:
+    """The collector paused while the package imports is on again after it (off if it was off)."""
+    before = "" if collecting else "gc.disable()\n"
+    done = _python(f"import gc\n{before}import checker.cli\nprint(gc.isenabled())")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(collecting)]

@@ -63,7 +63,7 @@ def sympy_ratio(composition: str, runs: int) -> None:
         ours.append(fresh_process(check))
     a, b = statistics.median(baseline), statistics.median(ours)
     bytecode = "PYTHONDONTWRITEBYTECODE=1 set" if os.environ.get("PYTHONDONTWRITEBYTECODE") else "bytecode writable"
-    print(f"fresh processes, median of {runs} (compiled with compileall; {bytecode})")
+    print(f"fresh processes, median of {runs} (compiled with compileall; {bytecode}): {' '.join(check)}")
     print(f"  python -c 'import sympy'            median {a * 1000:8.1f} ms")
     print(f"  {' '.join(['check-composition', composition]):<35} median {b * 1000:8.1f} ms")
     print(f"  ratio check / import sympy           {b / a:8.2f}  (goal: at most 1)")

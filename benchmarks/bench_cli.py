@@ -1,15 +1,20 @@
 """Benchmark (not a test): wall time of ``check-composition tp2xzero3xpp4``.
 
-Measures the whole process (interpreter start, imports, parse, analysis, z3 verdict, report)
-and, in-process, the analysis alone (parse -> placement -> step program -> exact costs) and
-the JSON report. Prints medians over N runs.
+First the goal's ratio, in one run: N fresh processes each of ``python -c "import sympy"`` and
+of the default check, interleaved so that a busy machine slows both alike, their medians and
+the check's median over sympy's (the goal: at most 1). The tree's bytecode is compiled first
+(``python -m compileall -q formal checker``), so that neither side pays for compiling, also where
+``PYTHONDONTWRITEBYTECODE=1`` keeps Python from writing it. Then, per composition, the whole
+process (interpreter start, imports, parse, analysis, z3 verdict, report) and, in-process, the
+analysis alone (parse -> placement -> step program -> exact costs) and the JSON report.
 
-    python benchmarks/bench_cli.py [-n 11] [COMPOSITION ...]
+    python benchmarks/bench_cli.py [-n 11] [--ratio-only] [COMPOSITION ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
@@ -32,11 +37,47 @@ def cli_command(composition: str) -> list[str]:
     return [script, composition] if script else [sys.executable, "-m", "checker.cli", composition]
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fresh_process(command: list[str]) -> float:
+    """Seconds of one fresh process running ``command`` (which must exit 0 or 1: valid, invalid)."""
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
+    elapsed = time.perf_counter() - start
+    if done.returncode not in (0, 1):
+        raise SystemExit(f"{' '.join(command)} failed ({done.returncode}): {done.stderr.strip()}")
+    return elapsed
+
+
+def sympy_ratio(composition: str, runs: int) -> None:
+    """The medians of ``import sympy`` and of the check, each a fresh process, and their ratio."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "formal", "checker"], cwd=ROOT, check=True)
+    sympy = [sys.executable, "-c", "import sympy"]
+    check = cli_command(composition)
+    fresh_process(sympy), fresh_process(check)  # warm the file cache once
+    baseline: list[float] = []
+    ours: list[float] = []
+    for _ in range(runs):
+        baseline.append(fresh_process(sympy))
+        ours.append(fresh_process(check))
+    a, b = statistics.median(baseline), statistics.median(ours)
+    bytecode = "PYTHONDONTWRITEBYTECODE=1 set" if os.environ.get("PYTHONDONTWRITEBYTECODE") else "bytecode writable"
+    print(f"fresh processes, median of {runs} (compiled with compileall; {bytecode}): {' '.join(check)}")
+    print(f"  python -c 'import sympy'            median {a * 1000:8.1f} ms")
+    print(f"  {' '.join(['check-composition', composition]):<35} median {b * 1000:8.1f} ms")
+    print(f"  ratio check / import sympy           {b / a:8.2f}  (goal: at most 1)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-n", "--runs", type=int, default=11)
+    parser.add_argument("--ratio-only", action="store_true", help="Only the check against import sympy.")
     parser.add_argument("compositions", nargs="*", default=["tp2xzero3xpp4"])
     args = parser.parse_args()
+    sympy_ratio(args.compositions[0], args.runs)
+    if args.ratio_only:
+        return
 
     from checker._analysis import Analysis, analyze
     from checker._parse import parse

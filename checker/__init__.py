@@ -13,45 +13,59 @@ the one public entry to both::
 
 The names below are re-exported from their one home (``formal`` or ``checker``'s underscored
 modules); ``__all__`` lists them and ``tests/test_public_api.py`` pins it. The simulator's types
-load on first use, so that the CLI does not import the reference model unless it simulates.
+and the config readers load on first use, so that the CLI does not import the reference model
+unless it simulates, nor the DeepSpeed/Megatron/torchtitan readers unless it reads a config.
 """
 
 from __future__ import annotations
 
+import gc as _gc
 from typing import TYPE_CHECKING, Any
 
-from checker._analysis import Analysis, analyze
-from checker._importers import Imported, Unmapped, load_config
-from checker._parse import MODIFIERS, parse
-from checker._report import Report
-from checker._simulate import reference_model, simulate
-from checker._toml import StrategyFile
-from checker._toml import load as load_strategies
-from formal._costs import Memory, Traffic
-from formal._model import DEFAULT_PRECISION, PRECISIONS, Model, ParameterCount, Precision, Transformer
-from formal._placement import Entry, Options, Placement, Recompute, Schedule, Strategy
-from formal._presets import DEFAULT_DEVICE_MEMORY, DEFAULT_DEVICES, DEFAULT_MODEL, PRESETS
-from formal._program import Op, StepProgram
-from formal._smt import decide
-from formal._strategies import LIBRARY, Composition
-from formal._verdict import Condition, Obligation, Status, Verdict, Violation
-from formal._vocab import Axis, Group, Mode, State
-from formal.errors import (
-    CompositionError,
-    InexactError,
-    InputError,
-    ModelError,
-    PlacementError,
-    SimulationError,
-    SolverError,
-    StrategyFileError,
-)
+# Importing the package (sympy, z3, rich: several hundred thousand long-lived objects) would run
+# the cyclic garbage collector some 180 times over an ever larger heap, about a tenth of the
+# import's time, to free next to nothing. Collection is paused while the package imports and
+# restored after (left off if the caller had turned it off).
+_collecting = _gc.isenabled()
+_gc.disable()
+try:
+    from checker._analysis import Analysis, analyze
+    from checker._import_common import Imported, Unmapped
+    from checker._parse import MODIFIERS, parse
+    from checker._report import Report
+    from checker._simulate import reference_model, simulate
+    from checker._toml import StrategyFile
+    from checker._toml import load as load_strategies
+    from formal._costs import Memory, Traffic
+    from formal._model import DEFAULT_PRECISION, PRECISIONS, Model, ParameterCount, Precision, Transformer
+    from formal._placement import Entry, Options, Placement, Recompute, Schedule, Strategy
+    from formal._presets import DEFAULT_DEVICE_MEMORY, DEFAULT_DEVICES, DEFAULT_MODEL, PRESETS
+    from formal._program import Op, StepProgram
+    from formal._smt import decide
+    from formal._strategies import LIBRARY, Composition
+    from formal._verdict import Condition, Obligation, Status, Verdict, Violation
+    from formal._vocab import Axis, Group, Mode, State
+    from formal.errors import (
+        CompositionError,
+        InexactError,
+        InputError,
+        ModelError,
+        PlacementError,
+        SimulationError,
+        SolverError,
+        StrategyFileError,
+    )
+finally:
+    if _collecting:
+        _gc.enable()
 
 if TYPE_CHECKING:
+    from checker._importers import load_config
     from formal._reference import ReferenceModel
     from formal._simulator import Divergence, SimulationResult
 
 _LAZY = {
+    "load_config": "checker._importers",
     "Divergence": "formal._simulator",
     "SimulationResult": "formal._simulator",
     "ReferenceModel": "formal._reference",
@@ -59,7 +73,7 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    """The simulator's types, imported when first asked for (PEP 562)."""
+    """The simulator's types and ``load_config``, imported when first asked for (PEP 562)."""
     if name in _LAZY:
         import importlib
 

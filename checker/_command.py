@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from checker._analysis import Analysis, analyze
-from checker._importers import Imported, load_config
+from checker._import_common import Imported
 from checker._numbers import MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, parse_bytes, parse_count
 from checker._parse import DEFAULT_NODE_SIZE, parse
 from checker._toml import StrategyFile
@@ -184,6 +184,8 @@ def request(
         if composition is not None:
             raise InputError(f"{composition} and --from {from_path}: give one, not both")
         given = base_model(model, params) if (model or params) else None
+        from checker._importers import load_config  # the config readers, only for --from
+
         imported = load_config(Path(from_path), devices=devices, model=given, seq=seq)
         comp = imported.composition
         base = imported.transformer or given or base_model(imported.model, None)  # the import's dropout wins

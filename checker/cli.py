@@ -73,11 +73,38 @@ Composition language: strategy terms with an optional degree joined by 'x'
 )
 
 
+# The subcommands beside ``check`` and ``strategies``, each imported when it is named (or when
+# ``--help`` lists them): the planner brings numpy, the reports HTML and charts, and the default
+# check needs none of them (``tests/test_cli_imports.py`` keeps it so). name -> (module, attribute);
+# an attribute that is not a click command is a factory that returns one.
+LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "compare": ("checker._commands_reports", "compare"),
+    "explain": ("checker._commands_reports", "explain"),
+    "export": ("checker._commands_reports", "export_command"),
+    "plan": ("checker._plan_command", "plan_command"),
+    "sweep": ("checker._commands_reports", "sweep"),
+    "validate": ("checker._steptime_command", "validate_command"),
+}
+
+
 class DefaultGroup(click.Group):
     """A group whose first argument, when not a subcommand, is a composition for ``check``."""
 
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(self.commands) | set(LAZY_COMMANDS))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in LAZY_COMMANDS:
+            import importlib
+
+            module, attribute = LAZY_COMMANDS[cmd_name]
+            found = getattr(importlib.import_module(module), attribute)
+            self.add_command(found if isinstance(found, click.Command) else found(), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
+        known = args and (args[0] in self.commands or args[0] in LAZY_COMMANDS)
+        if args and not known and args[0] not in ("--help", "-h", "--version"):
             args = ["check", *args]
         end = args.index("--") if "--" in args else len(args)
         spelled = {"--explain=all": "--explain-all", "--explain=witness": "--explain"}  # --explain[=all]
@@ -131,7 +158,45 @@ class DefaultGroup(click.Group):
             if debug:
                 raise
             _internal_error(err)
+        if args is None and _fast_exit[0]:
+            _exit_now(code)
         sys.exit(code)
+
+
+_fast_exit = [False]  # set by a command whose every output is written when it returns (``check``)
+
+
+def _exit_now(code: Any) -> None:
+    """End the process with ``code`` without the interpreter's teardown, when that is safe.
+
+    Tearing down the modules and objects of a check (sympy's caches, z3's contexts) takes about a
+    tenth of a second and does nothing the user can see. ``os._exit`` skips it, after what a normal
+    exit would still do: the ``atexit`` callbacks (coverage, multiprocessing's clean-up) and the
+    flush of stdout and stderr. Only for the real process (``main()`` with the command line: not
+    click's test runner, whose streams are replaced) with no other thread alive, an integer code,
+    and no PyTorch loaded (its own teardown is left to the interpreter); otherwise, and whenever
+    the flush fails (a closed pipe), ``sys.exit`` as before.
+    """
+    import atexit
+    import threading
+
+    real_streams = sys.stdout is sys.__stdout__ and sys.stderr is sys.__stderr__
+    if not (real_streams and threading.active_count() == 1 and "torch" not in sys.modules):
+        return
+    if code is not None and not (isinstance(code, int) and not isinstance(code, bool)):
+        return
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        return
+    atexit._run_exitfuncs()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        _quiet_stdout()
+    os._exit(code or 0)
 
 
 @contextlib.contextmanager
@@ -323,7 +388,11 @@ def check(
         if req.imported is not None:
             print_import(req.imported)
         analysis = analysis_of(req)
-        step = Timed(hardware, time_of(analysis, hardware)) if hardware is not None else None
+        step = None
+        if hardware is not None:
+            from checker._steptime_command import time_of
+
+            step = Timed(hardware, time_of(analysis, hardware))
     except InputError as err:
         fail(str(err))
         return
@@ -377,8 +446,10 @@ def check(
         step,
         disagreement=conflict,
     )
-    doc = result.as_json()
+    doc = result.as_json() if (report_path is not None or as_json or as_csv) else {}  # not on the screen
     if report_path is not None:
+        from checker._html import write_report
+
         try:
             write_report(doc, report_path)
         except InputError as err:
@@ -394,6 +465,7 @@ def check(
         emit(check_csv_rows(doc), CHECK_CSV_COLUMNS, "", True, False)
     else:
         print_report(result, terminal())
+    _fast_exit[0] = True  # everything is printed or written: no teardown needed (``_exit_now``)
     sys.exit(code)
 
 
@@ -413,27 +485,6 @@ def list_strategies() -> None:
     console = terminal()
     columns = (Column("name", wrap=False), Column("kind", wrap=False), Column("what it places"))
     console.print(fitted_table("strategies and modifiers", columns, rows, console.width))
-
-
-from checker._plan_command import plan_command  # noqa: E402 (the planner)
-
-main.add_command(plan_command())
-
-
-from checker._commands_reports import (  # noqa: E402 (configs in and out, reports)
-    compare,
-    explain,
-    export_command,
-    sweep,
-    write_report,
-)
-
-for _command in (explain, compare, sweep, export_command):
-    main.add_command(_command)
-
-from checker._steptime_command import time_of, validate_command  # noqa: E402 (step time)
-
-main.add_command(validate_command)
 
 
 if __name__ == "__main__":

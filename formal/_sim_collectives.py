@@ -180,7 +180,12 @@ class _StateOps:
             for d in members:
                 self.traffic.add(index, d, len(bases[d]), len(bases[d]) * self._wire(op.state) * share)
             split = structural or (axis.kind.places_experts and self.pl.computes_sharded(axis, op.group))
-            if split and op.kind in (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER) and op.state is G:
+            if (
+                split
+                and op.kind in (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER)
+                and op.state is G
+                and self._even(op, members)
+            ):
                 self._reduce_slices(op, members, arrays, live)
                 continue
             match op.kind:
@@ -226,6 +231,12 @@ class _StateOps:
             self.states.gathered[op.group].add(axis)
         elif op.state is G and op.kind is OpKind.REDUCE_SCATTER:
             scattered.add(axis)
+
+    def _even(self, op: Op, members: list[Device]) -> bool:
+        """Whether every member computes a slice of the same size (tp slices, whole experts). A
+        group that lives on one pipeline stage has no slice on the others: its reduction along pp
+        is judged position by position, as for an unsplit group."""
+        return len({len(self.layout.compute(op.group, d)) for d in members}) == 1
 
     def _reduce_slices(self, op: Op, members: list[Device], arrays: dict[Device, Array], live: Masks) -> None:
         """An all-reduce or reduce-scatter of a gradient along an axis that splits the group's

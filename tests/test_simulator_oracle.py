@@ -17,7 +17,7 @@ from strategies_sim import mutations
 
 from checker._parse import parse
 from checker._toml import loads
-from formal._program import StepProgram, derive_program
+from formal._program import Op, StepProgram, derive_program
 from formal._reference import (
     PRIME,
     Arithmetic,
@@ -32,7 +32,7 @@ from formal._simulator import reference_for, simulate, simulate_program
 from formal._smt import decide
 from formal._strategies import Composition
 from formal._verdict import Status
-from formal._vocab import EXPERTS, HEAD, ROUTER, ROW_BIAS, Axis, Group, OpKind, Phase, State
+from formal._vocab import EXPERTS, HEAD, ROUTER, ROW_BIAS, Axis, Group, OpKind, Phase, Reduce, State
 
 FIELD, FLOAT = Numbers(Arithmetic.FIELD), Numbers(Arithmetic.FLOAT64)
 
@@ -340,3 +340,21 @@ def test_z3_refutes_experts_replicated_along_ep_but_computed_split() -> None:
     verdict = decide(composition, program, model.transformer())
     assert verdict.status is Status.REFUTED
     assert any("split_compute_needs_sharded_gradient[ep]" in str(v) for v in verdict.violations)
+
+
+def test_a_reduction_along_pp_of_a_group_on_one_stage_is_judged_not_crashed() -> None:
+    """An untied head lives on the last stage only: a mean all-reduce of its gradient along pp
+    pairs the last stage's gradient with nothing, and halves it. Single-device training has the
+    gradient whole, so the program is wrong: the simulator diverges (it used to raise on the
+    slices' different sizes, which crashed the differential test's workers) and z3 refutes."""
+    composition = parse("pp2xm2")
+    model = ReferenceModel(tied=False)
+    transformer = model.transformer()
+    program = derive_program(composition.placement(transformer), transformer)
+    ops = list(program.ops)
+    step = next(i for i, op in enumerate(ops) if op.kind is OpKind.OPTIMIZER_STEP)
+    ops.insert(step, Op(OpKind.ALL_REDUCE, State.GRADIENTS, HEAD, Axis.PP, Phase.GRAD_SYNC, reduce=Reduce.MEAN))
+    wrong = program.with_ops(ops)
+    result = simulate_program(wrong, model)
+    assert result.divergence is not None and result.divergence.group == HEAD
+    assert decide(composition, wrong, transformer).status is Status.REFUTED

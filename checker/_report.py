@@ -257,6 +257,7 @@ def assumptions(analysis: Analysis) -> str:
             parts += ["attention stored", "no recompute"]
         else:
             parts.append(f"{o.recompute.value} recompute")
+        parts.append("dropout" if m.dropout else "no dropout")  # its masks kept for the backward, or none
     else:
         parts.append("bare parameter count: activations unknown")
     return " · ".join(parts)

@@ -303,3 +303,12 @@ def test_a_report_fits_any_terminal_width_thoroughly(
     model: Transformer, data: st.DataObject, verdict: Verdict, width: int, explain: bool
 ) -> None:
     report_fits(model, data, verdict, width, explain)
+
+
+@pytest.mark.parametrize(("model", "said"), [("llama2-7b", "no dropout"), ("gpt3-1.3b", "dropout")])
+def test_the_assumptions_say_whether_dropout_masks_are_kept(model: str, said: str) -> None:
+    """Dropout decides whether masks are kept for the backward (Korthikanti et al. 2022, 4.1):
+    Llama trains without it, GPT-3 with it, and the first screen says which it assumed."""
+    _, out = run("check", "dp8", "--devices", "8", "--model", model)
+    assumed = " ".join(out.split("assumes", 1)[1].split("\n", 2)[:2]).split(" · ")
+    assert said in [part.strip() for part in assumed]

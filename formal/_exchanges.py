@@ -51,11 +51,15 @@ def _matrix_blocks_split(pl: Placement, axis: Axis) -> bool:
     d times. One block split alone, or sequence parallelism over whole blocks, is not modelled."""
     blocks = {ATTENTION, MLP, EXPERTS} & set(pl.groups(State.PARAMETERS))
     split = {pl.computes_sharded(axis, g) for g in blocks}
-    if True not in split and not pl.options.sequence_parallel:
+    # Sequence parallelism is the modifier, or a placement that shards the layer inputs along the
+    # axis (a user strategy's A = "S" along tp): either needs the blocks split.
+    sequence = pl.options.sequence_parallel or sequence_split(pl, LAYER_IO, axis)
+    if True not in split and not sequence:
         return False
     if split != {True}:
         raise InputError(
-            f"{axis.value}: the computation of attention and mlp must both be split (or neither, without sp)"
+            f"{axis.value}: the computation of attention and mlp must both be split (or neither, without sp "
+            "or sequence-sharded layer inputs)"
         )
     return True
 

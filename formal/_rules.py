@@ -352,14 +352,18 @@ def _group_devices(mesh: Mapping[Axis, int], axis: Axis) -> list[int]:
 
 
 def _split_replicated(s: Setting, axis: Axis) -> tuple[Group, ...]:
-    """Groups whose computation the axis's strategy splits while their gradient is not sharded there."""
+    """Groups whose computation the axis's strategy splits while neither their gradient nor their
+    optimizer state is sharded there (with the optimizer state sharded, each rank's update reads
+    the gradient on its own slice only, where it is complete)."""
     st = _strategy_on(s, axis)
     if st is None:
         return ()
     return tuple(
         g
         for g in s.model.group_elements()
-        if st.computes_sharded(g) and not st.entry(State.GRADIENTS, g).mode.is_sharded
+        if st.computes_sharded(g)
+        and not st.entry(State.GRADIENTS, g).mode.is_sharded
+        and not st.entry(State.OPTIMIZER, g).mode.is_sharded
     )
 
 
@@ -370,7 +374,9 @@ def _split_compute_rule(axis: Axis) -> Rule:
     replica, each rank's gradient is right on its own slice only, and the update it drives leaves
     the rest of its replicated parameters stale (one device updates all of them every step).
     Sharding the gradient along the axis (G = "S") is what Megatron-LM's tensor parallelism does;
-    parameters left replicated are then refreshed from the sharded update by the derived program."""
+    sharding only the optimizer state (O = "S") also works, since each rank's update then reads the
+    gradient on its own slice alone; parameters left replicated are then refreshed from the sharded
+    update by the derived program."""
     count = f"split_groups_replicated_gradient_{axis.value}"
 
     def explain(mesh: Mapping[Axis, int], s: Setting) -> str:
@@ -381,7 +387,7 @@ def _split_compute_rule(axis: Axis) -> Rule:
             f"{names} computed split along {axis.value} with their gradients replicated there: devices "
             f"{', '.join(map(str, devs))} each compute the gradient of their own slice only, so device "
             f"{devs[0]}'s replica of G.{groups[0].name} is the gradient of slice 0 alone and the update leaves "
-            f'the other slices of its P.{groups[0].name} stale; shard G along {axis.value} (G = "S")'
+            f'the other slices of its P.{groups[0].name} stale; shard G (or O) along {axis.value} (G = "S")'
         )
 
     def witness(mesh: Mapping[Axis, int], s: Setting) -> dict[str, Any]:

@@ -180,12 +180,7 @@ class _StateOps:
             for d in members:
                 self.traffic.add(index, d, len(bases[d]), len(bases[d]) * self._wire(op.state) * share)
             split = structural or (axis.kind.places_experts and self.pl.computes_sharded(axis, op.group))
-            if (
-                split
-                and op.kind in (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER)
-                and op.state is G
-                and self._even(op, members)
-            ):
+            if split and op.kind in (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER) and self._even(op, members):
                 self._reduce_slices(op, members, arrays, live)
                 continue
             match op.kind:
@@ -239,9 +234,10 @@ class _StateOps:
         return len({len(self.layout.compute(op.group, d)) for d in members}) == 1
 
     def _reduce_slices(self, op: Op, members: list[Device], arrays: dict[Device, Array], live: Masks) -> None:
-        """An all-reduce or reduce-scatter of a gradient along an axis that splits the group's
-        computation (Megatron-LM's column/row-parallel slices, GShard's experts, pipeline stages):
-        each device's gradient tensor is only its own slice, and ``torch.distributed.all_reduce``
+        """An all-reduce or reduce-scatter of a gradient (or of parameters or optimizer state: the
+        same local tensors) along an axis that splits the group's computation (Megatron-LM's
+        column/row-parallel slices, GShard's experts, pipeline stages): each device's tensor is
+        only its own slice, and ``torch.distributed.all_reduce``
         combines the devices' tensors element by element, so the j-th element of one device's slice
         is summed with the j-th element of the others' (another slice's value, or another expert's),
         not with the same parameter. A reduce-scatter leaves each device its chunk of that sum
@@ -259,8 +255,9 @@ class _StateOps:
             if op.kind is OpKind.REDUCE_SCATTER:
                 keep = _chunk(local, len(members), (members.index(d) - op.offset) % len(members))
             arrays[d][..., slices[d][keep]] = total[..., keep]
-            live[d][op.group][...] = False
-            live[d][op.group][slices[d][keep]] = True
+            if op.state is G:
+                live[d][op.group][...] = False
+                live[d][op.group][slices[d][keep]] = True
 
     def transfer(self, index: int, op: Op, per_mb: bool = False) -> None:
         n, st = self.n, self.states

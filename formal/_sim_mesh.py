@@ -191,6 +191,15 @@ class _Layout:
             return self._cache[key]
         pl = self.pl
         entries: dict[Axis, Entry] = {a: pl.entry(state, group, a) for a in self.mesh.axes}
+        if state in (State.PARAMETERS, State.OPTIMIZER) and any(e.mode is Mode.MATERIALIZED for e in entries.values()):
+            # Parameters or optimizer state materialized (M) along an axis: nothing holds them
+            # between uses ("Modes" in docs/semantics.md; the memory model charges 0), and nothing
+            # recomputes them, so a use reads zeros. (Offloaded along an axis, O, they live on the
+            # host: ``_States.offloaded``. A materialized gradient is the backward's, consumed
+            # within the step.)
+            empty = np.zeros(0, dtype=np.intp)
+            self._cache[key] = empty
+            return empty
         pp_mode = Mode.REPLICATED  # no pipeline axis, or ignored: every stage's share
         pipe = next((a for a in entries if a.kind.is_pipeline), None)
         if pipe is not None and pipe not in skipped and entries[pipe].mode.is_sharded:

@@ -316,11 +316,13 @@ class _Passes:
         sl = self._seq_slice(reader)
         return batch.tokens[start : start + b, sl], batch.targets[start : start + b, sl]
 
-    def _vocab_range(self, dev: Device) -> tuple[int, int]:
-        per = self.model.vocab // self.t
-        r = self.mesh.coord(dev, Axis.TP) if self.pl.computes_sharded(Axis.TP, EMBEDDING) else 0
-        if not self.pl.computes_sharded(Axis.TP, EMBEDDING):
+    def _vocab_range(self, dev: Device, group: Group = EMBEDDING) -> tuple[int, int]:
+        """The vocabulary rows of ``group`` (the embedding or the head) a device computes: its tp
+        slice when the group is computed split along tp, else all of them."""
+        if not self.pl.computes_sharded(Axis.TP, group):
             return 0, self.model.vocab
+        per = self.model.vocab // self.t
+        r = self.mesh.coord(dev, Axis.TP)
         return r * per, (r + 1) * per
 
     def micro_batch(self, batch: Batch, mb: int, forward: Reads, backward: Reads) -> None:
@@ -373,14 +375,14 @@ class _Passes:
         errors: PerDevice = {}
         for d in x:
             _, targets = self._batch_of(d, batch, mb)
-            lo, hi = self._vocab_range(d) if head_split else (0, self.model.vocab)
+            lo, hi = self._vocab_range(d, head_group) if head_split else (0, self.model.vocab)
             errors[d] = n.sub(n.mm(xf_full[d], self._w(d, head_group, 0).T), targets[..., lo:hi])
         self._read = backward
         dxf_part: PerDevice = {}
         tokens_local = self.m * self.model.micro_batch * self.s_chunk
         for d in x:
             head = self._w(d, head_group, 0)
-            lo, hi = self._vocab_range(d) if head_split else (0, self.model.vocab)
+            lo, hi = self._vocab_range(d, head_group) if head_split else (0, self.model.vocab)
             dlogits = n.scale(errors[d], Fraction(2, tokens_local))
             grad = n.mm(dlogits.reshape(-1, hi - lo).T, xf_full[d].reshape(-1, h))
             self._add_grad(d, head_group, 0, None, grad)

@@ -1,7 +1,10 @@
 """What every simulated device holds: its arrays of each state, and the host's offloaded copies.
 
-A buffer is as long as its whole group on every device; the positions outside what a device
-holds stay zero (a freed buffer), so an op that reads a shard it should not have reads zeros.
+A buffer is as long as its whole group on every device. Outside what a device holds, a
+parameter or optimizer buffer holds junk (fresh pseudo-random values: freed memory has no defined
+value, as z3's holdings have it), so an op that reads or reduces a shard it should not have goes
+wrong rather than summing zeros by luck; a gradient buffer is zero there, and ``live`` says which
+of its positions hold a current value.
 Gradients have two buffers: ``fresh``, the current micro-batch's, and ``G``, their sum over
 the step so far; ``live`` and ``live_fresh`` mark the positions holding a current value.
 ``gathered`` and ``scattered`` record along which axes the collectives so far have made a
@@ -15,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from formal._placement import Placement
-from formal._reference import Array, Numbers, Optimizer, ReferenceModel
+from formal._reference import PRIME, Arithmetic, Array, Numbers, Optimizer, ReferenceModel
 from formal._sim_mesh import Device, _Layout, _Mesh
 from formal._vocab import Axis, Group, Mode, State
 
@@ -33,7 +36,16 @@ class _States:
         self.model, self.pl, self.mesh, self.layout = model, pl, mesh, layout
         self.optimizer, self.n = optimizer, numbers
         self.groups = tuple(pl.groups(P))
-        self.offloaded = {st: {g for g in self.groups if pl.local_mode(st, g) is Mode.OFFLOADED} for st in (P, O, G)}
+        # Offloaded by the axis-free modifiers, or by a per-axis O (the whole group on the host,
+        # as z3's holdings have it: ``_AxisRun.on_host``).
+        self.offloaded = {
+            st: {
+                g
+                for g in self.groups
+                if pl.local_mode(st, g) is Mode.OFFLOADED or any(pl.mode(st, g, a) is Mode.OFFLOADED for a in pl.axes)
+            }
+            for st in (P, O, G)
+        }
         # No buffer until ``reset`` allocates them.
         self.P: Stores = {}
         self.G: Stores = {}
@@ -52,6 +64,13 @@ class _States:
         # buffer, group).
         self.gathered: dict[Group, set[Axis]] = {g: set() for g in self.groups}
         self.scattered: dict[tuple[bool, Group], set[Axis]] = {}
+        self._junk = np.random.default_rng(0x5EED)
+
+    def junk(self, shape: int | tuple[int, ...]) -> Array:
+        """Values of freed or never-written memory: pseudo-random, nonzero, reproducible."""
+        if self.n.kind is Arithmetic.FIELD:
+            return self.n.encode(self._junk.integers(1, PRIME, size=shape))
+        return self._junk.uniform(1.0, 2.0, size=shape) * 1e3
 
     def reset(self, p0: dict[Group, Array]) -> None:
         """Every buffer zero but the parameters each device (or the host) holds of ``p0``."""
@@ -72,10 +91,13 @@ class _States:
                 self.live_fresh[dev][g] = np.zeros(size, dtype=bool)
                 self.O[dev][g] = n.zeros((self.optimizer.slots, size))
                 hold = self.layout.holding(P, g, dev)
+                self.P[dev][g] = self.junk(size)
                 target = self.P[dev][g]
                 if g in self.offloaded[P]:
                     target = self.host.setdefault((P, dev, g), n.zeros(size))
                 target[hold] = p0[g][hold]
+                o_junk = ~self.layout.mask(O, g, dev)
+                self.O[dev][g][:, o_junk] = self.junk((self.optimizer.slots, int(o_junk.sum())))
                 if g in self.offloaded[O]:
                     self.host[(O, dev, g)] = n.zeros((self.optimizer.slots, size))
                     self.host[(G, dev, g)] = n.zeros(size)
@@ -144,9 +166,10 @@ class _States:
             self.gathered[g] &= held
             for dev in self.mesh.devices:
                 if g in self.offloaded[P] and not held:
-                    self.P[dev][g][...] = 0
+                    self.P[dev][g][...] = self.junk(self.P[dev][g].shape)
                 else:
-                    self.P[dev][g][~self.layout.mask(P, g, dev, skip=held)] = 0
+                    freed = ~self.layout.mask(P, g, dev, skip=held)
+                    self.P[dev][g][freed] = self.junk(int(freed.sum()))
 
     def free_gradients(self, arrays: Stores, live: Masks) -> None:
         """Gradients outside the device's holding are dropped, in ``arrays`` and from ``live``."""

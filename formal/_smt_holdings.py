@@ -17,7 +17,7 @@ from typing import Any
 from formal._placement import Entry
 from formal._program import Op
 from formal._smt_common import MAX_CONSISTENCY_DEVICES, PHASE_ORDER, PLACEHOLDER, G, O, P, _fraction, _Index
-from formal._vocab import Axis, Group, Mode, OpKind, Phase, State
+from formal._vocab import LAYER_GROUPS, Axis, Group, Mode, OpKind, Phase, Reduce, State
 from formal.errors import InputError
 
 _SHAPES: dict[tuple[Any, ...], int] = {}  # term shapes seen so far, interned as ints
@@ -131,6 +131,7 @@ class _ConsistencyCase:
     computed_sharded: bool  # the computation itself is split along the axis (TP matrices, PP stages)
     held: bool  # parameters gathered once and held through the backward, along any axis (FSDP SGO)
     held_here: bool  # ... along this axis: what was gathered along it stays (FSDP SGO; hpZ across nodes)
+    stage_group: bool = False  # along a pipeline axis, a group outside the layers (lives on one or two stages)
 
 
 def _consistency_case(index: _Index, group: Group, axis: Axis) -> _ConsistencyCase:
@@ -143,6 +144,7 @@ def _consistency_case(index: _Index, group: Group, axis: Axis) -> _ConsistencyCa
         index.placement.computes_sharded(axis, group),
         any(index.entry(P, group, a).keep_gathered for a in index.placement.axes),
         index.entry(P, group, axis).keep_gathered,
+        axis.kind.is_pipeline and group not in LAYER_GROUPS,
     )
 
 
@@ -194,6 +196,15 @@ class _AxisRun:
                 return []
             case _:
                 raise AssertionError(entry.mode)
+
+    def copied_entry(self, state: State) -> Entry:
+        """The partition a device-to-host copy of ``state`` covers: the state's own, except that a
+        materialized gradient is the backward's whole gradient, consumed within the step (as the
+        simulator holds it)."""
+        entry = self.entry[state]
+        if state is G and entry.mode is Mode.MATERIALIZED:
+            return Entry(Mode.REPLICATED)
+        return entry
 
     def on_host(self, state: State) -> bool:
         return self.local[state] is Mode.OFFLOADED or self.entry[state].mode is Mode.OFFLOADED
@@ -283,11 +294,12 @@ class _AxisRun:
                     case OpKind.DEVICE_TO_HOST:
                         for i in range(self.d):
                             host, device = self.hold[(True, i, op.state)], self.hold[(False, i, op.state)]
-                            # The copy writes the whole host buffer: where the device holds nothing
-                            # (freed, never fetched) the host gets the device buffer's junk.
-                            for k in host.keys() - device.keys():
-                                host[k] = self.fresh_junk()
-                            host.update(device)
+                            # The copy writes the device's partition of the state (its shard where
+                            # the state is sharded along the axis: ZeRO-Offload copies each rank's
+                            # gradient partition, as the simulator does): where the device holds
+                            # nothing of it (freed, never fetched) the host gets junk.
+                            for k in self.partition(self.copied_entry(op.state), i):
+                                host[k] = device[k] if k in device else self.fresh_junk()
                     case OpKind.COMPUTE if op.state is P:
                         self.compute(op, gradient, where)
                         produced = produced or op.phase is Phase.BACKWARD
@@ -321,11 +333,20 @@ class _AxisRun:
     def needs_all(self, full: bool) -> bool:
         return full or self.entry[P].mode in (Mode.REPLICATED, Mode.OFFLOADED)
 
+    def split_gradient(self) -> bool:
+        """Whether each device's backward covers its own chunk only: the computation is split
+        along the axis (a tp slice, a pipeline stage's layers, an ep rank's experts), whatever the
+        parameters' mode (a replicated copy does not make a split computation whole). A group
+        outside the layers along pp is whole where its stage holds it whole."""
+        if self.case.stage_group:
+            return not self.needs_all(not self.case.computed_sharded)
+        return self.case.computed_sharded
+
     def produce(self, gradient: list[_T]) -> None:
         """The backward's gradient on every device: the chunks its computation covers."""
-        full = self.needs_all(not self.case.computed_sharded)
+        split = self.split_gradient()
         for i in range(self.d):
-            self.hold[(False, i, G)] = {k: gradient[k] for k in (range(self.d) if full else [i])}
+            self.hold[(False, i, G)] = {k: gradient[k] for k in ([i] if split else range(self.d))}
 
     def free_outside_shard(self) -> None:
         """After gradient synchronisation a sharded gradient is kept only on its shard."""
@@ -341,24 +362,35 @@ class _AxisRun:
         for i in range(self.d):
             self.hold[(False, i, op.state)] = dict(values)
 
-    def combined(self, state: State, chunk: int) -> _T:
-        """A reduction's result for a chunk: the gradient if every device holds it, else junk."""
-        held = [self.hold[(False, i, state)].get(chunk) for i in range(self.d)]
+    def combined(self, op: Op, chunk: int) -> _T:
+        """A reduction's result for a chunk: junk unless every device holds the same value. A
+        gradient's magnitude is gradient integrity's to judge, so it is that value; a parameter
+        or an optimizer moment is that value under a mean (of equal copies) and ``degree`` times
+        it under a sum (single-device training applies no such factor)."""
+        held = [self.hold[(False, i, op.state)].get(chunk) for i in range(self.d)]
         first = held[0]
-        if state is G and first is not None and all(h == first for h in held):
+        if first is None or any(h != first for h in held):
+            return self.fresh_junk()
+        if op.state is G or op.reduce is not Reduce.SUM:
             return first
-        return self.fresh_junk()
+        return first.scaled(Fraction(self.degree))
 
     def reduce_scatter(self, op: Op) -> None:
+        """Each device's piece gets the reduced chunk. A gradient keeps only its piece (what the
+        later reductions reduce); a parameter or an optimizer moment keeps the rest of what it
+        held, as ``reduce_scatter_tensor`` leaves its input buffer (the simulator alike)."""
         o = self.off(op.offset)
         mine = {i: (i - o) % self.d for i in range(self.d)}
-        values = {i: self.combined(op.state, mine[i]) for i in range(self.d)}
+        values = {i: self.combined(op, mine[i]) for i in range(self.d)}
         for i in range(self.d):
-            self.hold[(False, i, op.state)] = {mine[i]: values[i]}
+            if op.state is G:
+                self.hold[(False, i, op.state)] = {mine[i]: values[i]}
+            else:
+                self.hold[(False, i, op.state)][mine[i]] = values[i]
 
     def all_reduce(self, op: Op) -> None:
         chunks = {k for i in range(self.d) for k in self.hold[(False, i, op.state)]}
-        values = {k: self.combined(op.state, k) for k in chunks}
+        values = {k: self.combined(op, k) for k in chunks}
         for i in range(self.d):
             held = self.hold[(False, i, op.state)]
             for k in list(held):
@@ -379,7 +411,8 @@ class _AxisRun:
                     value = self.fresh_junk()
                 self.check(P, rule, (value,), self.ref[P][k], **where, device=i, chunk=k, holder="device")
             if op.phase is Phase.BACKWARD:
-                self.hold[(False, i, G)] = {k: gradient[k] for k in needed}
+                split = self.axis not in op.full and self.split_gradient()
+                self.hold[(False, i, G)] = {k: gradient[k] for k in ([i] if split else needed)}
 
     def free_parameters(self, after_backward: bool) -> None:
         """At the end of the forward and of the backward: transient copies are freed (gathered

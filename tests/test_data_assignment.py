@@ -161,27 +161,33 @@ def test_same_samples_averaged_train_one_device_on_a_dth_of_the_batch() -> None:
 
 
 @st.composite
-def tensor_compositions(draw: st.DrawFn) -> tuple[Composition, bool, bool]:
+def tensor_compositions(draw: st.DrawFn) -> tuple[Composition, bool, bool, bool]:
     """A user tp strategy splitting the computation of attention and mlp, of neither, or of one
-    only, each split group's P and G (O as G) sharded or replicated, at degree 1, 2 or 4; whether
-    some split group's gradient is replicated (the stale-replica case); and whether the model
-    represents it (a layer's blocks split together, Megatron's f/g pairs, or at degree 1)."""
+    only, each split group's P, O and G sharded or replicated, at degree 1, 2 or 4; whether some
+    split group's gradient and optimizer state are both replicated (the stale-replica case);
+    whether some split group's optimizer state is replicated (the program is then wrong); and
+    whether the model represents it (a layer's blocks split together, Megatron's f/g pairs, or at
+    degree 1)."""
     split = draw(st.sampled_from([frozenset({ATTENTION, MLP}), frozenset(), frozenset({ATTENTION}), frozenset({MLP})]))
     entries: list[tuple[tuple[State, Group | None], Entry]] = [((s, None), MODES["R"]) for s in (P, O, G)]
-    stale = False
+    stale = broken = False
     for group in sorted(split):
-        p, g = draw(st.sampled_from(["R", "S"])), draw(st.sampled_from(["R", "S"]))
-        entries += [((P, group), MODES[p]), ((O, group), MODES[g]), ((G, group), MODES[g])]
-        stale = stale or g == "R"
+        p, o, g = (draw(st.sampled_from(["R", "S"])) for _ in range(3))
+        entries += [((P, group), MODES[p]), ((O, group), MODES[o]), ((G, group), MODES[g])]
+        # The rule's case: neither G nor O sharded (the update reads the replica whole). A
+        # replicated O over a sharded G is wrong too, by alignment (the update reads G outside
+        # the rank's shard); a sharded O reads G on the rank's own slice only, where it is whole.
+        stale = stale or (o == "R" and g == "R")
+        broken = broken or o == "R"
     degree = draw(st.sampled_from([1, 2, 4]))
     user = Strategy("user-tp", Axis.TP, degree, (*entries, ((A, None), MODES["R"])), frozenset(split))
-    return Composition((user,)), stale and degree > 1, len(split) != 1 or degree == 1
+    return Composition((user,)), stale and degree > 1, broken and degree > 1, len(split) != 1 or degree == 1
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(tensor_compositions())
 def test_split_computation_over_a_replicated_gradient_is_refuted_and_diverges(
-    case: tuple[Composition, bool, bool],
+    case: tuple[Composition, bool, bool, bool],
 ) -> None:
     """Each tp rank differentiates its own slice of a split group: a replicated gradient is that
     slice's alone on every rank, and the update leaves the rest of the replica stale (refuted,
@@ -191,15 +197,15 @@ def test_split_computation_over_a_replicated_gradient_is_refuted_and_diverges(
     (proved, matches; the derivation summed them, and z3, whose activation obligations ask for
     the sums a split needs, not against sums nothing needs, proved it while the simulator
     diverged). One block split alone is refused, not guessed."""
-    composition, stale, representable = case
+    composition, stale, broken, representable = case
     if not representable:
         with pytest.raises(InputError, match="attention and mlp"):
             derive_program(composition.placement(GPT), GPT)
         return
     verdict = verdict_of(composition)
     assert ("split_compute_needs_sharded_gradient[tp]" in fired(verdict)) is stale, (str(composition), fired(verdict))
-    assert (verdict.status is Status.PROVED) is (not stale), (str(composition), fired(verdict))
-    assert simulated(composition) is (not stale), str(composition)
+    assert (verdict.status is Status.PROVED) is (not broken), (str(composition), fired(verdict))
+    assert simulated(composition) is (not broken), str(composition)
 
 
 def test_the_split_computation_witness_names_group_axis_and_devices() -> None:

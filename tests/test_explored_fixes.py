@@ -1,0 +1,198 @@
+"""Disagreements the exploring generators found between z3 and the simulator, each settled from
+single-device training, with a regression test in both directions (the wrong program refuted
+and diverging, its corrected form proved and matching) or, where the placement means nothing,
+refused on both sides.
+
+Which side was wrong, case by case (``docs/semantics.md`` states each rule):
+
+* parameters or optimizer state materialized (``M``) along an axis: nothing holds them between
+  uses, and the simulator kept them (simulator wrong);
+* a mean reduce-scatter of replicated optimizer state leaves every replica as it was (the input
+  buffer keeps the rest, the piece gets the mean of equal copies): z3 freed the rest and turned
+  any reduction of P or O into junk (z3 wrong); a sum multiplies by the degree (both refute);
+* a sum all-reduce of parameters along an axis that splits them by structure (pipeline stages)
+  adds another stage's layers element by element: the simulator summed zero-padded full-size
+  buffers (simulator wrong);
+* a reduction over freed parameter memory: freed memory has no defined value, and the simulator's
+  zero-filled buffers made a sum of shards look like a gather (simulator wrong);
+* split computation: each device's backward covers its own slice whatever the parameters' mode,
+  and z3 produced the whole gradient for replicated parameters (z3 wrong); the optimizer state
+  sharded along the split axis reads the gradient on the slice alone, so it is right (the rule
+  was too strict: z3 wrong);
+* a device-to-host copy of a sharded gradient copies the device's partition: z3 copied every
+  element the device held (z3 wrong);
+* layer inputs sharded along tp (sequence parallelism) over blocks no rank splits: not modelled,
+  refused on both sides (the derivation emitted no sums and z3 proved it);
+* a vocabulary-split head with an unsplit embedding: the simulator crashed on the head's range.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import sympy as sp
+
+from checker._parse import parse
+from checker._toml import loads
+from formal._model import Model
+from formal._program import Op, StepProgram, derive_program, group_sizes, shard_elements
+from formal._reference import ReferenceModel
+from formal._simulator import reference_for, simulate_program
+from formal._smt import decide
+from formal._verdict import Status
+from formal._vocab import FINAL_NORM, NORM, ROW_BIAS, Axis, OpKind, Phase, Reduce, State
+from formal.errors import InputError
+
+SEEDS = (0, 1, 2)
+Change = Callable[[StepProgram, Model], StepProgram]
+
+
+def _judged(text: str, toml: str = "", change: Change | None = None, tied: bool = False) -> tuple[Status, bool]:
+    """z3's verdict and whether the simulator trains like one device (two steps, three seeds)."""
+    factories = loads(toml).factories() if toml else None
+    composition = parse(text, factories)
+    model = reference_for(composition, ReferenceModel(tied=tied))
+    transformer = model.transformer()
+    program = derive_program(composition.placement(transformer), transformer)
+    if change is not None:
+        program = change(program, transformer)
+    status = decide(composition, program, transformer).status
+    matches = all(simulate_program(program, model, steps=2, seed=s).matches for s in SEEDS)
+    return status, matches
+
+
+def _inserted(
+    kind: OpKind, state: State, group_name: str, axis: Axis, phase: Phase, reduce: Reduce | None, at: int
+) -> Change:
+    def change(program: StepProgram, model: Model) -> StepProgram:
+        group = next(g for g in program.placement.groups(State.PARAMETERS) if g.name == group_name)
+        sizes = group_sizes(model)
+        elements = shard_elements(program.placement, state, group, sizes[group], axis)
+        count = sp.Integer(program.placement.options.micro_batches) if phase in (Phase.FORWARD, Phase.BACKWARD) else 1
+        op = Op(kind, state, group, axis, phase, elements, sp.Integer(count), reduce)
+        ops = list(program.ops)
+        ops.insert(at if at >= 0 else len(ops) + 1 + at, op)
+        return program.with_ops(ops)
+
+    return change
+
+
+# --- materialized model states -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", ["P", "O"])
+def test_materialized_parameters_or_optimizer_state_are_refuted_and_diverge(state: str) -> None:
+    toml = '[strategies.m-dp]\naxis = "dp"\n' + ('P = "M"\n' if state == "P" else 'P = "R"\nO = "M"\n')
+    assert _judged("m-dp2", toml) == (Status.REFUTED, False)
+    assert _judged("dp2") == (Status.PROVED, True)  # the placement that holds them
+
+
+# --- reductions of replicated P and O ----------------------------------------------------
+
+
+def _reduce_scatter_optimizer_state(reduce: Reduce) -> Change:
+    def change(program: StepProgram, model: Model) -> StepProgram:
+        at = next(i for i, op in enumerate(program.ops) if op.phase is Phase.FORWARD)
+        return _inserted(OpKind.REDUCE_SCATTER, State.OPTIMIZER, FINAL_NORM.name, Axis.CP, Phase.FORWARD, reduce, at)(
+            program, model
+        )
+
+    return change
+
+
+def test_a_mean_reduce_scatter_of_replicated_optimizer_state_changes_nothing() -> None:
+    assert _judged("cp2xdp2", change=_reduce_scatter_optimizer_state(Reduce.MEAN)) == (Status.PROVED, True)
+
+
+def test_a_sum_reduce_scatter_of_replicated_optimizer_state_is_refuted_and_diverges() -> None:
+    assert _judged("cp2xdp2", change=_reduce_scatter_optimizer_state(Reduce.SUM)) == (Status.REFUTED, False)
+
+
+def _after_step(kind: OpKind, state: State, group: str, axis: Axis, reduce: Reduce | None) -> Change:
+    def change(program: StepProgram, model: Model) -> StepProgram:
+        at = max(i for i, op in enumerate(program.ops) if op.kind is OpKind.OPTIMIZER_STEP) + 1
+        return _inserted(kind, state, group, axis, Phase.OPTIMIZER, reduce, at)(program, model)
+
+    return change
+
+
+def test_a_sum_all_reduce_of_stage_split_parameters_is_refuted_and_diverges() -> None:
+    """Each stage's norm tensor holds its own layers: summing along pp adds another layer's."""
+    wrong = _after_step(OpKind.ALL_REDUCE, State.PARAMETERS, NORM.name, Axis.PP, Reduce.SUM)
+    assert _judged("pp2xm2", change=wrong, tied=True) == (Status.REFUTED, False)
+    assert _judged("pp2xm2", tied=True) == (Status.PROVED, True)
+
+
+def test_a_mean_all_reduce_of_replicated_parameters_after_the_step_changes_nothing() -> None:
+    right = _after_step(OpKind.ALL_REDUCE, State.PARAMETERS, NORM.name, Axis.DP, Reduce.MEAN)
+    assert _judged("dp2", change=right) == (Status.PROVED, True)
+    wrong = _after_step(OpKind.ALL_REDUCE, State.PARAMETERS, NORM.name, Axis.DP, Reduce.SUM)
+    assert _judged("dp2", change=wrong) == (Status.REFUTED, False)
+
+
+def test_a_reduction_over_freed_parameter_memory_is_refuted_and_diverges() -> None:
+    """FSDP frees the gathered copy after the forward: a sum reduce-scatter at the start of the
+    backward reduces one shard with freed memory (zeros only by luck in a real buffer)."""
+
+    def wrong(program: StepProgram, model: Model) -> StepProgram:
+        at = next(i for i, op in enumerate(program.ops) if op.phase is Phase.BACKWARD)
+        rs = _inserted(OpKind.REDUCE_SCATTER, State.PARAMETERS, ROW_BIAS.name, Axis.DP, Phase.BACKWARD, Reduce.SUM, at)
+        return rs(program, model)
+
+    assert _judged("fsdp2", change=wrong) == (Status.REFUTED, False)
+    assert _judged("fsdp2") == (Status.PROVED, True)
+
+
+# --- split computation -------------------------------------------------------------------
+
+SPLIT = 'axis = "{axis}"\nP = "R"\nO = "{o}"\nG = "{g}"\nA = "R"\ncompute_sharded = "all"\n'
+
+
+@pytest.mark.parametrize("axis", ["tp", "pp"])
+def test_split_computation_with_sharded_optimizer_state_is_right(axis: str) -> None:
+    """Each rank's update reads the gradient on its own slice, where it is whole; the refresh
+    gathers the replicated parameters (Megatron-LM's distributed optimizer over a split layer)."""
+    toml = "[strategies.split]\n" + SPLIT.format(axis=axis, o="S", g="R")
+    assert _judged("split2xdp2", toml) == (Status.PROVED, True)
+    stale = "[strategies.split]\n" + SPLIT.format(axis=axis, o="R", g="R")
+    assert _judged("split2xdp2", stale) == (Status.REFUTED, False)
+
+
+def test_split_computation_over_a_replicated_update_is_refuted_with_offload_too() -> None:
+    """On the host as on the device, the replicated update reads the gradient outside the rank's
+    slice, which no backward produced."""
+    toml = '[strategies.split]\naxis = "tp"\nP = "R"\nO = "R"\nG = "S"\ncompute_sharded = "all"\n'
+    assert _judged("split4xoffload", toml) == (Status.REFUTED, False)
+    right = '[strategies.split]\naxis = "tp"\nP = "S"\nO = "S"\nG = "S"\ncompute_sharded = "all"\n'
+    assert _judged("split4xoffload", right) == (Status.PROVED, True)
+
+
+def test_a_host_copy_of_a_sharded_gradient_copies_the_partition() -> None:
+    """ZeRO-Offload along tp with the gradient's shards cut one off from the optimizer's: the
+    host holds the gradient shard the device keeps, not the optimizer's."""
+    shifted = '[strategies.fs]\naxis = "tp"\nP = "S*"\nO = "S"\nG = "S@1"\n'
+    assert _judged("fs2xoffload", shifted) == (Status.REFUTED, False)
+    aligned = '[strategies.fs]\naxis = "tp"\nP = "S*"\nO = "S"\nG = "S"\n'
+    assert _judged("fs2xoffload", aligned) == (Status.PROVED, True)
+
+
+def test_sequence_sharded_layer_inputs_over_unsplit_blocks_are_refused() -> None:
+    toml = '[strategies.seq]\naxis = "tp"\nP = "R"\nO = "R"\nG = "R"\nA = "S"\n'
+    with pytest.raises(InputError, match="attention and mlp must both be split"):
+        _judged("seq2", toml)
+
+
+def test_a_vocabulary_split_head_with_a_whole_embedding_is_simulated() -> None:
+    """The head's vocabulary rows follow the head's own split, not the embedding's."""
+    split = "".join(
+        f'[strategies.vh.groups.{g}]\nP = "{{m}}"\nO = "{{m}}"\nG = "{{m}}"\n' for g in ("attention", "mlp", "head")
+    )
+    base = '[strategies.vh]\naxis = "tp"\nP = "R"\nO = "R"\nG = "R"\ncompute_sharded = ["attention", "mlp", "head"]\n'
+    assert _judged("vh2xcp2", base + split.format(m="S")) == (Status.PROVED, True)
+    assert _judged("vh2xcp2", base + split.format(m="R")) == (Status.REFUTED, False)
+
+
+def test_a_materialized_gradient_copied_to_the_host_is_the_whole_gradient() -> None:
+    toml = '[strategies.mg]\naxis = "dpr"\nP = "S*+hold"\nO = "S"\nG = "M"\nA = "S"\n'
+    assert _judged("mg2xoffload", toml, tied=True) == (Status.PROVED, True)

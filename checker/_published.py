@@ -21,7 +21,7 @@ from checker._parse import parse
 from formal._hardware import PRESETS as HARDWARE
 from formal._model import PRECISIONS, Ffn, Norm, Transformer
 from formal._program import derive_program
-from formal._steptime import Efficiency, Runtime, StepInputs, StepTime, evaluate, prepare
+from formal._steptime import Efficiency, Runtime, StepInputs, StepTimes, evaluate_batch, prepare
 
 DATA_PATH = Path(__file__).resolve().parent / "data" / "published-throughput.json"
 SOURCES = ("ptdp", "korthikanti", "mtnlg", "llama3", "torchtitan")
@@ -48,18 +48,27 @@ class Run:
         )
 
 
-def predicted(run: Run, time: StepTime, inputs: StepInputs) -> float:
-    """The model's figure in the run's published unit, under the source's own FLOP counting."""
+def predicted(run: Run, times: StepTimes, inputs: StepInputs, i: int = 0) -> float:
+    """The model's figure for row ``i`` in the run's published unit, under the source's own FLOP
+    counting."""
+    devices = float(inputs.devices[i])
     match run.unit:
         case "seconds":
-            return time.step_seconds
+            return float(times.step_seconds[i])
         case "tokens/s per GPU":
-            return time.tokens_per_second / inputs.devices
+            return float(times.tokens_per_second[i]) / devices
         case "TFLOP/s per GPU" if run.source == "llama3":  # model FLOPs, no recomputation counted
-            return inputs.model_flops / (time.step_seconds * inputs.devices) / 1e12
+            return float(inputs.model_flops[i]) / (float(times.step_seconds[i]) * devices) / 1e12
         case "TFLOP/s per GPU":  # Narayanan eq. 3: recomputation counted
-            return time.tflops_per_device
+            return float(times.tflops_per_device[i])
     raise AssertionError(run.unit)
+
+
+def predictions(pairs: Sequence[tuple[Run, StepInputs]], eff: Efficiency) -> list[float]:
+    """``predicted`` of every run under ``eff``, the runs' rows evaluated in one batch."""
+    batch = StepInputs.concat([inputs for _, inputs in pairs])
+    times = evaluate_batch(batch, eff)
+    return [predicted(run, times, batch, i) for i, (run, _) in enumerate(pairs)]
 
 
 def error(run: Run, value: float) -> float:
@@ -204,11 +213,8 @@ Point = tuple[float, float, float, float]
 
 def _loss(pairs: Sequence[tuple[Run, StepInputs]], eff: Efficiency) -> float:
     """Mean squared log-ratio of predicted to published over the runs."""
-    total = 0.0
-    for run, inputs in pairs:
-        value = predicted(run, evaluate(inputs, eff), inputs)
-        total += math.log(value / run.published) ** 2
-    return total / len(pairs)
+    values = predictions(pairs, eff)
+    return sum(math.log(v / run.published) ** 2 for (run, _), v in zip(pairs, values, strict=True)) / len(pairs)
 
 
 def fit(pairs: Sequence[tuple[Run, StepInputs]], source: str = "") -> Efficiency:
@@ -250,11 +256,10 @@ class Row:
 
 
 def _rows(pairs: Sequence[tuple[Run, StepInputs]], eff: Efficiency, held_out: bool) -> list[Row]:
-    out = []
-    for run, inputs in pairs:
-        value = predicted(run, evaluate(inputs, eff), inputs)
-        out.append(Row(run, value, error(run, value), held_out))
-    return out
+    if not pairs:
+        return []
+    values = predictions(pairs, eff)
+    return [Row(run, v, error(run, v), held_out) for (run, _), v in zip(pairs, values, strict=True)]
 
 
 def validation(

@@ -36,8 +36,10 @@ from checker._plan_space import (
     RankBy,
     Workload,
 )
+from formal._hardware import Hardware
 from formal._model import Model, ParameterCount, Precision, Transformer
 from formal._rules import framework_notes, setting_for
+from formal._steptime import Efficiency
 from formal._strategies import Composition
 from formal._verdict import Status
 from formal._vocab import Axis, Stage
@@ -148,6 +150,7 @@ class _Table:
     bubble_s: Floats
     communication_s: Floats
     host_s: Floats
+    step_moved: Floats  # (n, moves) the step with each calibrated constant moved (Plan.moves)
 
     @property
     def step_s(self) -> Floats:
@@ -177,6 +180,8 @@ class Plan:
     solver: str  # "z3 (formal._smt)" or why no verdicts
     seconds: dict[str, float]
     derivations: int
+    hardware: Hardware | None = None  # the calibrated step time's hardware; None: the peak-rate bound
+    moves: tuple[tuple[str, float, Efficiency], ...] = ()  # constants moved by their uncertainty
 
     def candidate(self, row: int) -> Candidate:
         return _candidate(self, row)

@@ -72,8 +72,19 @@ from checker._plan_space import Bools as Bools
 from checker._plan_space import divisors as divisors
 from checker._plan_space import offloads_for as offloads_for
 from formal._costs import STAGES, busiest_stage_traffic, ceil_int, most_loaded, total_bytes
+from formal._hardware import Hardware
 from formal._model import DEFAULT_PRECISION, Model, Precision, Transformer
 from formal._program import StepProgram, derive_program, group_sizes
+from formal._steptime import (
+    Efficiency,
+    Runtime,
+    StepInputs,
+    assemble,
+    calibrated,
+    evaluate_batch,
+    perturbations,
+    uncertainty,
+)
 from formal._strategies import Composition
 from formal._verdict import Condition, Status, Verdict
 from formal.errors import InputError
@@ -116,11 +127,20 @@ def plan(
     rank_by: RankBy = RankBy.TIME,
     decide: Decide | str | None = "auto",
     max_decisions: int = 60,
+    hardware: Hardware | None = None,
+    runtime: Runtime = Runtime(),  # noqa: B008 (frozen)
+    efficiency: Efficiency | None = None,
 ) -> Plan:
-    """Enumerate, evaluate, rank and prove (see the module docstring)."""
+    """Enumerate, evaluate, rank and prove (see the module docstring). With ``hardware`` the
+    step time is the calibrated model's (``formal._steptime``, constants ``efficiency`` or the
+    shipped ones), and every candidate is also timed with each constant moved by its fitted
+    uncertainty (``Plan.sensitivity``)."""
     clock = {"start": time.perf_counter()}
     if top < 1:
         raise InputError(f"--top {top}: must be at least 1")
+    if hardware is not None and not isinstance(model, Transformer):
+        raise InputError("--hardware: the calibrated step time needs a model with layers (give --model)")
+    timed = _Timing.of(hardware, runtime, efficiency, cluster) if hardware is not None else None
     n = cluster.devices
     global_batch = workload.global_batch if workload.global_batch is not None else n
     if global_batch < 1:
@@ -151,6 +171,7 @@ def plan(
     clock["enumerate"] = time.perf_counter()
 
     blocks: list[_Table] = []
+    step_inputs: list[StepInputs] = []
     for fi, family in enumerate(families):
         ok = np.ones(deg.shape[0], dtype=bool)
         for mask in family_rules(family, model, workload.uneven_stages, deg, m).values():
@@ -171,7 +192,11 @@ def plan(
                 timing.compute_seconds(model, family.recompute, tokens),
             )
         )
+        if timed is not None:
+            step_inputs.append(timed.inputs(deriver, family, deg[rows], b[rows], m[rows]))
     table = _concat(blocks)
+    if timed is not None and step_inputs:
+        timed.fill(table, StepInputs.concat(step_inputs))
     clock["evaluate"] = time.perf_counter()
 
     # The ZeRO paper's capacity tables are exact at the boundary (16 Psi / N = 32 GB): allow
@@ -208,6 +233,8 @@ def plan(
         solver,
         {},
         deriver.derivations,
+        hardware,
+        timed.moves if timed is not None else (),
     )
     _prove_top(result, deriver, decide_fn, top, max_decisions)
     clock["prove"] = time.perf_counter()
@@ -258,6 +285,7 @@ def _evaluate(
         bubble_s=act[2] * compute_s,
         communication_s=(traffic / bandwidth).sum(axis=1),
         host_s=host / timing.cluster.host_bandwidth,
+        step_moved=np.zeros((n, 0)),
     )
 
 
@@ -278,6 +306,7 @@ def _concat(blocks: list[_Table]) -> _Table:
             z,
             z,
             z,
+            np.zeros((0, 0)),
         )
     return _Table(
         *(
@@ -295,9 +324,54 @@ def _concat(blocks: list[_Table]) -> _Table:
                 "bubble_s",
                 "communication_s",
                 "host_s",
+                "step_moved",
             )
         )
     )
+
+
+class _Timing:
+    """The calibrated step time of a plan (``formal._steptime``): the hardware, the runtime
+    settings, the constants and the constants moved by their uncertainty."""
+
+    def __init__(self, hardware: Hardware, runtime: Runtime, eff: Efficiency, cluster: Cluster) -> None:
+        self.hardware = hardware
+        self.runtime = runtime
+        self.eff = eff
+        self.overrides = dict(cluster.bandwidths)
+        self.moves = perturbations(eff, uncertainty())
+
+    @classmethod
+    def of(cls, hardware: Hardware, runtime: Runtime, eff: Efficiency | None, cluster: Cluster) -> _Timing:
+        return cls(hardware, runtime, eff if eff is not None else calibrated(), cluster)
+
+    def inputs(self, deriver: Deriver, family: Family, deg: Ints, b: Ints, m: Ints) -> StepInputs:
+        """The step-time inputs of the family's rows, from its terms (derived once per family
+        component and evaluated on every row)."""
+        cols = np.column_stack([deg.astype(np.float64), m.astype(np.float64)])
+        compute_terms, compute_fn = deriver.step_compute(family, self.runtime)
+        state_terms, state_fn = deriver.step_state(family, self.runtime)
+        return assemble(
+            compute_terms.bind(compute_fn(cols)),
+            state_terms.bind(state_fn(cols)),
+            [(axis, deg[:, i].astype(np.float64)) for i, axis in enumerate(AXES)],
+            b.astype(np.float64),
+            cast(Transformer, deriver.model),
+            self.hardware,
+            self.runtime,
+            self.overrides,
+        )
+
+    def fill(self, table: _Table, inputs: StepInputs) -> None:
+        """The calibrated model's seconds in ``table`` (compute, exposed collectives, bubble,
+        optimizer and host), and the step under each moved constant."""
+        times = evaluate_batch(inputs, self.eff)
+        table.compute_s = times.compute_seconds
+        table.bubble_s = times.bubble_seconds
+        table.communication_s = times.exposed.sum(axis=1)
+        table.host_s = times.optimizer_seconds + times.host_seconds
+        moved = [evaluate_batch(inputs, e).step_seconds for _, _, e in self.moves]
+        table.step_moved = np.column_stack(moved) if moved else np.zeros((len(table), 0))
 
 
 def exact_costs(candidate: Candidate, model: Model, precision: Precision) -> tuple[int, int, str, StepProgram]:

@@ -21,7 +21,7 @@ from checker._parse import parse
 from formal._hardware import PRESETS as HARDWARE
 from formal._model import PRECISIONS, Ffn, Norm, Transformer
 from formal._program import derive_program
-from formal._steptime import Efficiency, Runtime, StepInputs, StepTimes, evaluate_batch, prepare
+from formal._steptime import CONSTANTS, Efficiency, Runtime, StepInputs, StepTimes, evaluate_batch, prepare
 
 DATA_PATH = Path(__file__).resolve().parent / "data" / "published-throughput.json"
 SOURCES = ("ptdp", "korthikanti", "mtnlg", "llama3", "torchtitan")
@@ -273,12 +273,35 @@ def validation(
     fit_rows = _rows(pairs, everything, held_out=False)
     excluded_rows = _rows([p for p in every if p[0].excluded], everything, held_out=True)
     held: list[Row] = []
+    for source, constants in fold_fits(pairs, fitted).items():
+        held += _rows([p for p in pairs if p[0].source == source], constants, held_out=True)
+    return everything, fit_rows, held, excluded_rows
+
+
+def fold_fits(
+    pairs: Sequence[tuple[Run, StepInputs]],
+    fitted: Callable[[Sequence[tuple[Run, StepInputs]]], Efficiency] = fit,
+) -> dict[str, Efficiency]:
+    """The constants fitted without each source (the leave-one-source-out folds)."""
+    out = {}
     for source in SOURCES:
         train = [p for p in pairs if p[0].source != source]
-        test = [p for p in pairs if p[0].source == source]
-        if test and train:
-            held += _rows(test, fitted(train), held_out=True)
-    return everything, fit_rows, held, excluded_rows
+        if train and len(train) < len(pairs):
+            out[source] = fitted(train)
+    return out
+
+
+def jackknife(folds: Sequence[Efficiency]) -> dict[str, float]:
+    """The delete-one-group jackknife standard error of each constant over the folds' fits
+    (Efron and Tibshirani 1993, ch. 11: sqrt((g - 1) / g x sum (theta_i - mean)^2) for g groups):
+    how far a constant moves when the runs of one source are not there to fit it."""
+    g = len(folds)
+    out = {}
+    for name in CONSTANTS:
+        values = [getattr(f, name) for f in folds]
+        mean = sum(values) / g
+        out[name] = math.sqrt((g - 1) / g * sum((v - mean) ** 2 for v in values))
+    return out
 
 
 def summary(rows: Sequence[Row]) -> tuple[float, float]:
@@ -286,8 +309,11 @@ def summary(rows: Sequence[Row]) -> tuple[float, float]:
     return sum(errors) / len(errors), max(errors)
 
 
-def calibration_document(eff: Efficiency, runs: Sequence[Run]) -> dict[str, Any]:
-    """What ``formal/data/steptime-calibration.json`` holds: the constants and their provenance."""
+def calibration_document(
+    eff: Efficiency, runs: Sequence[Run], uncertainty: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """What ``formal/data/steptime-calibration.json`` holds: the constants, their provenance and
+    (given) their jackknife uncertainty over the leave-one-source-out folds."""
     return {
         "about": (
             "Constants of the step-time model (formal/_steptime.py), fitted by checker._published.fit "
@@ -305,6 +331,7 @@ def calibration_document(eff: Efficiency, runs: Sequence[Run]) -> dict[str, Any]
             "network": eff.network,
             "memory": eff.memory,
         },
+        **({"uncertainty": uncertainty} if uncertainty is not None else {}),
     }
 
 
@@ -314,8 +341,10 @@ if __name__ == "__main__":  # regenerate the shipped constants
     from formal._steptime import CALIBRATION_PATH
 
     all_runs = tuple(r for r in load_runs() if not r.excluded)
-    fitted_all = fit([(r, r.inputs()) for r in all_runs])
-    text = json.dumps(calibration_document(fitted_all, all_runs), indent=1) + "\n"
+    all_pairs = [(r, r.inputs()) for r in all_runs]
+    fitted_all = fit(all_pairs)
+    spread = jackknife(list(fold_fits(all_pairs).values()))
+    text = json.dumps(calibration_document(fitted_all, all_runs, spread), indent=1) + "\n"
     if "--write" in sys.argv:
         CALIBRATION_PATH.write_text(text, encoding="utf-8")
     print(text, end="")

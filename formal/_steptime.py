@@ -38,8 +38,9 @@ efficiency curve and overlap are measurements and models, so nothing here is exa
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +97,37 @@ class Efficiency:
         """``gemm`` of every row."""
         out: Floats = self.gemm_max * n / (n + self.gemm_half)
         return out
+
+
+CONSTANTS: tuple[str, ...] = ("gemm_max", "gemm_half", "network", "memory")
+# Where each constant means something: an efficiency or link fraction in (0, 1], a positive
+# half-size, a non-negative byte factor.
+_RANGES: dict[str, tuple[float, float]] = {
+    "gemm_max": (1e-6, 1.0),
+    "gemm_half": (1e-6, math.inf),
+    "network": (1e-6, 1.0),
+    "memory": (0.0, math.inf),
+}
+
+
+def uncertainty() -> dict[str, float]:
+    """The shipped constants' fitted uncertainty (the jackknife standard error over the
+    leave-one-source-out fits, ``checker._published.jackknife``)."""
+    data = json.loads(CALIBRATION_PATH.read_text(encoding="utf-8"))
+    return {name: float(data["uncertainty"][name]) for name in CONSTANTS}
+
+
+def perturbations(eff: Efficiency, spread: Mapping[str, float]) -> tuple[tuple[str, float, Efficiency], ...]:
+    """``eff`` with each constant moved by -1 and +1 of its uncertainty (kept in its range):
+    (constant, signed move, constants)."""
+    out = []
+    for name in CONSTANTS:
+        low, high = _RANGES[name]
+        for sign in (-1.0, 1.0):
+            value = min(high, max(low, getattr(eff, name) + sign * spread[name]))
+            if value != getattr(eff, name):
+                out.append((name, value - getattr(eff, name), replace(eff, **{name: value})))
+    return tuple(out)
 
 
 def calibrated() -> Efficiency:
@@ -307,19 +339,23 @@ def _classify(op_state: State, phase: str, axis: Axis, runtime: Runtime) -> str:
 def _comms(
     program: StepProgram, precision: Precision, runtime: Runtime, activations: bool
 ) -> tuple[list[CommTerm], list[sp.Expr], list[sp.Expr]]:
+    """The collectives of ``program`` (its activation ones, or the others), their bytes summed
+    per class (stage, axis, overlap rule, scaling, count): time is linear in the bytes, and
+    fewer expressions are fewer to evaluate."""
     pl = program.placement
     scatter = runtime.pipeline_scatter_gather and not pl.options.sequence_parallel
-    terms, nbytes, counts = [], [], []
+    summed: dict[tuple[CommTerm, sp.Expr], sp.Expr] = {}
     for stage in pipeline_stages(pl):
         for t in communication(program, precision, stage):
             if (t.state is State.ACTIVATIONS) != activations:
                 continue
             kind = _classify(t.state, t.phase, t.axis, runtime)
             split = scatter and t.axis.kind.is_pipeline and t.state is State.ACTIVATIONS
-            terms.append(CommTerm(stage, t.axis, kind, t.state is State.ACTIVATIONS, split))
-            nbytes.append(sp.sympify(t.bytes))
-            counts.append(sp.sympify(t.count))
-    return terms, nbytes, counts
+            term = CommTerm(stage, t.axis, kind, t.state is State.ACTIVATIONS, split)
+            count = sp.sympify(t.count) if kind == _SYNC else sp.Integer(1)
+            key = (term, count)
+            summed[key] = summed.get(key, sp.Integer(0)) + sp.sympify(t.bytes)
+    return [k[0] for k in summed], list(summed.values()), [k[1] for k in summed]
 
 
 def compute_terms(program: StepProgram, model: Model, precision: Precision, runtime: Runtime = Runtime()) -> Terms:

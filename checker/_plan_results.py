@@ -218,6 +218,52 @@ class Plan:
     def feasible(self) -> int:
         return int(self.fits.sum())
 
+    def pareto(self) -> Ints:
+        """Rows of the fitting candidates no other fitting candidate beats on all of step time,
+        memory headroom and traffic per step (and strictly on one), fastest first. A cost front:
+        its members are not decided by z3 unless they are among the shown candidates."""
+        rows = self.order
+        if rows.size == 0:
+            return rows
+        t = self.table
+        points = np.column_stack([t.step_s[rows], t.memory[rows], t.traffic[rows].sum(axis=1)])
+        keep: list[int] = []
+        front = np.zeros((0, 3))
+        for i in np.lexsort((points[:, 2], points[:, 1], points[:, 0])):
+            p = points[i]
+            if front.shape[0] and bool(np.any(np.all(front <= p, axis=1))):
+                continue  # an earlier point is no worse on every objective (ties included)
+            keep.append(int(rows[i]))
+            front = np.vstack([front, p])
+        return np.array(keep, dtype=np.int64)
+
+    def sensitivity(self, k: int = 5) -> list[dict[str, Any]]:
+        """How the cost ranking's top ``k`` (before z3) changes when each calibrated constant
+        moves by its fitted uncertainty: the new top ``k``, who left it and who entered, and the
+        first position that changed. Empty without ``hardware``."""
+        if not self.moves or self.order.size == 0:
+            return []
+        t = self.table
+        rows = self.order
+        base = [int(r) for r in rows[:k]]
+        out = []
+        for j, (name, move, _) in enumerate(self.moves):
+            moved = rows[np.argsort(t.step_moved[rows, j], kind="stable")][:k]
+            new = [int(r) for r in moved]
+            first = next((i + 1 for i, (a, b) in enumerate(zip(base, new, strict=True)) if a != b), None)
+            out.append(
+                {
+                    "constant": name,
+                    "move": move,
+                    "top": [self.candidate(r).text for r in new],
+                    "first_changed": first,
+                    "left": [self.candidate(r).text for r in base if r not in new],
+                    "entered": [self.candidate(r).text for r in new if r not in base],
+                    "best_step_seconds": float(t.step_moved[new[0], j]),
+                }
+            )
+        return out
+
     def as_json(self) -> dict[str, Any]:
         return {
             "schema": "placement-semantics/plan/1",
@@ -246,7 +292,22 @@ class Plan:
                 for a in self.alternatives
             ],
             "refuted": self.refuted,
-            "step_time_model": (StepTimeModel.__doc__ or "").strip(),
+            "step_time_model": (
+                f"calibrated (formal._steptime, docs/steptime.md) on {self.hardware.name}"
+                if self.hardware is not None
+                else (StepTimeModel.__doc__ or "").strip()
+            ),
+            "pareto": [
+                {
+                    "composition": c.text,
+                    "micro_batch_size": c.micro_batch,
+                    "step_seconds": c.step_s,
+                    "headroom_bytes": round(self.cluster.usable_memory - c.memory),
+                    "communication_bytes": round(c.communication),
+                }
+                for c in (self.candidate(int(r)) for r in self.pareto())
+            ],
+            "sensitivity": self.sensitivity(max(len(self.top), 1)),
         }
 
     def csv(self) -> str:

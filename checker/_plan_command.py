@@ -296,9 +296,9 @@ def plan_command() -> Any:
                 capacity,
                 reserve=reserve_bytes(reserve, capacity),
                 node_size=node_size if node_size is not None else hw.node_size if hw is not None else 8,
-                intra_node_bandwidth=rate(intra_node_bandwidth, hw and hw.intra_node_bandwidth, "300GB/s"),
-                inter_node_bandwidth=rate(inter_node_bandwidth, hw and hw.inter_node_bandwidth, "25GB/s"),
-                host_bandwidth=rate(host_bandwidth, hw and hw.host_bandwidth, "32GB/s"),
+                intra_node_bandwidth=rate(intra_node_bandwidth, hw.intra_node_bandwidth if hw else None, "300GB/s"),
+                inter_node_bandwidth=rate(inter_node_bandwidth, hw.inter_node_bandwidth if hw else None, "25GB/s"),
+                host_bandwidth=rate(host_bandwidth, hw.host_bandwidth if hw else None, "32GB/s"),
                 device_flops=(
                     float(parse_count(device_flops, "--device-flops", high=10**21))
                     if device_flops is not None
@@ -327,7 +327,7 @@ def plan_command() -> Any:
                 cluster,
                 Workload(global_batch, tuple(sizes), uneven_stages),
                 PRECISIONS[precision],
-                Space(data=tuple(kinds), pins=tuple((a, int(d)) for a, d in pins)),
+                Space(data=tuple(kinds), pins=tuple((a, int(d)) for a, d in pins), every_interleave=hw is not None),
                 top=top,
                 rank_by=RankBy(rank_by),
                 hardware=hw,

@@ -64,7 +64,9 @@ def _print_plan(result: Plan) -> None:
     console.print(
         f"{len(result.families)} families, {result.enumerated:,} combinations, "
         f"{len(result.table):,} pass the composition rules, {result.feasible:,} fit; "
-        f"{result.decided} z3 decisions ({result.solver}); {result.seconds['total']:.2f} s"
+        f"{result.decided} z3 decisions ({result.solver})"
+        + (f", {result.cache_hits} from the cache" if result.cache_hits else "")
+        + f"; {result.seconds['total']:.2f} s"
     )
     title = "Best compositions (GB = 1e9 bytes; ms per step: compute + bubble + comm + host)"
     columns = (
@@ -225,6 +227,19 @@ def plan_command() -> Any:
     @click.option("--rank-by", type=click.Choice([r.value for r in RankBy]), default="time", show_default=True)
     @click.option("--top", type=WholeNumber(1, 10_000), default=5, show_default=True)
     @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+    @click.option(
+        "--workers",
+        type=WholeNumber(1, 256),
+        default=1,
+        show_default=True,
+        help="Evaluate the families in this many processes (spawned; for large sweeps).",
+    )
+    @click.option(
+        "--cache/--no-cache",
+        default=True,
+        show_default=True,
+        help="Keep z3 verdicts on disk between runs ($PLACEMENT_SEMANTICS_CACHE or ~/.cache/placement-semantics).",
+    )
     @click.option("--csv", "csv_path", default=None, help="Write every fitting candidate, best first, to this file.")
     def command(
         model: str | None,
@@ -249,6 +264,8 @@ def plan_command() -> Any:
         rank_by: str,
         top: int,
         as_json: bool,
+        workers: int,
+        cache: bool,
         csv_path: str | None,
     ) -> None:
         """Find the best valid composition for a model on a cluster, e.g.
@@ -331,6 +348,8 @@ def plan_command() -> Any:
                 top=top,
                 rank_by=RankBy(rank_by),
                 hardware=hw,
+                workers=workers,
+                cache=_planner.VerdictCache() if cache else None,
             )
             if csv_file is not None:
                 write_atomic(csv_file, result.csv(), "--csv")

@@ -182,6 +182,7 @@ class Plan:
     derivations: int
     hardware: Hardware | None = None  # the calibrated step time's hardware; None: the peak-rate bound
     moves: tuple[tuple[str, float, Efficiency], ...] = ()  # constants moved by their uncertainty
+    cache_hits: int = 0  # z3 verdicts read from the on-disk cache instead of decided
 
     def candidate(self, row: int) -> Candidate:
         return _candidate(self, row)
@@ -282,6 +283,7 @@ class Plan:
                 "pass_rules": len(self.table),
                 "fit": self.feasible,
                 "z3_decisions": self.decided,
+                "z3_cache_hits": self.cache_hits,
             },
             "solver": self.solver,
             "seconds": self.seconds,

@@ -39,11 +39,12 @@ import importlib
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import cast
 
 import numpy as np
 
+from checker._plan_cache import VerdictCache
 from checker._plan_costs import Deriver, StepTimeModel, Vectorized
 from checker._plan_results import Alternative, Candidate, Plan, _alternatives, _Table, explain_pair, family_of
 from checker._plan_rules import family_rules, mesh_rules
@@ -130,6 +131,9 @@ def plan(
     hardware: Hardware | None = None,
     runtime: Runtime = Runtime(),  # noqa: B008 (frozen)
     efficiency: Efficiency | None = None,
+    workers: int = 1,
+    worker_timeout: float = 600.0,
+    cache: VerdictCache | None = None,
 ) -> Plan:
     """Enumerate, evaluate, rank and prove (see the module docstring). With ``hardware`` the
     step time is the calibrated model's (``formal._steptime``, constants ``efficiency`` or the
@@ -170,30 +174,8 @@ def plan(
     enumerated = len(families) * all_meshes.shape[0] * len(workload.micro_batch_sizes)
     clock["enumerate"] = time.perf_counter()
 
-    blocks: list[_Table] = []
-    step_inputs: list[StepInputs] = []
-    for fi, family in enumerate(families):
-        ok = np.ones(deg.shape[0], dtype=bool)
-        for mask in family_rules(family, model, workload.uneven_stages, deg, m).values():
-            ok &= mask
-        rows = np.flatnonzero(ok)
-        if rows.size == 0:
-            continue
-        blocks.append(
-            _evaluate(
-                deriver,
-                timing,
-                family,
-                fi,
-                deg[rows],
-                b[rows],
-                m[rows],
-                bandwidth[rows],
-                timing.compute_seconds(model, family.recompute, tokens),
-            )
-        )
-        if timed is not None:
-            step_inputs.append(timed.inputs(deriver, family, deg[rows], b[rows], m[rows]))
+    job = _Job(model, precision, workload.uneven_stages, cluster, timed, tokens, deg, b, m, bandwidth)
+    blocks, step_inputs = _evaluate_all(job, list(enumerate(families)), workers, worker_timeout)
     table = _concat(blocks)
     if timed is not None and step_inputs:
         timed.fill(table, StepInputs.concat(step_inputs))
@@ -236,7 +218,7 @@ def plan(
         hardware,
         timed.moves if timed is not None else (),
     )
-    _prove_top(result, deriver, decide_fn, top, max_decisions)
+    _prove_top(result, deriver, decide_fn, top, max_decisions, cache)
     clock["prove"] = time.perf_counter()
     result.alternatives = _alternatives(result)
     clock["explain"] = time.perf_counter()
@@ -245,6 +227,78 @@ def plan(
     result.seconds["total"] = round(stamps[-1][1] - stamps[0][1], 4)
     result.derivations = deriver.derivations
     return result
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What evaluating a family needs, sent to a worker process (spawn: pickled)."""
+
+    model: Model
+    precision: Precision
+    uneven: bool
+    cluster: Cluster
+    timed: _Timing | None
+    tokens: int
+    deg: Ints
+    b: Ints
+    m: Ints
+    bandwidth: Floats
+
+
+def _evaluate_families(
+    job: _Job, families: list[tuple[int, Family]]
+) -> tuple[list[tuple[int, _Table]], list[tuple[int, StepInputs]]]:
+    """The cost table (and step-time inputs) of each family's rule-passing rows."""
+    deriver = deriver_for(job.model, job.precision, job.uneven)
+    timing = StepTimeModel(job.cluster)
+    blocks: list[tuple[int, _Table]] = []
+    inputs: list[tuple[int, StepInputs]] = []
+    for fi, family in families:
+        ok = np.ones(job.deg.shape[0], dtype=bool)
+        for mask in family_rules(family, job.model, job.uneven, job.deg, job.m).values():
+            ok &= mask
+        rows = np.flatnonzero(ok)
+        if rows.size == 0:
+            continue
+        deg, b, m = job.deg[rows], job.b[rows], job.m[rows]
+        compute_s = timing.compute_seconds(job.model, family.recompute, job.tokens)
+        blocks.append((fi, _evaluate(deriver, timing, family, fi, deg, b, m, job.bandwidth[rows], compute_s)))
+        if job.timed is not None:
+            inputs.append((fi, job.timed.inputs(deriver, family, deg, b, m)))
+    return blocks, inputs
+
+
+def _evaluate_all(
+    job: _Job, families: list[tuple[int, Family]], workers: int, timeout: float
+) -> tuple[list[_Table], list[StepInputs]]:
+    """``_evaluate_families`` in this process, or over ``workers`` spawned processes (families
+    dealt round-robin; the blocks put back in family order, so the result does not depend on
+    the pool). A worker past ``timeout`` seconds is an error, not a hang."""
+    if workers <= 1 or len(families) < 2:
+        blocks, inputs = _evaluate_families(job, families)
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        shares = [families[i::workers] for i in range(workers)]
+        context = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
+        pool = concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context)
+        try:
+            futures = [pool.submit(_evaluate_families, job, share) for share in shares if share]
+            blocks, inputs = [], []
+            for future in futures:
+                try:
+                    part_blocks, part_inputs = future.result(timeout=timeout)
+                except concurrent.futures.TimeoutError:
+                    why = f"--workers: a worker took more than {timeout:g} s; rerun with --workers 1"
+                    raise InputError(why) from None
+                blocks += part_blocks
+                inputs += part_inputs
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        blocks.sort(key=lambda item: item[0])
+        inputs.sort(key=lambda item: item[0])
+    return [t for _, t in blocks], [x for _, x in inputs]
 
 
 def _evaluate(
@@ -388,7 +442,14 @@ def exact_costs(candidate: Candidate, model: Model, precision: Precision) -> tup
 _STRUCTURAL = (Condition.GRADIENT_INTEGRITY, Condition.STATE_CONSISTENCY)
 
 
-def _prove_top(result: Plan, deriver: Deriver, decide: Decide | None, top: int, max_decisions: int) -> None:
+def _prove_top(
+    result: Plan,
+    deriver: Deriver,
+    decide: Decide | None,
+    top: int,
+    max_decisions: int,
+    cache: VerdictCache | None = None,
+) -> None:
     """Walk the ranking: confirm costs exactly, then let z3 decide, until ``top`` are shown."""
     refuted_families: set[int] = set()
     for row in result.order:
@@ -407,8 +468,16 @@ def _prove_top(result: Plan, deriver: Deriver, decide: Decide | None, top: int, 
                 replace(cand, rank=len(result.top) + 1, status=None, verdict_note="unproved: " + result.solver)
             )
             continue
-        verdict = decide(cand.composition(), program, result.model.with_micro_batch(cand.micro_batch))
-        result.decided += 1
+        family_key = VerdictCache.family_key(cand.family, result.model)
+        candidate_key = f"{cand.text} b{cand.micro_batch}"
+        verdict = cache.get(family_key, candidate_key) if cache is not None else None
+        if verdict is None:
+            verdict = decide(cand.composition(), program, result.model.with_micro_batch(cand.micro_batch))
+            result.decided += 1
+            if cache is not None:
+                cache.put(family_key, candidate_key, verdict)
+        else:
+            result.cache_hits += 1
         if verdict.status is Status.PROVED:
             result.top.append(
                 replace(
@@ -444,6 +513,7 @@ __all__ = [
     "RankBy",
     "Space",
     "StepTimeModel",
+    "VerdictCache",
     "Vectorized",
     "Workload",
     "exact_costs",

@@ -158,6 +158,28 @@ class Runtime:
 
 
 @dataclass(frozen=True)
+class StageTime:
+    """One pipeline stage's step: its compute, exposed collectives, bubble, and the rest of the
+    step (optimizer update and host transfers) to ``step`` seconds."""
+
+    stage: Stage
+    compute: float
+    communication: float
+    bubble: float
+    step: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage.value,
+            "compute": self.compute,
+            "communication": self.communication,
+            "bubble": self.bubble,
+            "optimizer_and_host": self.step - self.compute - self.communication - self.bubble,
+            "step": self.step,
+        }
+
+
+@dataclass(frozen=True)
 class StepTime:
     step_seconds: float
     compute_seconds: float
@@ -170,9 +192,11 @@ class StepTime:
     mfu: float
     tflops_per_device: float
     tokens_per_second: float
+    stages: tuple[StageTime, ...] = ()  # every pipeline stage (the slowest is ``stage``)
 
     def as_json(self) -> dict[str, Any]:
         return {
+            "stages": [st.as_json() for st in self.stages],
             "step_seconds": self.step_seconds,
             "mfu": self.mfu,
             "tflops_per_device": self.tflops_per_device,
@@ -629,6 +653,17 @@ class StepTimes:
             mfu=float(self.mfu[i]),
             tflops_per_device=float(self.tflops_per_device[i]),
             tokens_per_second=float(self.tokens_per_second[i]),
+            stages=tuple(
+                StageTime(
+                    stage,
+                    float(self.stage_compute[i, k]),
+                    float(self.stage_communication[i, k]),
+                    float(self.stage_bubble[i, k]),
+                    float(self.stage_step[i, k]),
+                )
+                for k, stage in enumerate(STEP_STAGES)
+                if math.isfinite(self.stage_step[i, k])
+            ),
         )
 
 

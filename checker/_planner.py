@@ -178,7 +178,7 @@ def plan(
     blocks, step_inputs = _evaluate_all(job, list(enumerate(families)), workers, worker_timeout)
     table = _concat(blocks)
     if timed is not None and step_inputs:
-        timed.fill(table, StepInputs.concat(step_inputs))
+        timed.fill(table, StepInputs.concat(step_inputs), cluster.usable_memory)
     clock["evaluate"] = time.perf_counter()
 
     # The ZeRO paper's capacity tables are exact at the boundary (16 Psi / N = 32 GB): allow
@@ -416,16 +416,20 @@ class _Timing:
             self.overrides,
         )
 
-    def fill(self, table: _Table, inputs: StepInputs) -> None:
+    def fill(self, table: _Table, inputs: StepInputs, usable_memory: int) -> None:
         """The calibrated model's seconds in ``table`` (compute, exposed collectives, bubble,
-        optimizer and host), and the step under each moved constant."""
+        optimizer and host), and the step under each moved constant of the rows that fit (the
+        others are never ranked: +inf)."""
         times = evaluate_batch(inputs, self.eff)
         table.compute_s = times.compute_seconds
         table.bubble_s = times.bubble_seconds
         table.communication_s = times.exposed.sum(axis=1)
         table.host_s = times.optimizer_seconds + times.host_seconds
-        moved = [evaluate_batch(inputs, e).step_seconds for _, _, e in self.moves]
-        table.step_moved = np.column_stack(moved) if moved else np.zeros((len(table), 0))
+        fit = np.flatnonzero(table.memory <= usable_memory * (1 + 1e-12))  # as plan() decides a fit
+        fitting = inputs.take(fit)
+        table.step_moved = np.full((len(table), len(self.moves)), np.inf)
+        for j, (_, _, eff) in enumerate(self.moves):
+            table.step_moved[fit, j] = evaluate_batch(fitting, eff).step_seconds
 
 
 def exact_costs(candidate: Candidate, model: Model, precision: Precision) -> tuple[int, int, str, StepProgram]:

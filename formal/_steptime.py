@@ -486,6 +486,10 @@ class StepInputs:
     def __len__(self) -> int:
         return int(self.flops.shape[0])
 
+    def take(self, rows: Ints) -> StepInputs:
+        """The batch of the given rows."""
+        return StepInputs(**{f.name: getattr(self, f.name)[rows] for f in fields(StepInputs)})
+
     @staticmethod
     def concat(batches: Sequence[StepInputs]) -> StepInputs:
         """One batch of the rows of several."""
@@ -667,16 +671,17 @@ class StepTimes:
         )
 
 
-def _spread(pooled: Floats, window: Floats) -> Floats:
-    """What of the collectives in ``pooled`` (..., axes) does not fit in ``window`` (...),
-    shared out over the axes in proportion to their seconds."""
-    import numpy as np
-
-    total = pooled.sum(axis=-1)
-    exposed = np.maximum(total - window, 0.0)
-    share = np.divide(pooled, total[..., None], out=np.zeros_like(pooled), where=total[..., None] > 0)
-    out: Floats = share * exposed[..., None]
-    return out
+# The overlap rules: each group of collective classes hides under a window of compute; what
+# exceeds it is exposed. Exposed time is shared out over the axes in proportion to their seconds
+# (for the breakdown only: the step needs the totals).
+_EXPOSED = KINDS.index("exposed")
+_GROUPS: tuple[tuple[int, ...], ...] = (
+    (KINDS.index("hidden"),),  # asynchronous sends, under the compute
+    (KINDS.index("tensor"),),  # under the compute with async TP, else exposed
+    (KINDS.index("forward"),),  # prefetched parameter gathers, under the forward
+    (KINDS.index("backward"), KINDS.index("grad")),  # under the backward
+    (KINDS.index("grad_once"),),  # once per step, under the last micro-batch's backward
+)
 
 
 def evaluate_batch(inputs: StepInputs, eff: Efficiency) -> StepTimes:
@@ -689,40 +694,48 @@ def evaluate_batch(inputs: StepInputs, eff: Efficiency) -> StepTimes:
     compute = x.flops / rate + eff.memory * x.memory_bytes / x.memory_bandwidth[:, None]
     backward = x.backward_flops / rate
     forward = compute - backward
-    pools = x.comm / eff.network
-
-    def pool(kind: str) -> Floats:
-        out: Floats = pools[:, :, KINDS.index(kind), :]
-        return out
-
-    zero = np.zeros_like(compute)
-    per_mb = pool("exposed") + _spread(pool("hidden"), compute)  # asynchronous sends, under the compute
-    per_mb += _spread(pool("tensor"), np.where(x.tp_overlap[:, None], compute, zero))
-    per_mb += _spread(pool("forward"), forward)
-    per_mb += _spread(pool("backward") + pool("grad"), backward)
-    window = np.where(x.pipelined[:, None], 0.0, backward / x.micro_batches[:, None])
-    after = _spread(pool("grad_once"), window)
-    busy = compute + per_mb.sum(axis=-1)
+    totals = x.comm.sum(axis=-1) / eff.network  # (n, stages, kinds)
+    windows = (
+        compute,
+        np.where(x.tp_overlap[:, None], compute, 0.0),
+        forward,
+        backward,
+        np.where(x.pipelined[:, None], 0.0, backward / x.micro_batches[:, None]),
+    )
+    exposed = [
+        np.maximum(totals[:, :, list(kinds)].sum(axis=-1) - window, 0.0)
+        for kinds, window in zip(_GROUPS, windows, strict=True)
+    ]
+    per_mb = totals[:, :, _EXPOSED] + exposed[0] + exposed[1] + exposed[2] + exposed[3]
+    after = exposed[4]
+    busy = compute + per_mb
     bubble = x.bubble[:, None] * busy
     extra = (x.optimizer_seconds + x.host_seconds)[:, None]
-    step = np.where(x.present, busy + bubble + after.sum(axis=-1) + extra, -np.inf)
+    step = np.where(x.present, busy + bubble + after + extra, -np.inf)
     slowest = np.argmax(step, axis=1)  # the first stage on a tie
     rows = np.arange(len(x))
     seconds = step[rows, slowest]
+    pooled = x.comm[rows, slowest] / eff.network  # (n, kinds, axes) of the slowest stage
+    axes = pooled[:, _EXPOSED, :].copy()
+    for kinds, group_exposed in zip(_GROUPS, exposed, strict=True):
+        part = pooled[:, list(kinds), :].sum(axis=1)
+        total = part.sum(axis=-1, keepdims=True)
+        share = np.divide(part, total, out=np.zeros_like(part), where=total > 0)
+        axes += share * group_exposed[rows, slowest][:, None]
     return StepTimes(
         step_seconds=seconds,
         compute_seconds=compute[rows, slowest],
         bubble_seconds=bubble[rows, slowest],
         optimizer_seconds=x.optimizer_seconds,
         host_seconds=x.host_seconds,
-        exposed=(per_mb + after)[rows, slowest, :],
+        exposed=axes,
         gemm_efficiency=np.broadcast_to(gemm_eff, seconds.shape).astype(np.float64),
         stage=slowest.astype(np.int64),
         mfu=x.model_flops / (seconds * x.devices * x.peak_flops),
         tflops_per_device=x.hardware_flops / (seconds * x.devices) / 1e12,
         tokens_per_second=x.tokens / seconds,
         stage_compute=compute,
-        stage_communication=(per_mb + after).sum(axis=-1),
+        stage_communication=per_mb + after,
         stage_bubble=bubble,
         stage_step=step,
     )

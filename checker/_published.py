@@ -108,6 +108,7 @@ def _llama(entry: dict[str, Any], seq: int, micro_batch: int) -> Transformer:
         bias=False,
         learned_positions=False,
         tied_embeddings=False,
+        dropout=False,  # Llama trains without dropout (Hugging Face LlamaConfig: attention_dropout 0.0)
         source=entry["source"],
     )
 

@@ -1,6 +1,7 @@
 """Planner benchmark: candidates per second and the time of a full 1,024-device plan.
 
     python benchmarks/bench_planner.py [--model llama3-70b] [--devices 1024] [--runs 5] [--json]
+        [--hardware a100-80gb]
 
 Reports medians over ``--runs`` runs of:
 
@@ -11,6 +12,11 @@ Reports medians over ``--runs`` runs of:
 * ``full``: the warm plan with z3 deciding the shown candidates (``formal._smt.decide``);
 * candidates per second: (family, mesh, micro-batch size) combinations evaluated per second of
   the numpy stage, and rule-passing candidates costed per second.
+
+With ``--hardware`` every plan is ranked by the calibrated step time (``formal._steptime``:
+its terms derived per family component, evaluated on every candidate, and re-evaluated with
+each constant moved by its uncertainty); the same figures are printed for the peak-rate bound
+and their ratios (calibrated / bound).
 """
 
 from __future__ import annotations
@@ -39,10 +45,33 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--hardware", default=None, help="a hardware preset: rank by the calibrated step time")
     args = parser.parse_args()
+    figures = _measure(args, None)
+    if args.hardware is not None:
+        from formal._hardware import PRESETS as HARDWARE
+
+        calibrated = _measure(args, HARDWARE[args.hardware])
+        for key in ("cold_plan_s", "warm_plan_s", "evaluate_s", "full_plan_with_z3_s"):
+            base, new = figures[key], calibrated[key]
+            calibrated[key + "_ratio"] = new / base if base and new else None
+        figures = {"peak_rate_bound": figures, "calibrated": calibrated}
+    if args.json:
+        print(json.dumps(figures, indent=2))
+        return
+    for key, value in figures.items():
+        if isinstance(value, dict):
+            print(f"{key}:")
+            for k, v in value.items():
+                print(f"{k:>28}: {v:,.3f}" if isinstance(v, float) else f"{k:>28}: {v}")
+            continue
+        print(f"{key:>22}: {value:,.3f}" if isinstance(value, float) else f"{key:>22}: {value}")
+
+
+def _measure(args: argparse.Namespace, hardware: Any) -> dict[str, Any]:
     model = PRESETS[args.model]
     cluster = Cluster(args.devices, 80 * 10**9)
-    common: dict[str, Any] = {"model": model, "cluster": cluster, "top": args.top}
+    common: dict[str, Any] = {"model": model, "cluster": cluster, "top": args.top, "hardware": hardware}
 
     cold, warm, evaluate, full = [], [], [], []
     result = None
@@ -80,11 +109,7 @@ def main() -> None:
         "solver": solver,
         "best": result.top[0].text if result.top else None,
     }
-    if args.json:
-        print(json.dumps(figures, indent=2))
-        return
-    for key, value in figures.items():
-        print(f"{key:>22}: {value:,.3f}" if isinstance(value, float) else f"{key:>22}: {value}")
+    return figures
 
 
 if __name__ == "__main__":

@@ -149,6 +149,69 @@ def _verdict_section(doc: dict[str, Any]) -> str:
     return "".join(parts)
 
 
+_SEGMENTS = (
+    ("compute", "compute", "#4e79a7"),
+    ("communication", "exposed communication", "#f28e2b"),
+    ("bubble", "pipeline bubble", "#bab0ac"),
+    ("optimizer_and_host", "optimizer and host", "#59a14f"),
+)
+
+
+def timeline_svg(time: dict[str, Any], width: int = 720) -> str:
+    """One bar per pipeline stage, its step split into compute, exposed communication, bubble
+    and the optimizer/host tail, to scale (seconds), from the step-time model's ``stages``."""
+    stages = time.get("stages") or []
+    if not stages:
+        return ""
+    longest = max(float(st["step"]) for st in stages) or 1.0
+    left, bar, gap, top = 70, 22, 10, 24
+    scale = (width - left - 10) / longest
+    height = top + len(stages) * (bar + gap) + 40
+    parts = [
+        f'<svg id="step-timeline" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'role="img" aria-label="step timeline per pipeline stage">'
+    ]
+    for i, st in enumerate(stages):
+        y = top + i * (bar + gap)
+        parts.append(f'<text x="0" y="{y + bar * 0.7:.1f}" font-size="12">{_e(st["stage"])}</text>')
+        x = float(left)
+        for key, label, colour in _SEGMENTS:
+            seconds = max(float(st[key]), 0.0)
+            w = seconds * scale
+            if w <= 0:
+                continue
+            parts.append(
+                f'<rect class="{key}" x="{x:.2f}" y="{y}" width="{w:.2f}" height="{bar}" fill="{colour}">'
+                f"<title>{_e(st['stage'])} {_e(label)}: {seconds:.4g} s</title></rect>"
+            )
+            x += w
+    axis_y = top + len(stages) * (bar + gap)
+    parts.append(
+        f'<text x="{left}" y="{axis_y + 12}" font-size="11">0 s</text>'
+        f'<text x="{width - 10}" y="{axis_y + 12}" font-size="11" text-anchor="end">{longest:.3g} s</text>'
+    )
+    lx = left
+    for _, label, colour in _SEGMENTS:
+        parts.append(f'<rect x="{lx}" y="{axis_y + 20}" width="10" height="10" fill="{colour}"/>')
+        parts.append(f'<text x="{lx + 14}" y="{axis_y + 29}" font-size="11">{_e(label)}</text>')
+        lx += 14 + 7 * len(label) + 16
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _timeline_section(doc: dict[str, Any]) -> str:
+    time = doc.get("time")
+    if not isinstance(time, dict) or not time.get("stages"):
+        return ""
+    return (
+        '<section id="timeline"><h2>Step timeline per pipeline stage</h2>'
+        f"<p>{_e(time.get('hardware', ''))}: {float(time['step_seconds']):.4g} s per step, MFU "
+        f"{float(time['mfu']):.1%} (the step-time model of docs/steptime.md; the slowest stage sets the step)</p>"
+        + timeline_svg(time)
+        + "</section>"
+    )
+
+
 def render_html(doc: dict[str, Any]) -> str:
     """The HTML page for a JSON report (schema ``placement-semantics/report/1``)."""
     if "memory" not in doc or "communication" not in doc:
@@ -208,6 +271,7 @@ model <b>{_e(model["name"])}</b> ({model["parameters"]:,} parameters); precision
 ({prec["parameters"]}/{prec["gradients"]}/{prec["optimizer"]} bytes per parameter). GB = 1e9 bytes.</p>
 {_verdict_section(doc)}
 {imported_html}
+{_timeline_section(doc)}
 <section id="memory"><h2>Memory per device</h2>
 <img id="memory-chart" alt="stacked bar chart of per-device memory by state"
  src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">

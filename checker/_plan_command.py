@@ -55,11 +55,18 @@ def _print_plan(result: Plan) -> None:
         f"({gb(result.cluster.reserve)} reserved); global batch "
         f"{result.global_batch}; precision {result.precision.name}; ranked by "
         f"{'step time' if result.rank_by is RankBy.TIME else 'communication per step'}"
+        + (
+            f" (calibrated, {escape(result.hardware.name)})"
+            if result.hardware is not None and result.rank_by is RankBy.TIME
+            else ""
+        )
     )
     console.print(
         f"{len(result.families)} families, {result.enumerated:,} combinations, "
         f"{len(result.table):,} pass the composition rules, {result.feasible:,} fit; "
-        f"{result.decided} z3 decisions ({result.solver}); {result.seconds['total']:.2f} s"
+        f"{result.decided} z3 decisions ({result.solver})"
+        + (f", {result.cache_hits} from the cache" if result.cache_hits else "")
+        + f"; {result.seconds['total']:.2f} s"
     )
     title = "Best compositions (GB = 1e9 bytes; ms per step: compute + bubble + comm + host)"
     columns = (
@@ -100,6 +107,48 @@ def _print_plan(result: Plan) -> None:
         console.print(f"  {alt.label}: {alt.reason}")
     for what, why in result.refuted.items():
         console.print(f"  rejected by z3: {what}: {why}")
+    _print_front(result, console.print)
+    _print_sensitivity(result, console.print)
+
+
+def _print_front(result: Plan, echo: Callable[..., None], shown: int = 6) -> None:
+    """The Pareto front of the fitting candidates (step time, memory headroom, traffic)."""
+    from rich.markup import escape
+
+    front = result.pareto()
+    if front.size == 0:
+        return
+    echo(
+        f"[bold]Pareto front[/bold] ({front.size} candidates: none beaten on step time, headroom and traffic; "
+        "costs only, not decided by z3)"
+    )
+    picks = sorted({round(i * (front.size - 1) / max(shown - 1, 1)) for i in range(min(shown, front.size))})
+    for i in picks:
+        c = result.candidate(int(front[i]))
+        head = gb(result.cluster.usable_memory - c.memory)
+        numbers = f"  {c.step_s * 1e3:>9,.0f} ms  {head:>8} spare  {gb(c.communication):>8}/step  b{c.micro_batch}"
+        if len(numbers) + 1 + len(c.text) <= 80:
+            echo(escape(f"{numbers} {c.text}"), highlight=False)
+        else:  # the composition on its own line: numbers are never cut
+            echo(escape(numbers), highlight=False)
+            echo(escape(f"    {c.text}"), highlight=False)
+
+
+def _print_sensitivity(result: Plan, echo: Callable[..., None]) -> None:
+    """Which of the top candidates swap when a calibrated constant moves by its uncertainty."""
+    rows = result.sensitivity(max(len(result.top), 1))
+    if not rows:
+        return
+    k = max(len(result.top), 1)
+    echo(f"[bold]Sensitivity[/bold] of the top {k} by cost to each constant +- its fitted uncertainty")
+    for r in rows:
+        what = f"  {r['constant']} {r['move']:+.3g}: "
+        if r["first_changed"] is None:
+            echo(what + "same order")
+        elif not r["entered"]:
+            echo(what + f"same {k}, reordered from #{r['first_changed']}")
+        else:
+            echo(what + f"#{r['first_changed']} on changes; in: " + ", ".join(r["entered"]), highlight=False)
 
 
 def plan_command() -> Any:
@@ -135,6 +184,12 @@ def plan_command() -> Any:
         ),
     )
     @click.option("--model", default=None, help="Preset name or Hugging Face config.json.")
+    @click.option(
+        "--hardware",
+        default=None,
+        help="Rank by the calibrated step time on this hardware: a preset (a100-80gb, h100-80gb, ...) or a "
+        "FILE.toml; its memory, node size, links and FLOP/s are the defaults of the options below.",
+    )
     @click.option("--params", default=None, help="A bare parameter count instead of a model (7.5e9, 70B).")
     @click.option("--devices", type=WholeNumber(1, MAX_DEGREE), default=DEFAULT_DEVICES, show_default=True)
     @click.option("--device-memory", default=None, help="Per-device memory, e.g. 80GB (default 80GB).")
@@ -154,14 +209,12 @@ def plan_command() -> Any:
         show_default=True,
         help="Micro-batch sizes to consider, comma-separated.",
     )
-    @click.option(
-        "--node-size", type=WholeNumber(1, MAX_DEGREE), default=8, show_default=True, help="Devices per node."
-    )
-    @click.option("--intra-node-bandwidth", default="300GB/s", show_default=True)
-    @click.option("--inter-node-bandwidth", default="25GB/s", show_default=True)
-    @click.option("--host-bandwidth", default="32GB/s", show_default=True)
+    @click.option("--node-size", type=WholeNumber(1, MAX_DEGREE), default=None, help="Devices per node (default 8).")
+    @click.option("--intra-node-bandwidth", default=None, help="Default 300GB/s (or the hardware's).")
+    @click.option("--inter-node-bandwidth", default=None, help="Default 25GB/s (or the hardware's).")
+    @click.option("--host-bandwidth", default=None, help="Default 32GB/s (or the hardware's).")
     @click.option("--bandwidth", multiple=True, help="Per-axis bandwidth override, e.g. dp=50GB/s.")
-    @click.option("--device-flops", default="312e12", show_default=True, help="Peak FLOP/s per device.")
+    @click.option("--device-flops", default=None, help="Peak FLOP/s per device (default 312e12 or the hardware's).")
     @click.option("--fix", multiple=True, help="Pin degrees, e.g. tp=8,pp=8.")
     @click.option(
         "--data",
@@ -174,9 +227,23 @@ def plan_command() -> Any:
     @click.option("--rank-by", type=click.Choice([r.value for r in RankBy]), default="time", show_default=True)
     @click.option("--top", type=WholeNumber(1, 10_000), default=5, show_default=True)
     @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+    @click.option(
+        "--workers",
+        type=WholeNumber(1, 256),
+        default=1,
+        show_default=True,
+        help="Evaluate the families in this many processes (spawned; for large sweeps).",
+    )
+    @click.option(
+        "--cache/--no-cache",
+        default=True,
+        show_default=True,
+        help="Keep z3 verdicts on disk between runs ($PLACEMENT_SEMANTICS_CACHE or ~/.cache/placement-semantics).",
+    )
     @click.option("--csv", "csv_path", default=None, help="Write every fitting candidate, best first, to this file.")
     def command(
         model: str | None,
+        hardware: str | None,
         params: str | None,
         devices: int,
         device_memory: str | None,
@@ -185,18 +252,20 @@ def plan_command() -> Any:
         global_batch: int | None,
         seq: int | None,
         micro_batches: str,
-        node_size: int,
-        intra_node_bandwidth: str,
-        inter_node_bandwidth: str,
-        host_bandwidth: str,
+        node_size: int | None,
+        intra_node_bandwidth: str | None,
+        inter_node_bandwidth: str | None,
+        host_bandwidth: str | None,
         bandwidth: tuple[str, ...],
-        device_flops: str,
+        device_flops: str | None,
         fix: tuple[str, ...],
         data_kinds: str,
         uneven_stages: bool,
         rank_by: str,
         top: int,
         as_json: bool,
+        workers: int,
+        cache: bool,
         csv_path: str | None,
     ) -> None:
         """Find the best valid composition for a model on a cluster, e.g.
@@ -221,27 +290,66 @@ def plan_command() -> Any:
                         f"--data {part}: unknown (known: {', '.join(d.value for d in DataParallel)})"
                     ) from None
             pins = _axis_values("--fix", fix, lambda v: float(parse_int(v, "--fix", high=MAX_DEGREE)))
-            capacity = parse_bytes(device_memory) if device_memory is not None else DEFAULT_DEVICE_MEMORY
+            hw = None
+            if hardware is not None:
+                from formal._hardware import hardware_of
+
+                hw = hardware_of(hardware)
+            capacity = (
+                parse_bytes(device_memory)
+                if device_memory is not None
+                else hw.device_memory
+                if hw is not None
+                else DEFAULT_DEVICE_MEMORY
+            )
+
+            def rate(text: str | None, own: float | None, default: str) -> float:
+                if text is not None:
+                    return _bandwidth(text)
+                return own if own is not None else _bandwidth(default)
+
             cluster = Cluster(
                 devices,
                 capacity,
                 reserve=reserve_bytes(reserve, capacity),
-                node_size=node_size,
-                intra_node_bandwidth=_bandwidth(intra_node_bandwidth),
-                inter_node_bandwidth=_bandwidth(inter_node_bandwidth),
-                host_bandwidth=_bandwidth(host_bandwidth),
-                device_flops=float(parse_count(device_flops, "--device-flops", high=10**21)),
+                node_size=node_size if node_size is not None else hw.node_size if hw is not None else 8,
+                intra_node_bandwidth=rate(intra_node_bandwidth, hw.intra_node_bandwidth if hw else None, "300GB/s"),
+                inter_node_bandwidth=rate(inter_node_bandwidth, hw.inter_node_bandwidth if hw else None, "25GB/s"),
+                host_bandwidth=rate(host_bandwidth, hw.host_bandwidth if hw else None, "32GB/s"),
+                device_flops=(
+                    float(parse_count(device_flops, "--device-flops", high=10**21))
+                    if device_flops is not None
+                    else hw.peak_flops
+                    if hw is not None
+                    else 312e12
+                ),
                 bandwidths=tuple(_axis_values("--bandwidth", bandwidth, _bandwidth)),
             )
+            if hw is not None:
+                from dataclasses import replace
+
+                # the options given on the command line override the preset's figures
+                hw = replace(
+                    hw,
+                    node_size=cluster.node_size,
+                    intra_node_bandwidth=cluster.intra_node_bandwidth,
+                    inter_node_bandwidth=cluster.inter_node_bandwidth,
+                    host_bandwidth=cluster.host_bandwidth,
+                    peak_flops=cluster.device_flops,
+                    device_memory=cluster.device_memory,
+                )
             # Looked up on checker._planner when called, so that a test can stand in for it.
             result = _planner.plan(
                 chosen,
                 cluster,
                 Workload(global_batch, tuple(sizes), uneven_stages),
                 PRECISIONS[precision],
-                Space(data=tuple(kinds), pins=tuple((a, int(d)) for a, d in pins)),
+                Space(data=tuple(kinds), pins=tuple((a, int(d)) for a, d in pins), every_interleave=hw is not None),
                 top=top,
                 rank_by=RankBy(rank_by),
+                hardware=hw,
+                workers=workers,
+                cache=_planner.VerdictCache() if cache else None,
             )
             if csv_file is not None:
                 write_atomic(csv_file, result.csv(), "--csv")

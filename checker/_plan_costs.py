@@ -29,6 +29,7 @@ from formal._costs import STAGES, activation_memory, bubble_fraction, communicat
 from formal._model import Model, Precision, Transformer
 from formal._placement import Recompute, Schedule, Strategy
 from formal._program import StepProgram, derive_program, group_sizes
+from formal._steptime import Runtime, Terms, compute_terms, state_terms
 from formal._strategies import LIBRARY, Composition
 from formal._vocab import EXPERTS, Stage, State
 
@@ -163,6 +164,9 @@ class Deriver:
         self._states: dict[_StatesKey, Vectorized] = {}
         self._state_traffic: dict[_StateTrafficKey, Vectorized] = {}
         self._activations: dict[_ActivationKey, Vectorized] = {}
+        self._programs: dict[Family, tuple[Any, StepProgram]] = {}
+        self._step_compute: dict[tuple[_ActivationKey, Runtime], tuple[Terms, Vectorized]] = {}
+        self._step_state: dict[tuple[_StateTrafficKey, Runtime], tuple[Terms, Vectorized]] = {}
         self.derivations = 0
 
     def representative(self, family: Family) -> Composition:
@@ -179,9 +183,39 @@ class Deriver:
         return Composition(tuple(s.with_degree(2) for s in strategies), options)
 
     def _placement_program(self, family: Family) -> tuple[Any, StepProgram]:
-        pl = self.representative(family).placement(self.model, symbolic=True)
-        self.derivations += 1
-        return pl, derive_program(pl, self.model, self.sizes)
+        if family not in self._programs:
+            pl = self.representative(family).placement(self.model, symbolic=True)
+            self.derivations += 1
+            self._programs[family] = (pl, derive_program(pl, self.model, self.sizes))
+        return self._programs[family]
+
+    def _state_base(self, family: Family) -> Family:
+        return replace(
+            family,
+            recompute=Recompute.NONE,
+            pipeline=Pipeline(Schedule.ONE_F_ONE_B) if family.pipeline is not None else None,
+        )
+
+    def step_compute(self, family: Family, runtime: Runtime) -> tuple[Terms, Vectorized]:
+        """The step-time terms of the family's compute and activation collectives
+        (``formal._steptime.compute_terms``), at b=1, from the program ``activations`` reads."""
+        key = (_ActivationKey(family.pipeline, family.sequence_parallel, family.recompute), runtime)
+        if key not in self._step_compute:
+            _, program = self._placement_program(replace(family, data=DataParallel.DP, offload=Offload.NONE))
+            terms = compute_terms(program, self.model, self.precision, runtime)
+            self._step_compute[key] = (terms, Vectorized.of(terms.expressions()))
+        return self._step_compute[key]
+
+    def step_state(self, family: Family, runtime: Runtime) -> tuple[Terms, Vectorized]:
+        """The step-time terms of the family's model-state collectives, optimizer update and host
+        transfers (``formal._steptime.state_terms``), from the program ``state_traffic`` reads."""
+        tk = _StateTrafficKey(family.data, family.offload, family.pipeline is not None, family.sequence_parallel)
+        key = (tk, runtime)
+        if key not in self._step_state:
+            _, program = self._placement_program(self._state_base(family))
+            terms = state_terms(program, self.precision, runtime)
+            self._step_state[key] = (terms, Vectorized.of(terms.expressions()))
+        return self._step_state[key]
 
     def states(self, family: Family) -> Vectorized:
         """[model states + buffers on the first stage, on the last stage, host bytes per step]."""
@@ -207,10 +241,7 @@ class Deriver:
         device of each pipeline stage (first, middle, last: ``op_stage_factor``)."""
         key = _StateTrafficKey(family.data, family.offload, family.pipeline is not None, family.sequence_parallel)
         if key not in self._state_traffic:
-            base = replace(
-                family, recompute=Recompute.NONE, pipeline=Pipeline(Schedule.ONE_F_ONE_B) if key.pipelined else None
-            )
-            _, program = self._placement_program(base)
+            _, program = self._placement_program(self._state_base(family))
             self._state_traffic[key] = Vectorized.of(
                 [
                     x

@@ -36,8 +36,10 @@ from checker._plan_space import (
     RankBy,
     Workload,
 )
+from formal._hardware import Hardware
 from formal._model import Model, ParameterCount, Precision, Transformer
 from formal._rules import framework_notes, setting_for
+from formal._steptime import Efficiency
 from formal._strategies import Composition
 from formal._verdict import Status
 from formal._vocab import Axis, Stage
@@ -148,6 +150,7 @@ class _Table:
     bubble_s: Floats
     communication_s: Floats
     host_s: Floats
+    step_moved: Floats  # (n, moves) the step with each calibrated constant moved (Plan.moves)
 
     @property
     def step_s(self) -> Floats:
@@ -177,6 +180,9 @@ class Plan:
     solver: str  # "z3 (formal._smt)" or why no verdicts
     seconds: dict[str, float]
     derivations: int
+    hardware: Hardware | None = None  # the calibrated step time's hardware; None: the peak-rate bound
+    moves: tuple[tuple[str, float, Efficiency], ...] = ()  # constants moved by their uncertainty
+    cache_hits: int = 0  # z3 verdicts read from the on-disk cache instead of decided
 
     def candidate(self, row: int) -> Candidate:
         return _candidate(self, row)
@@ -213,6 +219,52 @@ class Plan:
     def feasible(self) -> int:
         return int(self.fits.sum())
 
+    def pareto(self) -> Ints:
+        """Rows of the fitting candidates no other fitting candidate beats on all of step time,
+        memory headroom and traffic per step (and strictly on one), fastest first. A cost front:
+        its members are not decided by z3 unless they are among the shown candidates."""
+        rows = self.order
+        if rows.size == 0:
+            return rows
+        t = self.table
+        points = np.column_stack([t.step_s[rows], t.memory[rows], t.traffic[rows].sum(axis=1)])
+        keep: list[int] = []
+        front = np.zeros((0, 3))
+        for i in np.lexsort((points[:, 2], points[:, 1], points[:, 0])):
+            p = points[i]
+            if front.shape[0] and bool(np.any(np.all(front <= p, axis=1))):
+                continue  # an earlier point is no worse on every objective (ties included)
+            keep.append(int(rows[i]))
+            front = np.vstack([front, p])
+        return np.array(keep, dtype=np.int64)
+
+    def sensitivity(self, k: int = 5) -> list[dict[str, Any]]:
+        """How the cost ranking's top ``k`` (before z3) changes when each calibrated constant
+        moves by its fitted uncertainty: the new top ``k``, who left it and who entered, and the
+        first position that changed. Empty without ``hardware``."""
+        if not self.moves or self.order.size == 0:
+            return []
+        t = self.table
+        rows = self.order
+        base = [int(r) for r in rows[:k]]
+        out = []
+        for j, (name, move, _) in enumerate(self.moves):
+            moved = rows[np.argsort(t.step_moved[rows, j], kind="stable")][:k]
+            new = [int(r) for r in moved]
+            first = next((i + 1 for i, (a, b) in enumerate(zip(base, new, strict=True)) if a != b), None)
+            out.append(
+                {
+                    "constant": name,
+                    "move": move,
+                    "top": [self.candidate(r).text for r in new],
+                    "first_changed": first,
+                    "left": [self.candidate(r).text for r in base if r not in new],
+                    "entered": [self.candidate(r).text for r in new if r not in base],
+                    "best_step_seconds": float(t.step_moved[new[0], j]),
+                }
+            )
+        return out
+
     def as_json(self) -> dict[str, Any]:
         return {
             "schema": "placement-semantics/plan/1",
@@ -231,6 +283,7 @@ class Plan:
                 "pass_rules": len(self.table),
                 "fit": self.feasible,
                 "z3_decisions": self.decided,
+                "z3_cache_hits": self.cache_hits,
             },
             "solver": self.solver,
             "seconds": self.seconds,
@@ -241,7 +294,22 @@ class Plan:
                 for a in self.alternatives
             ],
             "refuted": self.refuted,
-            "step_time_model": (StepTimeModel.__doc__ or "").strip(),
+            "step_time_model": (
+                f"calibrated (formal._steptime, docs/steptime.md) on {self.hardware.name}"
+                if self.hardware is not None
+                else (StepTimeModel.__doc__ or "").strip()
+            ),
+            "pareto": [
+                {
+                    "composition": c.text,
+                    "micro_batch_size": c.micro_batch,
+                    "step_seconds": c.step_s,
+                    "headroom_bytes": round(self.cluster.usable_memory - c.memory),
+                    "communication_bytes": round(c.communication),
+                }
+                for c in (self.candidate(int(r)) for r in self.pareto())
+            ],
+            "sensitivity": self.sensitivity(max(len(self.top), 1)),
         }
 
     def csv(self) -> str:

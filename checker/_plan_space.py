@@ -254,10 +254,28 @@ class Space:
     recompute: tuple[Recompute, ...] = tuple(Recompute)
     offload: tuple[Offload, ...] = tuple(Offload)
     pins: tuple[tuple[Axis, int], ...] = ()
+    # With an interleaved schedule among ``pipelines``: also every chunk count v >= 2 that
+    # divides the layers (Megatron-LM needs layers % (pp x v) == 0; the composition rules check
+    # it per mesh), not only the listed ones.
+    every_interleave: bool = False
+
+    def pipeline_choices(self, model: Model) -> list[Pipeline | None]:
+        pipes = list(self.pipelines)
+        layers = getattr(model, "layers", None)
+        if (
+            self.every_interleave
+            and isinstance(layers, int)
+            and any(p is not None and p.schedule is Schedule.INTERLEAVED for p in pipes)
+        ):
+            for v in divisors(layers):
+                extra = Pipeline(Schedule.INTERLEAVED, v)
+                if v >= 2 and extra not in pipes:
+                    pipes.append(extra)
+        return pipes
 
     def families(self, model: Model) -> list[Family]:
         bare = isinstance(model, ParameterCount)  # no activations: schedules, sp and recompute moot
-        pipes = [p for p in self.pipelines if p is None or not bare or schedule_of(p.schedule).default]
+        pipes = [p for p in self.pipeline_choices(model) if p is None or not bare or schedule_of(p.schedule).default]
         sps = [s for s in self.sequence_parallel if not (bare and s)]
         rcs = [r for r in self.recompute if not (bare and r is not Recompute.NONE)]
         out = []

@@ -39,11 +39,12 @@ import importlib
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import cast
 
 import numpy as np
 
+from checker._plan_cache import VerdictCache
 from checker._plan_costs import Deriver, StepTimeModel, Vectorized
 from checker._plan_results import Alternative, Candidate, Plan, _alternatives, _Table, explain_pair, family_of
 from checker._plan_rules import family_rules, mesh_rules
@@ -72,8 +73,19 @@ from checker._plan_space import Bools as Bools
 from checker._plan_space import divisors as divisors
 from checker._plan_space import offloads_for as offloads_for
 from formal._costs import STAGES, busiest_stage_traffic, ceil_int, most_loaded, total_bytes
+from formal._hardware import Hardware
 from formal._model import DEFAULT_PRECISION, Model, Precision, Transformer
 from formal._program import StepProgram, derive_program, group_sizes
+from formal._steptime import (
+    Efficiency,
+    Runtime,
+    StepInputs,
+    assemble,
+    calibrated,
+    evaluate_batch,
+    perturbations,
+    uncertainty,
+)
 from formal._strategies import Composition
 from formal._verdict import Condition, Status, Verdict
 from formal.errors import InputError
@@ -116,11 +128,23 @@ def plan(
     rank_by: RankBy = RankBy.TIME,
     decide: Decide | str | None = "auto",
     max_decisions: int = 60,
+    hardware: Hardware | None = None,
+    runtime: Runtime = Runtime(),  # noqa: B008 (frozen)
+    efficiency: Efficiency | None = None,
+    workers: int = 1,
+    worker_timeout: float = 600.0,
+    cache: VerdictCache | None = None,
 ) -> Plan:
-    """Enumerate, evaluate, rank and prove (see the module docstring)."""
+    """Enumerate, evaluate, rank and prove (see the module docstring). With ``hardware`` the
+    step time is the calibrated model's (``formal._steptime``, constants ``efficiency`` or the
+    shipped ones), and every candidate is also timed with each constant moved by its fitted
+    uncertainty (``Plan.sensitivity``)."""
     clock = {"start": time.perf_counter()}
     if top < 1:
         raise InputError(f"--top {top}: must be at least 1")
+    if hardware is not None and not isinstance(model, Transformer):
+        raise InputError("--hardware: the calibrated step time needs a model with layers (give --model)")
+    timed = _Timing.of(hardware, runtime, efficiency, cluster) if hardware is not None else None
     n = cluster.devices
     global_batch = workload.global_batch if workload.global_batch is not None else n
     if global_batch < 1:
@@ -150,28 +174,11 @@ def plan(
     enumerated = len(families) * all_meshes.shape[0] * len(workload.micro_batch_sizes)
     clock["enumerate"] = time.perf_counter()
 
-    blocks: list[_Table] = []
-    for fi, family in enumerate(families):
-        ok = np.ones(deg.shape[0], dtype=bool)
-        for mask in family_rules(family, model, workload.uneven_stages, deg, m).values():
-            ok &= mask
-        rows = np.flatnonzero(ok)
-        if rows.size == 0:
-            continue
-        blocks.append(
-            _evaluate(
-                deriver,
-                timing,
-                family,
-                fi,
-                deg[rows],
-                b[rows],
-                m[rows],
-                bandwidth[rows],
-                timing.compute_seconds(model, family.recompute, tokens),
-            )
-        )
+    job = _Job(model, precision, workload.uneven_stages, cluster, timed, tokens, deg, b, m, bandwidth)
+    blocks, step_inputs = _evaluate_all(job, list(enumerate(families)), workers, worker_timeout)
     table = _concat(blocks)
+    if timed is not None and step_inputs:
+        timed.fill(table, StepInputs.concat(step_inputs), cluster.usable_memory)
     clock["evaluate"] = time.perf_counter()
 
     # The ZeRO paper's capacity tables are exact at the boundary (16 Psi / N = 32 GB): allow
@@ -208,8 +215,10 @@ def plan(
         solver,
         {},
         deriver.derivations,
+        hardware,
+        timed.moves if timed is not None else (),
     )
-    _prove_top(result, deriver, decide_fn, top, max_decisions)
+    _prove_top(result, deriver, decide_fn, top, max_decisions, cache)
     clock["prove"] = time.perf_counter()
     result.alternatives = _alternatives(result)
     clock["explain"] = time.perf_counter()
@@ -218,6 +227,78 @@ def plan(
     result.seconds["total"] = round(stamps[-1][1] - stamps[0][1], 4)
     result.derivations = deriver.derivations
     return result
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What evaluating a family needs, sent to a worker process (spawn: pickled)."""
+
+    model: Model
+    precision: Precision
+    uneven: bool
+    cluster: Cluster
+    timed: _Timing | None
+    tokens: int
+    deg: Ints
+    b: Ints
+    m: Ints
+    bandwidth: Floats
+
+
+def _evaluate_families(
+    job: _Job, families: list[tuple[int, Family]]
+) -> tuple[list[tuple[int, _Table]], list[tuple[int, StepInputs]]]:
+    """The cost table (and step-time inputs) of each family's rule-passing rows."""
+    deriver = deriver_for(job.model, job.precision, job.uneven)
+    timing = StepTimeModel(job.cluster)
+    blocks: list[tuple[int, _Table]] = []
+    inputs: list[tuple[int, StepInputs]] = []
+    for fi, family in families:
+        ok = np.ones(job.deg.shape[0], dtype=bool)
+        for mask in family_rules(family, job.model, job.uneven, job.deg, job.m).values():
+            ok &= mask
+        rows = np.flatnonzero(ok)
+        if rows.size == 0:
+            continue
+        deg, b, m = job.deg[rows], job.b[rows], job.m[rows]
+        compute_s = timing.compute_seconds(job.model, family.recompute, job.tokens)
+        blocks.append((fi, _evaluate(deriver, timing, family, fi, deg, b, m, job.bandwidth[rows], compute_s)))
+        if job.timed is not None:
+            inputs.append((fi, job.timed.inputs(deriver, family, deg, b, m)))
+    return blocks, inputs
+
+
+def _evaluate_all(
+    job: _Job, families: list[tuple[int, Family]], workers: int, timeout: float
+) -> tuple[list[_Table], list[StepInputs]]:
+    """``_evaluate_families`` in this process, or over ``workers`` spawned processes (families
+    dealt round-robin; the blocks put back in family order, so the result does not depend on
+    the pool). A worker past ``timeout`` seconds is an error, not a hang."""
+    if workers <= 1 or len(families) < 2:
+        blocks, inputs = _evaluate_families(job, families)
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        shares = [families[i::workers] for i in range(workers)]
+        context = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
+        pool = concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context)
+        try:
+            futures = [pool.submit(_evaluate_families, job, share) for share in shares if share]
+            blocks, inputs = [], []
+            for future in futures:
+                try:
+                    part_blocks, part_inputs = future.result(timeout=timeout)
+                except concurrent.futures.TimeoutError:
+                    why = f"--workers: a worker took more than {timeout:g} s; rerun with --workers 1"
+                    raise InputError(why) from None
+                blocks += part_blocks
+                inputs += part_inputs
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        blocks.sort(key=lambda item: item[0])
+        inputs.sort(key=lambda item: item[0])
+    return [t for _, t in blocks], [x for _, x in inputs]
 
 
 def _evaluate(
@@ -258,6 +339,7 @@ def _evaluate(
         bubble_s=act[2] * compute_s,
         communication_s=(traffic / bandwidth).sum(axis=1),
         host_s=host / timing.cluster.host_bandwidth,
+        step_moved=np.zeros((n, 0)),
     )
 
 
@@ -278,6 +360,7 @@ def _concat(blocks: list[_Table]) -> _Table:
             z,
             z,
             z,
+            np.zeros((0, 0)),
         )
     return _Table(
         *(
@@ -295,9 +378,58 @@ def _concat(blocks: list[_Table]) -> _Table:
                 "bubble_s",
                 "communication_s",
                 "host_s",
+                "step_moved",
             )
         )
     )
+
+
+class _Timing:
+    """The calibrated step time of a plan (``formal._steptime``): the hardware, the runtime
+    settings, the constants and the constants moved by their uncertainty."""
+
+    def __init__(self, hardware: Hardware, runtime: Runtime, eff: Efficiency, cluster: Cluster) -> None:
+        self.hardware = hardware
+        self.runtime = runtime
+        self.eff = eff
+        self.overrides = dict(cluster.bandwidths)
+        self.moves = perturbations(eff, uncertainty())
+
+    @classmethod
+    def of(cls, hardware: Hardware, runtime: Runtime, eff: Efficiency | None, cluster: Cluster) -> _Timing:
+        return cls(hardware, runtime, eff if eff is not None else calibrated(), cluster)
+
+    def inputs(self, deriver: Deriver, family: Family, deg: Ints, b: Ints, m: Ints) -> StepInputs:
+        """The step-time inputs of the family's rows, from its terms (derived once per family
+        component and evaluated on every row)."""
+        cols = np.column_stack([deg.astype(np.float64), m.astype(np.float64)])
+        compute_terms, compute_fn = deriver.step_compute(family, self.runtime)
+        state_terms, state_fn = deriver.step_state(family, self.runtime)
+        return assemble(
+            compute_terms.bind(compute_fn(cols)),
+            state_terms.bind(state_fn(cols)),
+            [(axis, deg[:, i].astype(np.float64)) for i, axis in enumerate(AXES)],
+            b.astype(np.float64),
+            cast(Transformer, deriver.model),
+            self.hardware,
+            self.runtime,
+            self.overrides,
+        )
+
+    def fill(self, table: _Table, inputs: StepInputs, usable_memory: int) -> None:
+        """The calibrated model's seconds in ``table`` (compute, exposed collectives, bubble,
+        optimizer and host), and the step under each moved constant of the rows that fit (the
+        others are never ranked: +inf)."""
+        times = evaluate_batch(inputs, self.eff)
+        table.compute_s = times.compute_seconds
+        table.bubble_s = times.bubble_seconds
+        table.communication_s = times.exposed.sum(axis=1)
+        table.host_s = times.optimizer_seconds + times.host_seconds
+        fit = np.flatnonzero(table.memory <= usable_memory * (1 + 1e-12))  # as plan() decides a fit
+        fitting = inputs.take(fit)
+        table.step_moved = np.full((len(table), len(self.moves)), np.inf)
+        for j, (_, _, eff) in enumerate(self.moves):
+            table.step_moved[fit, j] = evaluate_batch(fitting, eff).step_seconds
 
 
 def exact_costs(candidate: Candidate, model: Model, precision: Precision) -> tuple[int, int, str, StepProgram]:
@@ -314,7 +446,14 @@ def exact_costs(candidate: Candidate, model: Model, precision: Precision) -> tup
 _STRUCTURAL = (Condition.GRADIENT_INTEGRITY, Condition.STATE_CONSISTENCY)
 
 
-def _prove_top(result: Plan, deriver: Deriver, decide: Decide | None, top: int, max_decisions: int) -> None:
+def _prove_top(
+    result: Plan,
+    deriver: Deriver,
+    decide: Decide | None,
+    top: int,
+    max_decisions: int,
+    cache: VerdictCache | None = None,
+) -> None:
     """Walk the ranking: confirm costs exactly, then let z3 decide, until ``top`` are shown."""
     refuted_families: set[int] = set()
     for row in result.order:
@@ -333,8 +472,16 @@ def _prove_top(result: Plan, deriver: Deriver, decide: Decide | None, top: int, 
                 replace(cand, rank=len(result.top) + 1, status=None, verdict_note="unproved: " + result.solver)
             )
             continue
-        verdict = decide(cand.composition(), program, result.model.with_micro_batch(cand.micro_batch))
-        result.decided += 1
+        family_key = VerdictCache.family_key(cand.family, result.model)
+        candidate_key = f"{cand.text} b{cand.micro_batch}"
+        verdict = cache.get(family_key, candidate_key) if cache is not None else None
+        if verdict is None:
+            verdict = decide(cand.composition(), program, result.model.with_micro_batch(cand.micro_batch))
+            result.decided += 1
+            if cache is not None:
+                cache.put(family_key, candidate_key, verdict)
+        else:
+            result.cache_hits += 1
         if verdict.status is Status.PROVED:
             result.top.append(
                 replace(
@@ -370,6 +517,7 @@ __all__ = [
     "RankBy",
     "Space",
     "StepTimeModel",
+    "VerdictCache",
     "Vectorized",
     "Workload",
     "exact_costs",

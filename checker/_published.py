@@ -21,7 +21,7 @@ from checker._parse import parse
 from formal._hardware import PRESETS as HARDWARE
 from formal._model import PRECISIONS, Ffn, Norm, Transformer
 from formal._program import derive_program
-from formal._steptime import Efficiency, Runtime, StepInputs, StepTime, evaluate, prepare
+from formal._steptime import CONSTANTS, Efficiency, Runtime, StepInputs, StepTimes, evaluate_batch, prepare
 
 DATA_PATH = Path(__file__).resolve().parent / "data" / "published-throughput.json"
 SOURCES = ("ptdp", "korthikanti", "mtnlg", "llama3", "torchtitan")
@@ -48,18 +48,27 @@ class Run:
         )
 
 
-def predicted(run: Run, time: StepTime, inputs: StepInputs) -> float:
-    """The model's figure in the run's published unit, under the source's own FLOP counting."""
+def predicted(run: Run, times: StepTimes, inputs: StepInputs, i: int = 0) -> float:
+    """The model's figure for row ``i`` in the run's published unit, under the source's own FLOP
+    counting."""
+    devices = float(inputs.devices[i])
     match run.unit:
         case "seconds":
-            return time.step_seconds
+            return float(times.step_seconds[i])
         case "tokens/s per GPU":
-            return time.tokens_per_second / inputs.devices
+            return float(times.tokens_per_second[i]) / devices
         case "TFLOP/s per GPU" if run.source == "llama3":  # model FLOPs, no recomputation counted
-            return inputs.model_flops / (time.step_seconds * inputs.devices) / 1e12
+            return float(inputs.model_flops[i]) / (float(times.step_seconds[i]) * devices) / 1e12
         case "TFLOP/s per GPU":  # Narayanan eq. 3: recomputation counted
-            return time.tflops_per_device
+            return float(times.tflops_per_device[i])
     raise AssertionError(run.unit)
+
+
+def predictions(pairs: Sequence[tuple[Run, StepInputs]], eff: Efficiency) -> list[float]:
+    """``predicted`` of every run under ``eff``, the runs' rows evaluated in one batch."""
+    batch = StepInputs.concat([inputs for _, inputs in pairs])
+    times = evaluate_batch(batch, eff)
+    return [predicted(run, times, batch, i) for i, (run, _) in enumerate(pairs)]
 
 
 def error(run: Run, value: float) -> float:
@@ -99,6 +108,7 @@ def _llama(entry: dict[str, Any], seq: int, micro_batch: int) -> Transformer:
         bias=False,
         learned_positions=False,
         tied_embeddings=False,
+        dropout=False,  # Llama trains without dropout (Hugging Face LlamaConfig: attention_dropout 0.0)
         source=entry["source"],
     )
 
@@ -204,11 +214,8 @@ Point = tuple[float, float, float, float]
 
 def _loss(pairs: Sequence[tuple[Run, StepInputs]], eff: Efficiency) -> float:
     """Mean squared log-ratio of predicted to published over the runs."""
-    total = 0.0
-    for run, inputs in pairs:
-        value = predicted(run, evaluate(inputs, eff), inputs)
-        total += math.log(value / run.published) ** 2
-    return total / len(pairs)
+    values = predictions(pairs, eff)
+    return sum(math.log(v / run.published) ** 2 for (run, _), v in zip(pairs, values, strict=True)) / len(pairs)
 
 
 def fit(pairs: Sequence[tuple[Run, StepInputs]], source: str = "") -> Efficiency:
@@ -250,11 +257,10 @@ class Row:
 
 
 def _rows(pairs: Sequence[tuple[Run, StepInputs]], eff: Efficiency, held_out: bool) -> list[Row]:
-    out = []
-    for run, inputs in pairs:
-        value = predicted(run, evaluate(inputs, eff), inputs)
-        out.append(Row(run, value, error(run, value), held_out))
-    return out
+    if not pairs:
+        return []
+    values = predictions(pairs, eff)
+    return [Row(run, v, error(run, v), held_out) for (run, _), v in zip(pairs, values, strict=True)]
 
 
 def validation(
@@ -268,12 +274,35 @@ def validation(
     fit_rows = _rows(pairs, everything, held_out=False)
     excluded_rows = _rows([p for p in every if p[0].excluded], everything, held_out=True)
     held: list[Row] = []
+    for source, constants in fold_fits(pairs, fitted).items():
+        held += _rows([p for p in pairs if p[0].source == source], constants, held_out=True)
+    return everything, fit_rows, held, excluded_rows
+
+
+def fold_fits(
+    pairs: Sequence[tuple[Run, StepInputs]],
+    fitted: Callable[[Sequence[tuple[Run, StepInputs]]], Efficiency] = fit,
+) -> dict[str, Efficiency]:
+    """The constants fitted without each source (the leave-one-source-out folds)."""
+    out = {}
     for source in SOURCES:
         train = [p for p in pairs if p[0].source != source]
-        test = [p for p in pairs if p[0].source == source]
-        if test and train:
-            held += _rows(test, fitted(train), held_out=True)
-    return everything, fit_rows, held, excluded_rows
+        if train and len(train) < len(pairs):
+            out[source] = fitted(train)
+    return out
+
+
+def jackknife(folds: Sequence[Efficiency]) -> dict[str, float]:
+    """The delete-one-group jackknife standard error of each constant over the folds' fits
+    (Efron and Tibshirani 1993, ch. 11: sqrt((g - 1) / g x sum (theta_i - mean)^2) for g groups):
+    how far a constant moves when the runs of one source are not there to fit it."""
+    g = len(folds)
+    out = {}
+    for name in CONSTANTS:
+        values = [getattr(f, name) for f in folds]
+        mean = sum(values) / g
+        out[name] = math.sqrt((g - 1) / g * sum((v - mean) ** 2 for v in values))
+    return out
 
 
 def summary(rows: Sequence[Row]) -> tuple[float, float]:
@@ -281,8 +310,11 @@ def summary(rows: Sequence[Row]) -> tuple[float, float]:
     return sum(errors) / len(errors), max(errors)
 
 
-def calibration_document(eff: Efficiency, runs: Sequence[Run]) -> dict[str, Any]:
-    """What ``formal/data/steptime-calibration.json`` holds: the constants and their provenance."""
+def calibration_document(
+    eff: Efficiency, runs: Sequence[Run], uncertainty: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """What ``formal/data/steptime-calibration.json`` holds: the constants, their provenance and
+    (given) their jackknife uncertainty over the leave-one-source-out folds."""
     return {
         "about": (
             "Constants of the step-time model (formal/_steptime.py), fitted by checker._published.fit "
@@ -300,6 +332,7 @@ def calibration_document(eff: Efficiency, runs: Sequence[Run]) -> dict[str, Any]
             "network": eff.network,
             "memory": eff.memory,
         },
+        **({"uncertainty": uncertainty} if uncertainty is not None else {}),
     }
 
 
@@ -309,8 +342,10 @@ if __name__ == "__main__":  # regenerate the shipped constants
     from formal._steptime import CALIBRATION_PATH
 
     all_runs = tuple(r for r in load_runs() if not r.excluded)
-    fitted_all = fit([(r, r.inputs()) for r in all_runs])
-    text = json.dumps(calibration_document(fitted_all, all_runs), indent=1) + "\n"
+    all_pairs = [(r, r.inputs()) for r in all_runs]
+    fitted_all = fit(all_pairs)
+    spread = jackknife(list(fold_fits(all_pairs).values()))
+    text = json.dumps(calibration_document(fitted_all, all_runs, spread), indent=1) + "\n"
     if "--write" in sys.argv:
         CALIBRATION_PATH.write_text(text, encoding="utf-8")
     print(text, end="")

@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sympy as sp
 
@@ -66,6 +66,14 @@ from formal._vocab import (
 )
 from formal.errors import InputError
 
+if TYPE_CHECKING:  # numpy is imported where arrays are built: a check without --hardware never loads it
+    import numpy as np
+    import numpy.typing as npt
+
+    Floats = npt.NDArray[np.float64]
+    Bools = npt.NDArray[np.bool_]
+    Ints = npt.NDArray[np.int64]
+
 CALIBRATION_PATH = Path(__file__).resolve().parent / "data" / "steptime-calibration.json"
 _NON_LAYER = frozenset({EMBEDDING, POSITION, HEAD, FINAL_NORM})
 
@@ -84,6 +92,42 @@ class Efficiency:
 
     def gemm(self, n: float) -> float:
         return self.gemm_max * n / (n + self.gemm_half)
+
+    def gemms(self, n: Floats) -> Floats:
+        """``gemm`` of every row."""
+        out: Floats = self.gemm_max * n / (n + self.gemm_half)
+        return out
+
+
+CONSTANTS: tuple[str, ...] = ("gemm_max", "gemm_half", "network", "memory")
+# Where each constant means something: an efficiency or link fraction in (0, 1], a positive
+# half-size, a non-negative byte factor.
+_RANGES: dict[str, tuple[float, float]] = {
+    "gemm_max": (1e-6, 1.0),
+    "gemm_half": (1e-6, math.inf),
+    "network": (1e-6, 1.0),
+    "memory": (0.0, math.inf),
+}
+
+
+def uncertainty() -> dict[str, float]:
+    """The shipped constants' fitted uncertainty (the jackknife standard error over the
+    leave-one-source-out fits, ``checker._published.jackknife``)."""
+    data = json.loads(CALIBRATION_PATH.read_text(encoding="utf-8"))
+    return {name: float(data["uncertainty"][name]) for name in CONSTANTS}
+
+
+def perturbations(eff: Efficiency, spread: Mapping[str, float]) -> tuple[tuple[str, float, Efficiency], ...]:
+    """``eff`` with each constant moved by -1 and +1 of its uncertainty (kept in its range):
+    (constant, signed move, constants)."""
+    out = []
+    for name in CONSTANTS:
+        low, high = _RANGES[name]
+        for sign in (-1.0, 1.0):
+            value = min(high, max(low, getattr(eff, name) + sign * spread[name]))
+            if value != getattr(eff, name):
+                out.append((name, value - getattr(eff, name), replace(eff, **{name: value})))
+    return tuple(out)
 
 
 def calibrated() -> Efficiency:
@@ -114,41 +158,25 @@ class Runtime:
 
 
 @dataclass(frozen=True)
-class Comm:
-    """One class of collective time on one axis of one stage: seconds at the full link rate."""
+class StageTime:
+    """One pipeline stage's step: its compute, exposed collectives, bubble, and the rest of the
+    step (optimizer update and host transfers) to ``step`` seconds."""
 
-    axis: Axis
-    kind: str  # "exposed", "hidden", "tensor", "forward", "backward", "grad", "grad_once"
-    seconds: float
-
-
-@dataclass(frozen=True)
-class StageInputs:
     stage: Stage
-    flops: float  # training FLOPs per device per step, recomputation included
-    backward_flops: float
-    memory_bytes: float  # a layer's activation bytes x passes, per device per step (times ``memory``)
-    comms: tuple[Comm, ...]
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """Everything of a step but the fitted constants: ``evaluate`` turns it into a ``StepTime``."""
-
-    stages: tuple[StageInputs, ...]
-    gemm_size: float
-    micro_batches: int
-    pipelined: bool
+    compute: float
+    communication: float
     bubble: float
-    optimizer_seconds: float
-    host_seconds: float
-    devices: int
-    tokens: int  # per step, whole cluster
-    model_flops: float  # per step, whole cluster, without recomputation
-    hardware_flops: float  # per step, whole cluster, with recomputation
-    peak_flops: float
-    memory_bandwidth: float
-    tp_overlap: bool
+    step: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage.value,
+            "compute": self.compute,
+            "communication": self.communication,
+            "bubble": self.bubble,
+            "optimizer_and_host": self.step - self.compute - self.communication - self.bubble,
+            "step": self.step,
+        }
 
 
 @dataclass(frozen=True)
@@ -164,9 +192,11 @@ class StepTime:
     mfu: float
     tflops_per_device: float
     tokens_per_second: float
+    stages: tuple[StageTime, ...] = ()  # every pipeline stage (the slowest is ``stage``)
 
     def as_json(self) -> dict[str, Any]:
         return {
+            "stages": [st.as_json() for st in self.stages],
             "step_seconds": self.step_seconds,
             "mfu": self.mfu,
             "tflops_per_device": self.tflops_per_device,
@@ -215,49 +245,108 @@ def training_flops_per_token(model: Transformer, recompute: Recompute, causal: b
     return base + extra[recompute], float(base)
 
 
-def _stage_forward_per_token(model: Transformer, pl: Placement, stage: Stage, causal: bool) -> tuple[float, float]:
-    """(forward FLOPs per token of one stage's layers and head, of its layers alone)."""
-    layer, _ = _layer_forward_per_token(model, causal)
-    p = int(pl.pipeline_degree) if pl.pipelined else 1
-    layers = math.ceil(model.layers / p)
-    head = 2 * model.vocab * model.hidden if stage is Stage.LAST or len(pipeline_stages(pl)) == 1 else 0
-    return layers * layer + head, layers * layer
+def _stage_layers(model: Transformer, pl: Placement) -> sp.Expr:
+    """Layers on the fullest stage: ceil(L / p) (every layer on one stage without a pipeline)."""
+    p = pl.pipeline_degree if pl.pipelined else sp.Integer(1)
+    return sp.ceiling(sp.Integer(model.layers) / p)
 
 
-# --- the inputs of one step ---------------------------------------------------------------
+# --- the terms of one step ----------------------------------------------------------------
+#
+# A step's time is computed in two passes. ``compute_terms`` and ``state_terms`` read a step
+# program and return *terms*: FLOP and byte counts as sympy expressions, numbers for a numeric
+# placement and expressions in the degree symbols and ``m`` for a symbolic one (the planner
+# derives them once per family and evaluates them with numpy on every mesh). ``assemble`` turns
+# evaluated terms and the hardware into ``StepInputs``, arrays with one row per step, and
+# ``evaluate_batch`` applies the fitted constants and the overlap rules to every row at once.
+# ``prepare`` and ``evaluate`` are the one-step forms of the same functions.
+#
+# ``compute_terms`` holds what depends on the pipeline schedule, sequence parallelism and
+# recomputation (FLOPs, element-wise bytes, the bubble, activation collectives), ``state_terms``
+# what depends on the data-axis strategy and offload (model-state collectives, the optimizer
+# update, host transfers): the planner derives each from the program of a family sharing those
+# choices. Activation terms are linear in the micro-batch size (Korthikanti et al. 2022's bytes,
+# tokens per micro-batch), so ``assemble`` scales them by ``scale`` = b / the model's micro-batch.
+
+KINDS: tuple[str, ...] = ("exposed", "hidden", "tensor", "forward", "backward", "grad", "grad_once")
+STEP_AXES: tuple[Axis, ...] = tuple(Axis)
+STEP_STAGES: tuple[Stage, ...] = tuple(Stage)  # first, middle, last
+_SYNC = "sync"  # a gradient synchronisation: "grad" or "grad_once" by its count against m, per row
 
 
-def _layer_activation_bytes(pl: Placement, model: Transformer, precision: Precision) -> float:
+@dataclass(frozen=True)
+class CommTerm:
+    """One collective of one pipeline stage: its class for the overlap rules, and how it scales."""
+
+    stage: Stage
+    axis: Axis
+    kind: str  # one of KINDS, or "sync" (resolved per row)
+    per_sample: bool  # an activation collective: bytes linear in the micro-batch size
+    scatter: bool  # a stage-to-stage send split over tp and gathered over NVLink
+
+
+@dataclass(frozen=True)
+class Terms:
+    """Named counts and collectives of one part of a step (see the comment above)."""
+
+    named: tuple[tuple[str, sp.Expr], ...]
+    comms: tuple[CommTerm, ...]
+    comm_bytes: tuple[sp.Expr, ...]
+    comm_counts: tuple[sp.Expr, ...]
+
+    def expressions(self) -> tuple[sp.Expr, ...]:
+        """Every expression, in the order ``bind`` reads values back."""
+        return (*(e for _, e in self.named), *self.comm_bytes, *self.comm_counts)
+
+    def bind(self, values: Sequence[Floats]) -> Bound:
+        """The terms with each expression replaced by its values (one per row)."""
+        k, c = len(self.named), len(self.comms)
+        if len(values) != k + 2 * c:
+            raise AssertionError(f"{len(values)} values for {k + 2 * c} expressions")
+        return Bound(
+            {name: values[i] for i, (name, _) in enumerate(self.named)},
+            self.comms,
+            tuple(values[k : k + c]),
+            tuple(values[k + c :]),
+        )
+
+    def numeric(self) -> Bound:
+        """The terms of a numeric placement as one-row arrays."""
+        import numpy as np
+
+        return self.bind([np.array([float(sp.sympify(e))]) for e in self.expressions()])
+
+
+@dataclass(frozen=True)
+class Bound:
+    """Evaluated terms: one array per expression."""
+
+    named: Mapping[str, Floats]
+    comms: tuple[CommTerm, ...]
+    comm_bytes: tuple[Floats, ...]
+    comm_counts: tuple[Floats, ...]
+
+
+def _layer_activation_bytes(pl: Placement, model: Transformer, precision: Precision) -> sp.Expr:
     """One layer's activation bytes for one micro-batch on one device (Korthikanti et al. 2022
     section 4.1 by group, each split along the axes that split it), the attention scores left
     out: their element-wise work is fused into the attention kernels (Megatron-LM's fused
     scaled-masked softmax; FlashAttention never writes them), so only the 34 sbh remain."""
     per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
-    total = 0.0
+    total: sp.Expr = sp.Integer(0)
     for group, nbytes in per_layer.items():
         if group == ATTN_SCORES:
             continue
-        factor = sp.Integer(1)
+        factor: sp.Expr = sp.Integer(1)
         for axis, d in pl.mesh:
             if axis.kind.is_pipeline or axis.kind.splits_batch:
                 continue
             factor = factor * axis_factor(pl.entry(State.ACTIVATIONS, group, axis), d)
-        total += float(nbytes * factor)
+        total = total + nbytes * factor
     return total
 
 
-def _bandwidths(pl: Placement, hw: Hardware) -> dict[Axis, float]:
-    """NVLink when the axis and every axis inside it fit in a node; the pipeline axis outermost."""
-    order = sorted(pl.mesh, key=lambda item: item[0].kind.is_pipeline)
-    out: dict[Axis, float] = {}
-    inner = 1
-    for axis, d in order:
-        inner *= int(d)
-        out[axis] = hw.intra_node_bandwidth if inner <= hw.node_size else hw.inter_node_bandwidth
-    return out
-
-
-def _classify(op_state: State, phase: str, axis: Axis, count: sp.Expr, m: int, runtime: Runtime) -> str:
+def _classify(op_state: State, phase: str, axis: Axis, runtime: Runtime) -> str:
     if axis.kind.is_pipeline and op_state is State.ACTIVATIONS:
         return "hidden" if runtime.pipeline_overlap else "exposed"
     if phase in (Phase.FORWARD.value, Phase.BACKWARD.value):
@@ -267,149 +356,396 @@ def _classify(op_state: State, phase: str, axis: Axis, count: sp.Expr, m: int, r
             return "tensor"
         return "exposed"
     if phase == Phase.GRAD_SYNC.value:
-        return "grad" if sp.sympify(count) >= m else "grad_once"
+        return _SYNC
     return "exposed"
+
+
+def _comms(
+    program: StepProgram, precision: Precision, runtime: Runtime, activations: bool
+) -> tuple[list[CommTerm], list[sp.Expr], list[sp.Expr]]:
+    """The collectives of ``program`` (its activation ones, or the others), their bytes summed
+    per class (stage, axis, overlap rule, scaling, count): time is linear in the bytes, and
+    fewer expressions are fewer to evaluate."""
+    pl = program.placement
+    scatter = runtime.pipeline_scatter_gather and not pl.options.sequence_parallel
+    summed: dict[tuple[CommTerm, sp.Expr], sp.Expr] = {}
+    for stage in pipeline_stages(pl):
+        for t in communication(program, precision, stage):
+            if (t.state is State.ACTIVATIONS) != activations:
+                continue
+            kind = _classify(t.state, t.phase, t.axis, runtime)
+            split = scatter and t.axis.kind.is_pipeline and t.state is State.ACTIVATIONS
+            term = CommTerm(stage, t.axis, kind, t.state is State.ACTIVATIONS, split)
+            count = sp.sympify(t.count) if kind == _SYNC else sp.Integer(1)
+            key = (term, count)
+            summed[key] = summed.get(key, sp.Integer(0)) + sp.sympify(t.bytes)
+    return [k[0] for k in summed], list(summed.values()), [k[1] for k in summed]
+
+
+def compute_terms(program: StepProgram, model: Model, precision: Precision, runtime: Runtime = Runtime()) -> Terms:
+    """FLOPs and element-wise bytes per device per step of each pipeline stage, the bubble
+    fraction, the GEMM size's pieces and the activation collectives of ``program``."""
+    if not isinstance(model, Transformer):
+        raise InputError("--hardware: step time needs a model with layers and a sequence (a preset or config.json)")
+    pl = program.placement
+    m = sp.sympify(pl.options.micro_batches)
+    p = pl.pipeline_degree if pl.pipelined else sp.Integer(1)
+    devices = sp.Integer(1)
+    for _, d in pl.mesh:
+        devices = devices * d
+    replicas = pl.degree_where(lambda kind: kind.splits_batch)
+    # tokens per step over the devices of one stage: each device's share of the stage's work
+    per_device_tokens = model.micro_batch * model.seq * m * replicas * p / devices
+    causal = runtime.flash_attention
+    recompute = pl.options.recompute
+    layer, attention = _layer_forward_per_token(model, causal)
+    layers = _stage_layers(model, pl)
+    stages = pipeline_stages(pl)
+    head = 2 * model.vocab * model.hidden
+    named: list[tuple[str, sp.Expr]] = []
+    passes = 3 + (1 if recompute is Recompute.FULL else 0)
+    layer_bytes = _layer_activation_bytes(pl, model, precision)
+    for stage in stages:
+        layers_forward = layers * layer
+        forward = layers_forward + (head if stage is Stage.LAST or len(stages) == 1 else 0)
+        none, selective = sp.Integer(0), attention * layers
+        extra = {Recompute.NONE: none, Recompute.SELECTIVE: selective, Recompute.FULL: layers_forward}[recompute]
+        named.append((f"flops:{stage.value}", (3 * forward + extra) * per_device_tokens))
+        named.append((f"backward:{stage.value}", (2 * forward + extra) * per_device_tokens))
+        named.append((f"memory:{stage.value}", layer_bytes * layers * passes * m))
+    with_recompute, without = training_flops_per_token(model, recompute, causal)
+    cp = pl.degree_where(lambda kind: kind.splits_sequence and not kind.splits_batch)
+    tp = pl.degree_where(lambda kind: kind.splits_matrices)  # Megatron's column/row split
+    host: sp.Expr = sp.Integer(0)
+    for op in program.ops:
+        if op.kind.is_transfer and op.state is State.ACTIVATIONS:
+            host = host + op.elements * op.count * precision.bytes_of(op.state)
+    named += [
+        ("micro_batches", m),
+        ("pipeline_degree", p),
+        ("bubble", sp.sympify(bubble_fraction(pl))),
+        ("gemm_tokens", model.micro_batch * model.seq / cp),
+        ("tp", tp),
+        ("flops_per_token", sp.Float(with_recompute)),
+        ("model_flops_per_token", sp.Float(without)),
+        ("host_bytes", host),
+    ]
+    terms, nbytes, counts = _comms(program, precision, runtime, activations=True)
+    return Terms(tuple(named), tuple(terms), tuple(nbytes), tuple(counts))
+
+
+def state_terms(program: StepProgram, precision: Precision, runtime: Runtime = Runtime()) -> Terms:
+    """The model-state collectives of each pipeline stage, the optimizer update's bytes (and
+    whether it runs on the host) and the host transfers of ``program``."""
+    pl = program.placement
+    update: sp.Expr = sp.Integer(0)
+    host: sp.Expr = sp.Integer(0)
+    for op in program.ops:
+        if op.kind is OpKind.OPTIMIZER_STEP:
+            per = 2 * precision.bytes_of(State.OPTIMIZER) + precision.bytes_of(State.GRADIENTS)
+            update = update + op.elements * op.count * (per + 2 * precision.bytes_of(State.PARAMETERS))
+        elif op.kind.is_transfer and op.state is not State.ACTIVATIONS:
+            host = host + op.elements * op.count * precision.bytes_of(op.state)
+    named = (
+        ("update_bytes", update),
+        ("offload_optimizer", sp.Integer(1 if pl.options.offload_optimizer else 0)),
+        ("host_bytes", host),
+    )
+    terms, nbytes, counts = _comms(program, precision, runtime, activations=False)
+    return Terms(named, tuple(terms), tuple(nbytes), tuple(counts))
+
+
+# --- evaluated terms in: arrays of step inputs out ----------------------------------------
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Everything of a batch of steps but the fitted constants, one row per step (per-stage
+    columns in ``STEP_STAGES`` order, per-axis ones in ``STEP_AXES`` order); ``evaluate_batch``
+    turns it into ``StepTimes``."""
+
+    flops: Floats  # (n, 3) training FLOPs per device per step, recomputation included
+    backward_flops: Floats  # (n, 3)
+    memory_bytes: Floats  # (n, 3) a layer's activation bytes x passes, per device per step (times ``memory``)
+    present: Bools  # (n, 3) the stage exists
+    comm: Floats  # (n, 3, len(KINDS), len(STEP_AXES)) collective seconds at the full link rate
+    gemm_size: Floats
+    micro_batches: Floats
+    pipelined: Bools
+    bubble: Floats
+    optimizer_seconds: Floats
+    host_seconds: Floats
+    devices: Floats
+    tokens: Floats  # per step, whole cluster
+    model_flops: Floats  # per step, whole cluster, without recomputation
+    hardware_flops: Floats  # per step, whole cluster, with recomputation
+    peak_flops: Floats
+    memory_bandwidth: Floats
+    tp_overlap: Bools
+
+    def __len__(self) -> int:
+        return int(self.flops.shape[0])
+
+    def take(self, rows: Ints) -> StepInputs:
+        """The batch of the given rows."""
+        return StepInputs(**{f.name: getattr(self, f.name)[rows] for f in fields(StepInputs)})
+
+    @staticmethod
+    def concat(batches: Sequence[StepInputs]) -> StepInputs:
+        """One batch of the rows of several."""
+        import numpy as np
+
+        return StepInputs(**{f.name: np.concatenate([getattr(b, f.name) for b in batches]) for f in fields(StepInputs)})
+
+
+def bandwidths(mesh: Sequence[tuple[Axis, Floats]], hardware: Hardware) -> dict[Axis, Floats]:
+    """Link bytes/s per axis and row: NVLink when the axis and every axis inside it (in mesh
+    order, the pipeline axis outermost) fit in a node, else the per-GPU network."""
+    import numpy as np
+
+    order = sorted(mesh, key=lambda item: item[0].kind.is_pipeline)
+    out: dict[Axis, Floats] = {}
+    inner: Floats | None = None
+    for axis, d in order:
+        inner = d if inner is None else inner * d
+        out[axis] = np.where(inner <= hardware.node_size, hardware.intra_node_bandwidth, hardware.inter_node_bandwidth)
+    return out
+
+
+def assemble(
+    compute: Bound,
+    state: Bound,
+    mesh: Sequence[tuple[Axis, Floats]],
+    scale: Floats,
+    model: Transformer,
+    hardware: Hardware,
+    runtime: Runtime = Runtime(),
+    overrides: Mapping[Axis, float] | None = None,
+) -> StepInputs:
+    """Step inputs of every row: ``mesh`` the degree of each axis per row (mesh order), ``scale``
+    the micro-batch size over the model's, ``overrides`` per-axis link rates (bytes/s)."""
+    import numpy as np
+
+    n = scale.shape[0]
+    c = compute.named
+    ones = np.ones(n)
+    flops = np.zeros((n, len(STEP_STAGES)))
+    backward = np.zeros_like(flops)
+    memory = np.zeros_like(flops)
+    present = np.zeros(flops.shape, dtype=bool)
+    p = c["pipeline_degree"] * ones
+    for i, stage in enumerate(STEP_STAGES):
+        if f"flops:{stage.value}" not in c:
+            continue
+        flops[:, i] = c[f"flops:{stage.value}"] * scale
+        backward[:, i] = c[f"backward:{stage.value}"] * scale
+        memory[:, i] = c[f"memory:{stage.value}"] * scale
+        present[:, i] = {Stage.FIRST: True, Stage.MIDDLE: p > 2, Stage.LAST: p >= 2}[stage]
+    bw = bandwidths(mesh, hardware)
+    for axis, value in (overrides or {}).items():
+        bw[axis] = np.full(n, value)
+    m = c["micro_batches"] * ones
+    tp = c["tp"] * ones
+    comm = np.zeros((n, len(STEP_STAGES), len(KINDS), len(STEP_AXES)))
+    grad, once = KINDS.index("grad"), KINDS.index("grad_once")
+    for bound in (compute, state):
+        for term, nbytes, count in zip(bound.comms, bound.comm_bytes, bound.comm_counts, strict=True):
+            volume = nbytes * (scale if term.per_sample else 1.0)
+            seconds = volume / bw[term.axis]
+            if term.scatter:
+                seconds = seconds / tp + volume * (tp - 1) / tp / hardware.intra_node_bandwidth
+            s, a = STEP_STAGES.index(term.stage), STEP_AXES.index(term.axis)
+            if term.kind == _SYNC:
+                every = count * ones >= m  # issued every micro-batch: under the backward
+                comm[:, s, grad, a] += np.where(every, seconds, 0.0)
+                comm[:, s, once, a] += np.where(every, 0.0, seconds)
+            else:
+                comm[:, s, KINDS.index(term.kind), a] += seconds
+    devices = ones.copy()
+    replicas = ones.copy()
+    for axis, d in mesh:
+        devices = devices * d
+        if axis.kind.splits_batch:
+            replicas = replicas * d
+    tokens = model.micro_batch * scale * model.seq * m * replicas
+    gemm_tokens = c["gemm_tokens"] * scale
+    ffn = model.ffn_ / tp
+    gemm = 1 / (1 / gemm_tokens + 1 / model.hidden + 1 / ffn)
+    on_host = state.named["offload_optimizer"] * ones > 0
+    update_rate = np.where(on_host, hardware.host_memory_bandwidth, hardware.memory_bandwidth)
+    host = state.named["host_bytes"] * ones + c["host_bytes"] * scale
+    return StepInputs(
+        flops=flops,
+        backward_flops=backward,
+        memory_bytes=memory,
+        present=present,
+        comm=comm,
+        gemm_size=gemm,
+        micro_batches=m,
+        pipelined=p > 1,
+        bubble=c["bubble"] * ones,
+        optimizer_seconds=state.named["update_bytes"] * ones / update_rate,
+        host_seconds=host / hardware.host_bandwidth,
+        devices=devices,
+        tokens=tokens,
+        model_flops=c["model_flops_per_token"] * tokens,
+        hardware_flops=c["flops_per_token"] * tokens,
+        peak_flops=np.full(n, hardware.peak_flops),
+        memory_bandwidth=np.full(n, hardware.memory_bandwidth),
+        tp_overlap=np.full(n, runtime.tp_overlap),
+    )
 
 
 def prepare(
     program: StepProgram, model: Model, precision: Precision, hardware: Hardware, runtime: Runtime = Runtime()
 ) -> StepInputs:
-    """The hardware-dependent, constant-free part of the step time of ``program``."""
+    """The hardware-dependent, constant-free part of the step time of ``program`` (one row)."""
+    import numpy as np
+
     if not isinstance(model, Transformer):
         raise InputError("--hardware: step time needs a model with layers and a sequence (a preset or config.json)")
     pl = program.placement
     if any(not sp.sympify(d).is_number for _, d in pl.mesh):
         raise InputError("--hardware: step time needs numeric degrees")
-    m = int(pl.options.micro_batches)
-    devices = math.prod(int(d) for _, d in pl.mesh)
-    p = int(pl.pipeline_degree) if pl.pipelined else 1
-    replicas = math.prod(int(d) for a, d in pl.mesh if a.kind.splits_batch)
-    tokens = model.micro_batch * model.seq * m * replicas
-    stage_devices = devices // p
-    causal = runtime.flash_attention
-    with_recompute, without = training_flops_per_token(model, pl.options.recompute, causal)
-    bw = _bandwidths(pl, hardware)
-    tp = int(pl.degree_where(lambda kind: kind.splits_matrices))  # Megatron's column/row split
-    scatter = runtime.pipeline_scatter_gather and not pl.options.sequence_parallel and tp > 1
-    recompute = pl.options.recompute
-    _, attention = _layer_forward_per_token(model, causal)
-    stages = []
-    for stage in pipeline_stages(pl):
-        forward, layers_forward = _stage_forward_per_token(model, pl, stage, causal)
-        extra = {
-            Recompute.NONE: 0.0,
-            Recompute.SELECTIVE: attention * math.ceil(model.layers / p),
-            Recompute.FULL: layers_forward,
-        }[recompute]
-        per_token = 3 * forward + extra
-        flops = per_token * tokens / stage_devices
-        backward = (2 * forward + extra) * tokens / stage_devices
-        comms = []
-        for t in communication(program, precision, stage):
-            kind = _classify(t.state, t.phase, t.axis, t.count, m, runtime)
-            seconds = float(t.bytes) / bw[t.axis]
-            if scatter and t.axis.kind.is_pipeline and t.state is State.ACTIVATIONS:
-                seconds = seconds / tp + float(t.bytes) * (tp - 1) / tp / hardware.intra_node_bandwidth
-            comms.append(Comm(t.axis, kind, seconds))
-        passes = 3 + (1 if recompute is Recompute.FULL else 0)
-        layer_bytes = _layer_activation_bytes(pl, model, precision) * math.ceil(model.layers / p)
-        memory = layer_bytes * passes * m
-        stages.append(StageInputs(stage, flops, backward, memory, tuple(comms)))
-    cp = int(pl.degree_where(lambda kind: kind.splits_sequence and not kind.splits_batch))
-    mb_tokens = model.micro_batch * model.seq / cp
-    gemm = 1 / (1 / mb_tokens + 1 / model.hidden + 1 / (model.ffn_ / tp))
-    update_bytes = 0.0
-    host_bytes = 0.0
-    for op in program.ops:
-        if op.kind is OpKind.OPTIMIZER_STEP:
-            per = 2 * precision.bytes_of(State.OPTIMIZER) + precision.bytes_of(State.GRADIENTS)
-            update_bytes += float(op.elements * op.count) * (per + 2 * precision.bytes_of(State.PARAMETERS))
-        elif op.kind.is_transfer:
-            host_bytes += float(op.elements * op.count * precision.bytes_of(op.state))
-    update_rate = hardware.host_memory_bandwidth if pl.options.offload_optimizer else hardware.memory_bandwidth
-    return StepInputs(
-        stages=tuple(stages),
-        gemm_size=gemm,
-        micro_batches=m,
-        pipelined=p > 1,
-        bubble=float(bubble_fraction(pl)),
-        optimizer_seconds=update_bytes / update_rate,
-        host_seconds=host_bytes / hardware.host_bandwidth,
-        devices=devices,
-        tokens=tokens,
-        model_flops=without * tokens,
-        hardware_flops=with_recompute * tokens,
-        peak_flops=hardware.peak_flops,
-        memory_bandwidth=hardware.memory_bandwidth,
-        tp_overlap=runtime.tp_overlap,
+    mesh = [(axis, np.array([float(d)])) for axis, d in pl.mesh]
+    return assemble(
+        compute_terms(program, model, precision, runtime).numeric(),
+        state_terms(program, precision, runtime).numeric(),
+        mesh,
+        np.ones(1),
+        model,
+        hardware,
+        runtime,
     )
 
 
 # --- constants in: seconds out ------------------------------------------------------------
 
 
-def _spread(pooled: Mapping[Axis, float], exposed: float, into: dict[Axis, float]) -> None:
-    total = sum(pooled.values())
-    if total <= 0 or exposed <= 0:
-        return
-    for axis, s in pooled.items():
-        into[axis] = into.get(axis, 0.0) + exposed * s / total
+@dataclass(frozen=True)
+class StepTimes:
+    """``StepTime`` of every row of a batch (arrays); per-stage columns in ``STEP_STAGES`` order."""
+
+    step_seconds: Floats
+    compute_seconds: Floats  # the slowest stage's
+    bubble_seconds: Floats
+    optimizer_seconds: Floats
+    host_seconds: Floats
+    exposed: Floats  # (n, len(STEP_AXES)) the slowest stage's exposed collective seconds
+    gemm_efficiency: Floats
+    stage: Ints  # index into STEP_STAGES of the slowest stage
+    mfu: Floats
+    tflops_per_device: Floats
+    tokens_per_second: Floats
+    stage_compute: Floats  # (n, 3) every stage's compute, exposed collectives, bubble, total
+    stage_communication: Floats
+    stage_bubble: Floats
+    stage_step: Floats  # -inf where the stage does not exist
+
+    def row(self, i: int) -> StepTime:
+        return StepTime(
+            step_seconds=float(self.step_seconds[i]),
+            compute_seconds=float(self.compute_seconds[i]),
+            bubble_seconds=float(self.bubble_seconds[i]),
+            optimizer_seconds=float(self.optimizer_seconds[i]),
+            host_seconds=float(self.host_seconds[i]),
+            exposed=tuple(
+                (a.value, float(self.exposed[i, k])) for k, a in enumerate(STEP_AXES) if self.exposed[i, k] > 0
+            ),
+            gemm_efficiency=float(self.gemm_efficiency[i]),
+            stage=STEP_STAGES[int(self.stage[i])],
+            mfu=float(self.mfu[i]),
+            tflops_per_device=float(self.tflops_per_device[i]),
+            tokens_per_second=float(self.tokens_per_second[i]),
+            stages=tuple(
+                StageTime(
+                    stage,
+                    float(self.stage_compute[i, k]),
+                    float(self.stage_communication[i, k]),
+                    float(self.stage_bubble[i, k]),
+                    float(self.stage_step[i, k]),
+                )
+                for k, stage in enumerate(STEP_STAGES)
+                if math.isfinite(self.stage_step[i, k])
+            ),
+        )
+
+
+# The overlap rules: each group of collective classes hides under a window of compute; what
+# exceeds it is exposed. Exposed time is shared out over the axes in proportion to their seconds
+# (for the breakdown only: the step needs the totals).
+_EXPOSED = KINDS.index("exposed")
+_GROUPS: tuple[tuple[int, ...], ...] = (
+    (KINDS.index("hidden"),),  # asynchronous sends, under the compute
+    (KINDS.index("tensor"),),  # under the compute with async TP, else exposed
+    (KINDS.index("forward"),),  # prefetched parameter gathers, under the forward
+    (KINDS.index("backward"), KINDS.index("grad")),  # under the backward
+    (KINDS.index("grad_once"),),  # once per step, under the last micro-batch's backward
+)
+
+
+def evaluate_batch(inputs: StepInputs, eff: Efficiency) -> StepTimes:
+    """Seconds of every step of the batch under ``eff`` (each the slowest stage's)."""
+    import numpy as np
+
+    x = inputs
+    gemm_eff = eff.gemms(x.gemm_size)
+    rate = (x.peak_flops * gemm_eff)[:, None]
+    compute = x.flops / rate + eff.memory * x.memory_bytes / x.memory_bandwidth[:, None]
+    backward = x.backward_flops / rate
+    forward = compute - backward
+    totals = x.comm.sum(axis=-1) / eff.network  # (n, stages, kinds)
+    windows = (
+        compute,
+        np.where(x.tp_overlap[:, None], compute, 0.0),
+        forward,
+        backward,
+        np.where(x.pipelined[:, None], 0.0, backward / x.micro_batches[:, None]),
+    )
+    exposed = [
+        np.maximum(totals[:, :, list(kinds)].sum(axis=-1) - window, 0.0)
+        for kinds, window in zip(_GROUPS, windows, strict=True)
+    ]
+    per_mb = totals[:, :, _EXPOSED] + exposed[0] + exposed[1] + exposed[2] + exposed[3]
+    after = exposed[4]
+    busy = compute + per_mb
+    bubble = x.bubble[:, None] * busy
+    extra = (x.optimizer_seconds + x.host_seconds)[:, None]
+    step = np.where(x.present, busy + bubble + after + extra, -np.inf)
+    slowest = np.argmax(step, axis=1)  # the first stage on a tie
+    rows = np.arange(len(x))
+    seconds = step[rows, slowest]
+    pooled = x.comm[rows, slowest] / eff.network  # (n, kinds, axes) of the slowest stage
+    axes = pooled[:, _EXPOSED, :].copy()
+    for kinds, group_exposed in zip(_GROUPS, exposed, strict=True):
+        part = pooled[:, list(kinds), :].sum(axis=1)
+        total = part.sum(axis=-1, keepdims=True)
+        share = np.divide(part, total, out=np.zeros_like(part), where=total > 0)
+        axes += share * group_exposed[rows, slowest][:, None]
+    return StepTimes(
+        step_seconds=seconds,
+        compute_seconds=compute[rows, slowest],
+        bubble_seconds=bubble[rows, slowest],
+        optimizer_seconds=x.optimizer_seconds,
+        host_seconds=x.host_seconds,
+        exposed=axes,
+        gemm_efficiency=np.broadcast_to(gemm_eff, seconds.shape).astype(np.float64),
+        stage=slowest.astype(np.int64),
+        mfu=x.model_flops / (seconds * x.devices * x.peak_flops),
+        tflops_per_device=x.hardware_flops / (seconds * x.devices) / 1e12,
+        tokens_per_second=x.tokens / seconds,
+        stage_compute=compute,
+        stage_communication=per_mb + after,
+        stage_bubble=bubble,
+        stage_step=step,
+    )
 
 
 def evaluate(inputs: StepInputs, eff: Efficiency) -> StepTime:
-    """Seconds of one step under ``eff`` (the slowest stage's)."""
-    rate = inputs.peak_flops * eff.gemm(inputs.gemm_size)
-    best: StepTime | None = None
-    for st in inputs.stages:
-        compute = st.flops / rate + eff.memory * st.memory_bytes / inputs.memory_bandwidth
-        backward = st.backward_flops / rate
-        forward = compute - backward
-        pools: dict[str, dict[Axis, float]] = {}
-        for c in st.comms:
-            pool = pools.setdefault(c.kind, {})
-            pool[c.axis] = pool.get(c.axis, 0.0) + c.seconds / eff.network
-        per_mb: dict[Axis, float] = {}
-        after: dict[Axis, float] = {}
-        for axis, s in pools.get("exposed", {}).items():
-            per_mb[axis] = per_mb.get(axis, 0.0) + s
-        hidden = pools.get("hidden", {})  # asynchronous sends, under the compute
-        _spread(hidden, sum(hidden.values()) - compute, per_mb)
-        tp = pools.get("tensor", {})
-        if inputs.tp_overlap:
-            _spread(tp, sum(tp.values()) - compute, per_mb)
-        else:
-            _spread(tp, sum(tp.values()), per_mb)
-        _spread(pools.get("forward", {}), sum(pools.get("forward", {}).values()) - forward, per_mb)
-        backward_pool = dict(pools.get("backward", {}))
-        for axis, s in pools.get("grad", {}).items():
-            backward_pool[axis] = backward_pool.get(axis, 0.0) + s
-        _spread(backward_pool, sum(backward_pool.values()) - backward, per_mb)
-        once = pools.get("grad_once", {})
-        window = 0.0 if inputs.pipelined else backward / inputs.micro_batches
-        _spread(once, sum(once.values()) - window, after)
-        busy = compute + sum(per_mb.values())
-        bubble = inputs.bubble * busy
-        step = busy + bubble + sum(after.values()) + inputs.optimizer_seconds + inputs.host_seconds
-        exposed: dict[Axis, float] = dict(per_mb)
-        for axis, s in after.items():
-            exposed[axis] = exposed.get(axis, 0.0) + s
-        result = StepTime(
-            step_seconds=step,
-            compute_seconds=compute,
-            bubble_seconds=bubble,
-            optimizer_seconds=inputs.optimizer_seconds,
-            host_seconds=inputs.host_seconds,
-            exposed=tuple((a.value, s) for a, s in sorted(exposed.items(), key=lambda kv: kv[0].value)),
-            gemm_efficiency=eff.gemm(inputs.gemm_size),
-            stage=st.stage,
-            mfu=inputs.model_flops / (step * inputs.devices * inputs.peak_flops),
-            tflops_per_device=inputs.hardware_flops / (step * inputs.devices) / 1e12,
-            tokens_per_second=inputs.tokens / step,
-        )
-        if best is None or result.step_seconds > best.step_seconds:
-            best = result
-    assert best is not None
-    return best
+    """Seconds of one step under ``eff`` (the slowest stage's); ``inputs`` holds one row."""
+    if len(inputs) != 1:
+        raise AssertionError(f"evaluate: {len(inputs)} rows (evaluate_batch takes many)")
+    return evaluate_batch(inputs, eff).row(0)
 
 
 def step_time(

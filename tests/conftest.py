@@ -9,6 +9,7 @@ exploring test: 80 programs under ``ci``, ten times ``max_examples`` otherwise, 
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -29,6 +30,10 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# The planner's z3 verdict cache (checker/_plan_cache.py) of a test run lives in a fresh
+# directory of its own, never the user's cache.
+os.environ.setdefault("PLACEMENT_SEMANTICS_CACHE", tempfile.mkdtemp(prefix="placement-semantics-cache-"))
 
 _SUMMARY = pytest.StashKey[list[str]]()
 

@@ -121,3 +121,11 @@ def test_validate_published_prints_both_summaries() -> None:
     assert "held-out (leave one source out): mean |error|" in out.stdout
     assert "left out of the fit: torchtitan-asynctp-8b-async: power-capped H100" in out.stdout
     assert out.stdout.count("korthikanti-t5-") == 8
+
+
+def test_llama_runs_train_without_dropout_and_gpt_runs_with_it() -> None:
+    """Llama models have no dropout (Hugging Face LlamaConfig: attention_dropout 0.0), so their
+    element-wise bytes carry no masks; Megatron's GPT runs keep dropout (its 0.1 defaults)."""
+    for run in load_runs():
+        llama = run.source in ("llama3", "torchtitan")
+        assert run.model.dropout is not llama, run.id

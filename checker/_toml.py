@@ -13,6 +13,7 @@ schedule rather than the derived one. ``examples/`` holds complete files; the fo
     G = "S"                            #   and +hold (S* gathered once per micro-batch, held)
     A = "S"                            # optional; default S on data axes, R otherwise
     compute_sharded = ["attention"]    # optional: groups computed sharded along the axis, or "all"
+                                       #   (along tp only the matrices, embedding and head split)
                                        #   (default: "all" on pp, none elsewhere)
 
     [strategies.zero2-skew.groups.norm]    # optional per-group modes
@@ -55,7 +56,7 @@ from formal._input import TEXT, Schema, check_schema, load_toml, printable, read
 from formal._model import Model
 from formal._placement import Entry, Placement, Strategy
 from formal._program import Op, StepProgram, derive_program, group_sizes, shard_elements
-from formal._strategies import LIBRARY
+from formal._strategies import LIBRARY, TP_SHARDED
 from formal._vocab import Axis, Buffer, Group, Mode, OpKind, Phase, Reduce, State
 from formal.errors import InputError, StrategyFileError
 
@@ -237,11 +238,11 @@ def _strategy(where: str, name: object, body: object) -> Strategy:
             entries.append(((STATES[key], Group(group_name)), _entry(f"{g_at}.{key}", value)))
     if not any(state is not State.ACTIVATIONS for (state, _), _ in entries):
         raise StrategyFileError(f"{at}: gives no mode for P, O or G")
-    compute = _compute_sharded(at, body.get("compute_sharded", "all" if axis.kind.is_pipeline else []))
+    compute = _compute_sharded(at, body.get("compute_sharded", "all" if axis.kind.is_pipeline else []), axis)
     for text_key in ("description", "source"):
         if text_key in body and not isinstance(body[text_key], str):
             raise StrategyFileError(f"{at}.{text_key}: must be a string")
-    return Strategy(
+    strategy = Strategy(
         name,
         axis,
         None,
@@ -250,6 +251,10 @@ def _strategy(where: str, name: object, body: object) -> Strategy:
         str(body.get("description", "user strategy")),
         str(body.get("source", where)),
     )
+    problem = strategy.pipeline_problem()
+    if problem is not None:
+        raise StrategyFileError(f"{at}: {problem}")
+    return strategy
 
 
 def _axis(at: str, value: object) -> Axis:
@@ -283,12 +288,24 @@ def _entry(at: str, value: object) -> Entry:
     return Entry(mode, offset, hold)
 
 
-def _compute_sharded(at: str, value: object) -> frozenset[Group] | None:
+def _compute_sharded(at: str, value: object, axis: Axis) -> frozenset[Group] | None:
+    """The groups the strategy computes split. Along an axis that splits matrices (tensor
+    parallelism), only groups with a tensor-parallel dimension can be split (``TP_SHARDED``: the
+    column/row-parallel matrices and the vocabulary-parallel embedding and head; norms and
+    row-parallel biases are replicated, Shoeybi et al. 2019, section 3): "all" means those, and
+    a list naming another group is refused."""
     if value == "all":
-        return None
+        return TP_SHARDED if axis.kind.splits_matrices else None
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
         raise StrategyFileError(f'{at}.compute_sharded: must be "all" or a list of group names')
-    return frozenset(Group(v) for v in value)
+    groups = frozenset(Group(v) for v in value)
+    if axis.kind.splits_matrices and groups - TP_SHARDED:
+        odd = sorted(g.name for g in groups - TP_SHARDED)[0]
+        raise StrategyFileError(
+            f"{at}.compute_sharded: {odd} cannot be computed split along {axis.value}: it has no "
+            f"tensor-parallel dimension (splittable: {', '.join(sorted(g.name for g in TP_SHARDED))})"
+        )
+    return groups
 
 
 def _op(where: str, index: int, body: dict[str, Any]) -> OpSpec:

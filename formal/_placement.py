@@ -16,6 +16,7 @@ import sympy as sp
 
 from formal._schedules import DEFAULT_SCHEDULE, PipelineSchedule, Schedule, schedule_of
 from formal._vocab import (
+    LAYER_GROUPS,
     Axis,
     AxisKind,
     Group,
@@ -89,6 +90,31 @@ class Strategy:
 
     def computes_sharded(self, group: Group) -> bool:
         return self.compute_sharded is None or group in self.compute_sharded
+
+    def pipeline_problem(self) -> str | None:
+        """Why this strategy, along a pipeline axis, is not a pipeline the model represents, or
+        None. Pipeline stages own their layers (GPipe, Huang et al. 2019; Megatron-LM's and
+        torchtitan's stages): every group's computation is split by stage, and the layers' P, O
+        and G are sharded by stage, stage k holding layers of chunk k (``S``, no offset). A stage
+        holding other stages' layers (``R``, ``S*``), nothing (``M``), or a shifted assignment
+        is not modelled. Groups outside the layers (embedding, head, final norm) may be ``R``
+        (held by the first and the last stage, the tied embedding's placement) or ``S``."""
+        if not self.axis.kind.is_pipeline:
+            return None
+        if self.compute_sharded is not None:
+            return 'along a pipeline axis every group is computed split by stage (compute_sharded = "all")'
+        for (state, group), entry in self.entries:
+            if state is State.ACTIVATIONS:
+                continue
+            layers = group is None or group in LAYER_GROUPS
+            allowed = (Mode.SHARDED,) if layers else (Mode.SHARDED, Mode.REPLICATED)
+            if entry.mode not in allowed or entry.offset or entry.keep_gathered:
+                what = "the layers'" if group is None else f"{group.name}'s"
+                return (
+                    f"{state.value} = {str(entry)!r} along a pipeline axis: {what} {state.long_name} must be "
+                    f"{' or '.join(repr(m.value) for m in allowed)} (each stage holds its own layers)"
+                )
+        return None
 
     def with_degree(self, degree: int | None) -> Strategy:
         return Strategy(self.name, self.axis, degree, self.entries, self.compute_sharded, self.description, self.source)

@@ -143,6 +143,11 @@ class _StateOps:
             whole = self.scatter_axes[op.group] - scattered - {axis}
         for peers in self.mesh.groups(axis, self.mesh.devices):
             bases = {d: self.layout.holding(op.state, op.group, d, skip=whole | {axis}) for d in peers}
+            if op.state is G and op.kind is not OpKind.ALL_REDUCE and self._split_elsewhere(op.group, axis):
+                # A gradient exists only on the slice the device computes (a pipeline stage's
+                # layers, its tp slice), whatever G's mode there: a reduce-scatter or gather along
+                # another axis cuts that local tensor, as the optimizer state's shards are cut.
+                bases = {d: np.intersect1d(bases[d], self.layout.compute(op.group, d)) for d in peers}
             if op.state is G and op.kind is OpKind.ALL_REDUCE:
                 bases = {d: np.flatnonzero(self.layout.mask(G, op.group, d, axis) | live[d][op.group]) for d in peers}
             members = [d for d in peers if len(bases[d])]
@@ -174,7 +179,10 @@ class _StateOps:
                 if tied:
                     return _chunk(bases[d], len(members), (members.index(d) - op.offset) % len(members))
                 if whole:  # its shard along the axis, whole along the others made whole
-                    return self.layout.holding(op.state, op.group, d, skip=whole, offsets={axis: op.offset}, force=axis)
+                    piece = self.layout.holding(
+                        op.state, op.group, d, skip=whole, offsets={axis: op.offset}, force=axis
+                    )
+                    return np.intersect1d(piece, bases[d], assume_unique=True)
                 return _chunk(bases[d], deg, (self.mesh.coord(d, axis) - op.offset) % deg)
 
             for d in members:
@@ -193,6 +201,14 @@ class _StateOps:
                     total = n.sum_of([arrays[d][..., union] for d in members])
                     if op.reduce is Reduce.MEAN:
                         total = n.scale(total, Fraction(1, k))
+                    if op.state is G:
+                        # Where a member's buffer holds no current value (freed outside its shard
+                        # after the synchronisation, never produced), the sum has none either:
+                        # z3's junk. Zeros there would pass a sum off as a gather.
+                        dead = ~np.logical_and.reduce([live[d][op.group][union] for d in members])
+                        if dead.any():
+                            total = total.copy()
+                            total[..., dead] = self.states.junk(int(dead.sum()))
                     for d in members:
                         if op.kind is OpKind.ALL_REDUCE:
                             keep = bases[d]
@@ -226,6 +242,17 @@ class _StateOps:
             self.states.gathered[op.group].add(axis)
         elif op.state is G and op.kind is OpKind.REDUCE_SCATTER:
             scattered.add(axis)
+
+    def _split_elsewhere(self, group: Group, axis: Axis) -> bool:
+        """Whether an axis other than ``axis`` splits the group's computation by structure."""
+        return any(
+            a is not axis
+            and self.mesh.degree(a) > 1
+            and (a.kind.is_pipeline or a.kind.splits_matrices)
+            and self.pl.computes_sharded(a, group)
+            and not (a.kind.is_pipeline and group in self.pl.tied)
+            for a in self.mesh.degrees
+        )
 
     def _even(self, op: Op, members: list[Device]) -> bool:
         """Whether every member computes a slice of the same size (tp slices, whole experts). A

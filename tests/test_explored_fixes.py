@@ -149,10 +149,11 @@ def test_a_reduction_over_freed_parameter_memory_is_refuted_and_diverges() -> No
 SPLIT = 'axis = "{axis}"\nP = "R"\nO = "{o}"\nG = "{g}"\nA = "R"\ncompute_sharded = "all"\n'
 
 
-@pytest.mark.parametrize("axis", ["tp", "pp"])
+@pytest.mark.parametrize("axis", ["tp"])
 def test_split_computation_with_sharded_optimizer_state_is_right(axis: str) -> None:
     """Each rank's update reads the gradient on its own slice, where it is whole; the refresh
-    gathers the replicated parameters (Megatron-LM's distributed optimizer over a split layer)."""
+    gathers the replicated parameters (Megatron-LM's distributed optimizer over a split layer).
+    (Along pp replicated layers are refused: ``Strategy.pipeline_problem``.)"""
     toml = "[strategies.split]\n" + SPLIT.format(axis=axis, o="S", g="R")
     assert _judged("split2xdp2", toml) == (Status.PROVED, True)
     stale = "[strategies.split]\n" + SPLIT.format(axis=axis, o="R", g="R")
@@ -164,7 +165,10 @@ def test_split_computation_over_a_replicated_update_is_refuted_with_offload_too(
     slice, which no backward produced."""
     toml = '[strategies.split]\naxis = "tp"\nP = "R"\nO = "R"\nG = "S"\ncompute_sharded = "all"\n'
     assert _judged("split4xoffload", toml) == (Status.REFUTED, False)
-    right = '[strategies.split]\naxis = "tp"\nP = "S"\nO = "S"\nG = "S"\ncompute_sharded = "all"\n'
+    table = '[strategies.split.groups.{g}]\nP = "S"\nO = "S"\nG = "S"\n'
+    right = toml.replace('G = "S"', 'G = "R"') + "".join(
+        table.format(g=g) for g in ("attention", "mlp", "embedding", "head")
+    )
     assert _judged("split4xoffload", right) == (Status.PROVED, True)
 
 
@@ -196,3 +200,28 @@ def test_a_vocabulary_split_head_with_a_whole_embedding_is_simulated() -> None:
 def test_a_materialized_gradient_copied_to_the_host_is_the_whole_gradient() -> None:
     toml = '[strategies.mg]\naxis = "dpr"\nP = "S*+hold"\nO = "S"\nG = "M"\nA = "S"\n'
     assert _judged("mg2xoffload", toml, tied=True) == (Status.PROVED, True)
+
+
+# --- pipelines as the model represents them ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("table", "why"),
+    [
+        ('P = "R"\nO = "S"\n', "the layers' parameters must be 'S'"),
+        ('P = "S"\nG = "S@1"\n', "the layers' gradients must be 'S'"),
+        ('P = "S"\ncompute_sharded = ["attention"]\n', 'compute_sharded = "all"'),
+        ('P = "S"\n[strategies.stages.groups.mlp]\nO = "M"\n', "mlp's optimizer must be 'S'"),
+    ],
+)
+def test_a_pipeline_whose_stages_do_not_own_their_layers_is_refused(table: str, why: str) -> None:
+    """Replicated, gathered, materialized or shifted layers along pp: a stage holding another
+    stage's layers is no pipeline the model represents (z3 and the simulator cut it differently)."""
+    with pytest.raises(InputError, match=why):
+        loads('[strategies.stages]\naxis = "pp"\n' + table)
+
+
+def test_a_pipeline_strategy_as_the_library_places_it_is_accepted() -> None:
+    toml = '[strategies.stages]\naxis = "pp"\nP = "S"\nO = "S"\nG = "S"\n[strategies.stages.groups.head]\nP = "R"\n'
+    loads(toml)
+    assert _judged("stages2xdp2xm2", toml.replace('P = "R"', 'P = "S"')) == _judged("pp2xdp2xm2")

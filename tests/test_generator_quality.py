@@ -28,6 +28,7 @@ from formal._program import Op, StepProgram, derive_program
 from formal._reference import ReferenceModel
 from formal._simulator import reference_for
 from formal._vocab import ATTENTION, Axis, OpKind, Phase, Reduce, State
+from formal.errors import StrategyFileError
 
 BUDGET = 1_500
 
@@ -184,7 +185,6 @@ HAND_MADE = {
     "7": ("dp2xcp2", "", _one_scale_for_two_sums),
     "9": ("m-dp2", '[strategies.m-dp]\naxis = "dp"\nP = "M"\n', None),
     "11": ("dp2", "", _scale_without_axis),
-    "12": ("sp-tp2xsp", '[strategies.sp-tp]\naxis = "tp"\nP = "S"\nO = "S"\nG = "S"\ncompute_sharded = "all"\n', None),
     "14": ("tp2", "", _tp_gradient_all_reduce),
 }
 
@@ -202,6 +202,17 @@ def test_class_10_is_gone_at_its_source() -> None:
     explored = _explored("plain-tp2", '[strategies.plain-tp]\naxis = "tp"\nP = "R"\nO = "R"\n', None)
     assert "10" not in known_classes(explored)
     assert not [op for op in explored.program.ops if op.state is State.ACTIVATIONS and op.axis is not None]
+
+
+def test_class_12_is_gone_at_its_source() -> None:
+    """Class 12 (a sequence-region group computed split along tp under sp) needs a norm or a
+    row-parallel bias computed split along tp, which has no tensor-parallel dimension: a
+    strategy file's "all" along tp now means the splittable groups, and naming a norm is
+    refused."""
+    toml = '[strategies.sp-tp]\naxis = "tp"\nP = "S"\nO = "S"\nG = "S"\ncompute_sharded = "all"\n'
+    assert "12" not in known_classes(_explored("sp-tp2xsp", toml, None))
+    with pytest.raises(StrategyFileError, match="norm cannot be computed split along tp"):
+        loads(toml.replace('"all"', '["attention", "mlp", "norm"]'))
 
 
 def test_the_gradient_op_classes_need_several_micro_batches() -> None:

@@ -96,6 +96,7 @@ def validate(composition: Composition | str, devices: int | None = None, rank: i
         tuple(sorted(measured.calls)),
         time.perf_counter() - start,
         rank,
+        predicted.engine,
     )
 
 
@@ -117,6 +118,10 @@ def format_comparison(c: Comparison) -> str:
         f"  model states exact: {c.model_states_exact}; collective list equal: {c.calls_equal}; "
         f"activations within {ACTIVATION_TOLERANCE:.0%}: {c.activations_within}"
     )
+    if c.engine_prediction is not None:
+        e = c.engine_prediction
+        lines.append(f"  predicted peak {e.total} B on {e.engine.value} (placement only {e.placement_total} B):")
+        lines += [f"    {t.label}: {t.bytes} B ({t.moment})" for t in e.terms]
     return "\n".join(lines)
 
 
@@ -180,6 +185,8 @@ def as_json(c: Comparison) -> dict[str, Any]:
         },
         "model_states_exact": c.model_states_exact,
         "activations_within": c.activations_within,
+        "ok": c.ok,
+        "prediction": None if c.engine_prediction is None else c.engine_prediction.as_json(),
     }
 
 

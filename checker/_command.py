@@ -103,8 +103,23 @@ def sized(chosen: Model, micro_batch: int | None, seq: int | None) -> Model:
         if not 1 <= seq <= MAX_SEQ:
             raise InputError(f"--seq {seq}: must be from 1 to {MAX_SEQ:,}")
         if isinstance(chosen, Transformer):
-            chosen = replace(chosen, seq=seq)
+            chosen = with_seq(chosen, seq)
     return chosen
+
+
+def with_seq(model: Transformer, seq: int) -> Transformer:
+    """``model`` trained at ``seq`` tokens. A learned position table keeps its rows (its
+    parameter count does not change with the training length); a sequence longer than the
+    table has no position embedding for its tail and is refused."""
+    if model.learned_positions:
+        rows = model.position_rows
+        if seq > rows:
+            raise InputError(
+                f"--seq {seq}: {model.name or 'the model'} has a learned position table of {rows:,} "
+                f"positions; a longer sequence has no position embedding (at most --seq {rows})"
+            )
+        return replace(model, seq=seq, positions=rows)
+    return replace(model, seq=seq)
 
 
 def load_model(model: str | None, params: str | None, micro_batch: int | None, seq: int | None) -> Model:

@@ -105,6 +105,10 @@ def check_csv_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
         for name, value in memory["per_device"].items()
     ]
     rows.append({"section": "memory", "name": "host", "stage": stage, "bytes": memory.get("host")})
+    if memory.get("peak") is not None:  # the per-device peak with the engine's terms
+        rows.append({"section": "memory", "name": "peak", "stage": stage, "bytes": memory["peak"]})
+        for t in (memory.get("engine") or {}).get("terms", []):
+            rows.append({"section": "engine", "name": t["name"], "stage": t["moment"], "bytes": t["bytes"]})
     for c in doc["communication"]["collectives"]:
         rows.append(
             {
@@ -250,6 +254,8 @@ SUMMARY_COLUMNS = (
     "activations_bytes",
     "buffers_bytes",
     "total_bytes",
+    "peak_bytes",
+    "engine",
     "fits",
     "network_bytes",
     "model_state_psi",
@@ -265,6 +271,8 @@ def summary(doc: dict[str, Any]) -> dict[str, Any]:
         "devices": doc["devices"],
         **{f"{k}_bytes": per[k] for k in ("parameters", "gradients", "optimizer", "activations", "buffers")},
         "total_bytes": per["total"],
+        "peak_bytes": doc["memory"].get("peak", per["total"]),  # with the engine's terms (what fits reads)
+        "engine": (doc["memory"].get("engine") or {}).get("engine", ""),
         "fits": doc["memory"]["fits"],
         "network_bytes": doc["communication"]["per_device_per_step"],
         "model_state_psi": doc["communication"]["model_state_psi_units"],

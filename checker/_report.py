@@ -317,7 +317,7 @@ def engine_lines(analysis: Analysis) -> list[str]:
     e = analysis.engine
     if e is None or not e.modelled:
         return []
-    when = {"persistent": "whole step", "loss": "loss backward", "backward": "first block backward"}
+    when = {"forward": "end of a forward", "loss": "loss backward", "backward": "first block backward"}
     out = [f"Engine terms ({e.engine.value}, {e.stage} stage; peak at the {when[e.peak_moment]}):"]
     out.append(f"  placement only (the paper's number): {gb(e.placement_total)}")
     if e.base != e.placement_total:

@@ -11,9 +11,10 @@ micro-batch's stage output and preallocates a receive buffer per micro-batch.
 
 Each effect is a named ``Term`` derived from the placement (which groups are sharded where, the
 stage's layers, the micro-batches in flight) and the model, never a per-strategy constant.
-``engine_prediction`` adds them to the placement's figure at two moments of the step, the larger
-being the peak:
+``engine_prediction`` adds them to the placement's figure at three moments of the step, the
+largest being the peak:
 
+* ``forward``: a forward has just ended (a pipeline stage holds that micro-batch's output);
 * ``loss``: the loss's backward has begun; every activation is held, with the loss's
   temporaries;
 * ``backward``: the first transformer block's backward (the last block of the stage); the output
@@ -39,6 +40,7 @@ from formal._placement import Placement
 from formal._program import shard_elements
 from formal._vocab import (
     EMBEDDING,
+    EMBEDDING_IO,
     FINAL_NORM,
     FIRST_STAGE_GROUPS,
     HEAD,
@@ -118,6 +120,11 @@ class EngineEffects:
     # idle while its micro-batch is not in flight.
     pipeline_keeps_outputs: bool = True
     pipeline_receive_buffers: bool = True
+    # The embedding's backward reads the token ids (``aten::embedding_backward`` takes the
+    # indices) and the loss's the targets (``nll_loss`` saves ``target``): int64, 8 bytes a token,
+    # kept per micro-batch in flight by every engine (Megatron-LM's embedding and
+    # vocabulary-parallel cross-entropy save them too).
+    token_id_bytes: int = 8
 
 
 # Every effect off: the placement's own figure.
@@ -131,6 +138,7 @@ NO_EFFECTS = EngineEffects(
     tp_loss_reductions=3,  # Megatron's vocabulary-parallel cross-entropy makes the same three reductions
     tp_loss_keeps_logits=False,
     sp_saves_gathered_inputs=False,
+    token_id_bytes=8,  # every engine's embedding and loss keep their int64 token ids
     loss_backward_temporaries=0,
     pipeline_keeps_outputs=False,
     pipeline_receive_buffers=False,
@@ -149,13 +157,18 @@ def modelled(engine: Engine) -> bool:
     return engine in (Engine.FSDP2, Engine.DDP)
 
 
+# The moments of a step at which a peak can fall: the end of a forward, the loss's backward, the
+# first block's backward.
+MOMENTS = ("forward", "loss", "backward")
+
+
 @dataclass(frozen=True)
 class Term:
     """One engine effect on one device: its name, what it holds, bytes, and when.
 
-    ``moment``: ``persistent`` (held through the step: counted at every moment), ``loss`` or
-    ``backward`` (held at that moment only). ``state``: which row of the memory table it adds to
-    (``gradients``, ``activations``, ``buffers``)."""
+    ``moment``: ``persistent`` (held through the step: counted at every moment), ``forward``,
+    ``loss`` or ``backward`` (held at that moment only, ``MOMENTS``). ``state``: which row of
+    the memory table it adds to (``gradients``, ``activations``, ``buffers``)."""
 
     key: str
     label: str
@@ -181,12 +194,16 @@ class EnginePrediction:
 
     @property
     def moments(self) -> dict[str, int]:
-        return {m: self.moment_total(m) for m in ("loss", "backward")}
+        return {m: self.moment_total(m) for m in MOMENTS}
+
+    def activation_terms(self, moment: str) -> int:
+        """Bytes the activation terms add at ``moment`` (the persistent ones included)."""
+        return sum(t.bytes for t in self.terms if t.state == "activations" and t.moment in ("persistent", moment))
 
     @property
     def peak_moment(self) -> str:
         both = self.moments
-        return max(both, key=lambda m: (both[m], m == "loss"))
+        return max(MOMENTS, key=lambda m: (both[m], m == "loss"))
 
     @property
     def total(self) -> int:
@@ -268,6 +285,8 @@ def engine_prediction(
     known = modelled(engine) or effects is not None
     if known:
         terms += _gradient_terms(pl, model, precision, fx, stage, engine is Engine.DDP)
+    if isinstance(model, Transformer):
+        terms += _token_id_terms(pl, model, fx, stage, index)
     if known and isinstance(model, Transformer):
         terms += _activation_terms(pl, model, precision, fx, stage, index)
         if fsdp:
@@ -344,6 +363,30 @@ def _in_flight(pl: Placement, stage: Stage, index: int | None) -> int:
     return ceil_int(in_flight_micro_batches(pl, stage) if index is None else stage_in_flight(pl, index))
 
 
+def _token_id_terms(
+    pl: Placement, model: Transformer, fx: EngineEffects, stage: Stage, index: int | None
+) -> list[Term]:
+    """The int64 token ids the embedding's backward reads and the targets the loss's reads, for
+    each micro-batch in flight: ``s b / cp`` each (a context-parallel rank holds its chunk)."""
+    cp = _cp_degree(pl)
+    per = -(-(model.seq * model.micro_batch) // cp)  # a context-parallel rank's chunk, rounded up
+    tokens = per * fx.token_id_bytes * _in_flight(pl, stage, index)
+    out: list[Term] = []
+    if holds_io_activations(pl, EMBEDDING_IO, stage):
+        out.append(Term("input_ids", "embedding keeps the int64 token ids", tokens, "persistent", "activations"))
+    if holds_io_activations(pl, LOGITS, stage):
+        out.append(Term("target_ids", "loss keeps the int64 targets", tokens, "persistent", "activations"))
+    return out
+
+
+def _cp_degree(pl: Placement) -> int:
+    d = 1
+    for axis, degree in pl.mesh:
+        if axis.kind.splits_sequence:
+            d *= int(degree)
+    return d
+
+
 def _activation_terms(
     pl: Placement, model: Transformer, precision: Precision, fx: EngineEffects, stage: Stage, index: int | None
 ) -> list[Term]:
@@ -412,11 +455,15 @@ def _activation_terms(
             out.append(
                 Term(
                     "pipeline_keeps_outputs",
-                    f"pipelining keeps {in_flight - 1} in-flight stage outputs",
+                    f"pipelining keeps {in_flight - 1} other in-flight stage outputs",
                     (in_flight - 1) * output,
                     "persistent",
                     "activations",
                 )
+            )
+        if fx.pipeline_keeps_outputs:  # at the end of a forward its own output is held too
+            out.append(
+                Term("pipeline_current_output", "pipelining: this forward's output", output, "forward", "activations")
             )
         first = stage == Stage.FIRST if index is None else index == 0
         if fx.pipeline_receive_buffers and not first and m > in_flight:

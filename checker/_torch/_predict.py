@@ -88,7 +88,7 @@ def parameter_tensors(model: Transformer) -> list[Tensor]:
     qkv = model.heads * hd + 2 * model.kv_heads_ * hd
     out: list[Tensor] = [Tensor("embed.weight", EMBEDDING, model.vocab * h, None)]
     if model.learned_positions:
-        out.append(Tensor("pos.weight", POSITION, model.seq * h, None))
+        out.append(Tensor("pos.weight", POSITION, model.position_rows * h, None))
 
     def norm(prefix: str, group: Group, layer: int | None) -> list[Tensor]:
         ts = [Tensor(f"{prefix}.weight", group, h, layer)]
@@ -187,7 +187,7 @@ def predict(
 
 
 # Engine terms that are tensors autograd saves (the table's activation row measures those only).
-SAVED_BY_AUTOGRAD = frozenset({"sp_saves_gathered_inputs"})
+SAVED_BY_AUTOGRAD = frozenset({"sp_saves_gathered_inputs", "input_ids", "target_ids"})
 
 
 def _on(op: Op, kind: AxisKind) -> bool:

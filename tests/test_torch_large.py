@@ -38,7 +38,7 @@ def test_model_states_are_predicted_exactly(run: tuple[str, int]) -> None:
     """Storages of the rank's parameters, gradients and Adam state, and MemTracker's categories."""
     c, r = compared(*run)
     for row in c.rows:
-        if row.quantity != "activations":
+        if row.quantity not in ("activations", PEAK):
             assert row.predicted == row.measured, (run, row)
     assert r.tracked.parameters == r.measured.parameters > 0
 

@@ -312,6 +312,15 @@ def engine_summary(analysis: Analysis) -> list[str]:
     ]
 
 
+def _size(n: int) -> str:
+    """Bytes for people at a scale that shows them (a term may be kilobytes beside gigabytes)."""
+    if abs(n) >= 10**8:
+        return gb(n)
+    if abs(n) >= 10**5:
+        return f"{n / 1e6:,.1f} MB"
+    return f"{n:,} B"
+
+
 def engine_lines(analysis: Analysis) -> list[str]:
     """Each engine term on its own line, with when it is held: the detail under the memory table."""
     e = analysis.engine
@@ -324,8 +333,9 @@ def engine_lines(analysis: Analysis) -> list[str]:
         out.append(f"  less the modes' generic gather buffers: -{gb(e.placement_total - e.base)}")
     for t in e.terms:
         if t.moment in ("persistent", e.peak_moment):
-            out.append(f"  {t.label}: {'-' if t.bytes < 0 else ''}{gb(abs(t.bytes))}")
+            out.append(f"  {t.label}: {_size(t.bytes)}")
     out.append(f"  peak per device: {gb(e.total)}")
+    out += [f"  note: {n}" for n in e.notes]
     return out
 
 

@@ -22,11 +22,13 @@ from checker._torch._compare import pct as _pct
 from formal._strategies import Composition
 from formal._vocab import Axis
 
-# Every engine at world size 8: DDP, FSDP2 (reshard after forward, and not), DTensor TP (with
-# and without sequence parallelism), FSDP+TP, HSDP, pipelining (GPipe and 1F1B, 16 micro-batches
-# so that 1F1B's in-flight min(p, m) = 8 differs from GPipe's 16).
+# Every engine at world size 8: DDP, ZeRO-1 (DDP + ZeroRedundancyOptimizer), FSDP2 (reshard
+# after forward, and not), DTensor TP (with and without sequence parallelism), FSDP+TP, HSDP,
+# pipelining (GPipe and 1F1B, 16 micro-batches so that 1F1B's in-flight min(p, m) = 8 differs
+# from GPipe's 16).
 TABLE_COMPOSITIONS: tuple[str, ...] = (
     "ddp8",
+    "zero18",  # DDP + ZeroRedundancyOptimizer: whole tensors per rank, a broadcast per tensor
     "fsdp8",
     "fsdp-sgo8",
     "tp8",

@@ -38,6 +38,7 @@ from formal._costs import _tensor_factor as tensor_factor
 from formal._model import Model, Precision, Transformer
 from formal._placement import Placement
 from formal._program import shard_elements
+from formal._tensors import parameter_tensors
 from formal._vocab import (
     EMBEDDING,
     EMBEDDING_IO,
@@ -55,8 +56,9 @@ from formal._vocab import (
     Stage,
     State,
 )
+from formal.errors import ModelError
 
-P, G, A = State.PARAMETERS, State.GRADIENTS, State.ACTIVATIONS
+P, G, OPT, A = State.PARAMETERS, State.GRADIENTS, State.OPTIMIZER, State.ACTIVATIONS
 MiB = 2**20
 
 
@@ -91,6 +93,11 @@ class EngineEffects:
     # in reverse registration order, the first closing at 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``),
     # the others at ``bucket_cap_mb`` = 25 MiB; one all-reduce per bucket.
     ddp_bucket_copy: bool = True
+    # ``ZeroRedundancyOptimizer`` (ZeRO-1 under DDP, torch/distributed/optim/
+    # zero_redundancy_optimizer.py ``_partition_parameters``): whole tensors, largest first, each
+    # to the rank with the fewest elements so far; a rank's optimizer state is its tensors', not
+    # an even 1/n. After the step each tensor is broadcast from its owner (one call per tensor).
+    zero_redundancy_whole_tensors: bool = True
     ddp_first_bucket_bytes: int = 1 * MiB
     ddp_bucket_bytes: int = 25 * MiB
     # DTensor's embedding backward on a row-sharded (vocabulary-parallel) table returns a
@@ -133,6 +140,7 @@ NO_EFFECTS = EngineEffects(
     fsdp_prefetched_blocks=0,
     fsdp_unsharded_gradients=False,
     ddp_bucket_copy=False,
+    zero_redundancy_whole_tensors=False,
     tp_embedding_full_gradient=False,
     tp_row_bias_before_reduction=False,
     tp_loss_reductions=3,  # Megatron's vocabulary-parallel cross-entropy makes the same three reductions
@@ -168,7 +176,7 @@ class Term:
 
     ``moment``: ``persistent`` (held through the step: counted at every moment), ``forward``,
     ``loss`` or ``backward`` (held at that moment only, ``MOMENTS``). ``state``: which row of
-    the memory table it adds to (``gradients``, ``activations``, ``buffers``)."""
+    the memory table it adds to (``gradients``, ``optimizer``, ``activations``, ``buffers``)."""
 
     key: str
     label: str
@@ -188,6 +196,7 @@ class EnginePrediction:
     base: int  # the placement's figure without the buffers an FSDP engine replaces with its own
     terms: tuple[Term, ...]
     stage: Stage = Stage.FIRST
+    notes: tuple[str, ...] = ()  # effects of the engine this prediction could not model, said
 
     def moment_total(self, moment: str) -> int:
         return self.base + sum(t.bytes for t in self.terms if t.moment in ("persistent", moment))
@@ -225,6 +234,7 @@ class EnginePrediction:
             "total": self.total,
             "peak_moment": self.peak_moment,
             "moments": self.moments,
+            "notes": list(self.notes),
             "terms": [
                 {"name": t.key, "label": t.label, "bytes": t.bytes, "moment": t.moment, "state": t.state}
                 for t in self.terms
@@ -273,10 +283,13 @@ def engine_prediction(
     stage: Stage = Stage.FIRST,
     index: int | None = None,
     effects: EngineEffects | None = None,
+    data_rank: int | None = None,
 ) -> EnginePrediction:
     """The engine's terms on one device of ``stage`` (pipeline stage ``index`` when given),
     added to ``placement`` (``formal._costs.memory`` of that stage, its activations for that
-    stage). ``effects`` overrides the engine's own (``effects_for``)."""
+    stage). ``effects`` overrides the engine's own (``effects_for``). ``data_rank``: the device's
+    rank along the data axis, for effects that differ between its ranks (ZeRO-1's whole-tensor
+    partition); None: the most loaded of them."""
     fx = effects_for(engine) if effects is None else effects
     buffers = 0 if placement.buffers is None else ceil_int(placement.buffers)
     total = ceil_int(placement.total)
@@ -285,6 +298,9 @@ def engine_prediction(
     known = modelled(engine) or effects is not None
     if known:
         terms += _gradient_terms(pl, model, precision, fx, stage, engine is Engine.DDP)
+    notes: list[str] = []
+    if known and engine is Engine.DDP and fx.zero_redundancy_whole_tensors and isinstance(model, Transformer):
+        terms += _whole_tensor_partition(pl, model, precision, placement, data_rank, notes)
     if isinstance(model, Transformer):
         terms += _token_id_terms(pl, model, fx, stage, index)
     if known and isinstance(model, Transformer):
@@ -295,7 +311,7 @@ def engine_prediction(
     known = known and (isinstance(model, Transformer) or not fsdp)
     base = total - buffers if fsdp and known else total  # FSDP2's own buffers replace the modes' generic ones
     kept = tuple(t for t in terms if t.bytes)
-    return EnginePrediction(engine, known, total, buffers, base, kept, stage)
+    return EnginePrediction(engine, known, total, buffers, base, kept, stage, tuple(notes))
 
 
 def _gradient_terms(
@@ -330,6 +346,68 @@ def _gradient_terms(
             )
         )
     return out
+
+
+def zero1_axis(pl: Placement) -> Axis | None:
+    """The data axis along which the optimizer state is sharded while the gradients are not
+    (ZeRO-1): where ``ZeroRedundancyOptimizer`` partitions; None if there is none or several."""
+    found = [
+        a
+        for a in pl.axes
+        if a.splits_data
+        and pl.degree(a) != 1
+        and any(pl.mode(OPT, g, a).is_sharded for g in pl.groups(OPT))
+        and not any(pl.mode(G, g, a).is_sharded for g in pl.groups(G))
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def whole_tensor_owners(pl: Placement, model: Transformer, axis: Axis) -> list[int]:
+    """The rank along ``axis`` that owns each parameter tensor (``parameter_tensors`` order):
+    largest first, each to the rank with the fewest elements so far (the first such rank),
+    as ``ZeroRedundancyOptimizer._partition_parameters`` does."""
+    tensors = parameter_tensors(model)
+    sizes = [ceil_int(shard_elements(pl, OPT, t.group, t.elements, axis, Stage.FIRST)) for t in tensors]
+    n = int(pl.degree(axis))
+    load = [0] * n
+    owners = [0] * len(tensors)
+    for i in sorted(range(len(tensors)), key=lambda i: -sizes[i]):  # stable: registration order on ties
+        r = load.index(min(load))
+        owners[i] = r
+        load[r] += sizes[i]
+    return owners
+
+
+def _whole_tensor_partition(
+    pl: Placement,
+    model: Transformer,
+    precision: Precision,
+    placement: Memory,
+    data_rank: int | None,
+    notes: list[str],
+) -> list[Term]:
+    axis = zero1_axis(pl)
+    if axis is None:
+        return []
+    unmodelled = "ZeRO-1's whole-tensor split not modelled"
+    if pl.pipelined and pl.pipeline_degree != 1:
+        notes.append(f"{unmodelled} with a pipeline (1/n)")
+        return []
+    try:
+        owners = whole_tensor_owners(pl, model, axis)
+    except ModelError:
+        notes.append(f"{unmodelled} for these tensors (1/n)")
+        return []
+    tensors = parameter_tensors(model)
+    n = int(pl.degree(axis))
+    load = [0] * n
+    for t, r in zip(tensors, owners, strict=True):
+        load[r] += ceil_int(shard_elements(pl, OPT, t.group, t.elements, axis, Stage.FIRST))
+    rank = max(range(n), key=lambda r: load[r]) if data_rank is None else data_rank % n
+    even = ceil_int(placement.optimizer.total)
+    held = load[rank] * precision.bytes_of(OPT)
+    label = f"ZeroRedundancyOptimizer whole tensors (rank {rank} of {n})"
+    return [Term("zero_redundancy_whole_tensors", label, held - even, "persistent", "optimizer")]
 
 
 def _local(pl: Placement, state: State, group: Group) -> bool:

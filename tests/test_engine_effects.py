@@ -176,3 +176,27 @@ def test_a_failed_validation_exits_6(monkeypatch: pytest.MonkeyPatch) -> None:
         mp.setattr(tv, "cli_validation", lambda comp, ok=ok: ({"ok": ok}, f"validated: {ok}"))
         code, out = cli("check", "fsdp8", "--devices", "8", "--validate", "torch")
         assert code == expected and f"validated: {ok}" in out
+
+
+def test_zero1_on_ddp_partitions_whole_tensors() -> None:
+    """ZeroRedundancyOptimizer assigns each tensor whole to one rank, largest first: the ranks'
+    loads add up to the model, the embedding (the largest tensor, V x h) sits on rank 0 alone
+    at first, and the most-loaded rank holds at least an even share."""
+    from formal._engine_effects import whole_tensor_owners, zero1_axis
+    from formal._tensors import parameter_tensors
+
+    gpt = PRESETS["gpt3-1.3b"]
+    assert isinstance(gpt, Transformer)
+    pl = parse("zero18", devices=8).placement(gpt)
+    axis = zero1_axis(pl)
+    assert axis is not None
+    owners = whole_tensor_owners(pl, gpt, axis)
+    tensors = parameter_tensors(gpt)
+    loads = [sum(t.elements for t, r in zip(tensors, owners, strict=True) if r == k) for k in range(8)]
+    assert sum(loads) == gpt.parameter_count()
+    assert owners[0] == 0 and tensors[0].name == "embed.weight"
+    a = analyze(parse("zero18", devices=8), gpt, MIXED, engine=Engine.DDP)
+    assert a.engine is not None
+    term = next(t for t in a.engine.terms if t.key == "zero_redundancy_whole_tensors")
+    even = -(-gpt.parameter_count() * MIXED.optimizer // 8)
+    assert term.bytes == max(loads) * MIXED.optimizer - even >= 0

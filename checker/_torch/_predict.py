@@ -22,30 +22,32 @@ import sympy as sp
 from checker._torch._record import Call
 from formal._axes import DATA, TENSOR, AxisKind
 from formal._costs import activation_memory, holds_io_activations, memory, op_stage_factor
-from formal._engine_effects import Engine, EngineEffects, EnginePrediction, engine_prediction, pytorch_engine
+from formal._engine_effects import (
+    Engine,
+    EngineEffects,
+    EnginePrediction,
+    engine_prediction,
+    pytorch_engine,
+    zero1_axis,
+)
 from formal._exact import exact_int
-from formal._model import PRECISIONS, Ffn, Norm, Precision, Transformer
+from formal._model import PRECISIONS, Precision, Transformer
 from formal._placement import Placement
 from formal._program import Op, StepProgram, derive_program, group_sizes, shard_elements
 from formal._strategies import Composition
+from formal._tensors import Tensor, parameter_tensors
 from formal._vocab import (
-    ATTENTION,
     EMBEDDING,
-    FINAL_NORM,
     HEAD,
     LAYER_GROUPS,
-    MLP,
-    NORM,
     OUTPUT_IO,
     POSITION,
     ROW_BIAS,
     Axis,
-    Group,
     OpKind,
     Stage,
     State,
 )
-from formal.errors import ModelError
 
 P, G, A = State.PARAMETERS, State.GRADIENTS, State.ACTIVATIONS
 MiB = 2**20
@@ -66,59 +68,6 @@ PYTORCH_DEFAULTS = EngineEffects()
 def harness_precision(base: Precision = TORCH_PRECISION) -> Precision:
     """The precision the harness's runs have: fp32 Adam with the CPU's 4-byte dropout masks."""
     return replace(base, mask_bytes=CPU_DROPOUT_MASK_BYTES)
-
-
-@dataclass(frozen=True)
-class Tensor:
-    """One parameter tensor of the formal model, in registration order."""
-
-    name: str
-    group: Group
-    elements: int
-    layer: int | None  # None: not in a transformer block
-
-
-def parameter_tensors(model: Transformer) -> list[Tensor]:
-    """The parameter tensors a GPT-style model registers, in order, from the formal description
-    (fused QKV, GELU MLP, LayerNorm or RMSNorm, optional biases, learned positions, untied head).
-    Their sizes add up to the formal groups (checked)."""
-    if model.ffn_kind is not Ffn.GELU or model.is_moe:
-        raise ModelError(f"{model.name}: the tensor layout covers dense GELU models only")
-    h, f, hd = model.hidden, model.ffn_, model.head_dim
-    qkv = model.heads * hd + 2 * model.kv_heads_ * hd
-    out: list[Tensor] = [Tensor("embed.weight", EMBEDDING, model.vocab * h, None)]
-    if model.learned_positions:
-        out.append(Tensor("pos.weight", POSITION, model.position_rows * h, None))
-
-    def norm(prefix: str, group: Group, layer: int | None) -> list[Tensor]:
-        ts = [Tensor(f"{prefix}.weight", group, h, layer)]
-        if model.norm is Norm.LAYERNORM:
-            ts.append(Tensor(f"{prefix}.bias", group, h, layer))
-        return ts
-
-    def linear(prefix: str, group: Group, bias_group: Group, n_in: int, n_out: int, layer: int) -> list[Tensor]:
-        ts = [Tensor(f"{prefix}.weight", group, n_in * n_out, layer)]
-        if model.bias:
-            ts.append(Tensor(f"{prefix}.bias", bias_group, n_out, layer))
-        return ts
-
-    for i in range(model.layers):
-        pre = f"layers.{i}"
-        out += norm(f"{pre}.ln1", NORM, i)
-        out += linear(f"{pre}.qkv", ATTENTION, ATTENTION, h, qkv, i)
-        out += linear(f"{pre}.proj", ATTENTION, ROW_BIAS, model.heads * hd, h, i)
-        out += norm(f"{pre}.ln2", NORM, i)
-        out += linear(f"{pre}.fc1", MLP, MLP, h, f, i)
-        out += linear(f"{pre}.fc2", MLP, ROW_BIAS, f, h, i)
-    if model.final_norm:
-        out += norm("norm", FINAL_NORM, None)
-    if not model.tied_embeddings:
-        out.append(Tensor("head.weight", HEAD, model.vocab * h, None))
-    totals: dict[Group, int] = {}
-    for t in out:
-        totals[t.group] = totals.get(t.group, 0) + t.elements
-    assert totals == model.group_elements(), (totals, model.group_elements())
-    return out
 
 
 @dataclass(frozen=True)
@@ -179,11 +128,12 @@ def predict(
     assert act is not None
     mem = replace(mem, activations=act)
     chosen = engine if engine is not None else pytorch_engine(tuple(s.name for s in comp.strategies))
-    engine_pred = engine_prediction(pl, model, precision, mem, chosen, stage, index, impl)
+    engine_pred = engine_prediction(pl, model, precision, mem, chosen, stage, index, impl, data_rank=rank)
     grads = _int(mem.gradients.total) + engine_pred.persistent("gradients")
+    optimizer = _int(mem.optimizer.total) + engine_pred.persistent("optimizer")
     saved = _int(act) + sum(t.bytes for t in engine_pred.terms if t.key in SAVED_BY_AUTOGRAD)
-    calls = tuple(sorted(_calls(pl, program, model, impl, precision, rank)))
-    return Prediction(_int(mem.parameters.total), grads, _int(mem.optimizer.total), saved, calls, stage, engine_pred)
+    calls = tuple(sorted(_calls(pl, program, model, impl, precision, rank, chosen)))
+    return Prediction(_int(mem.parameters.total), grads, optimizer, saved, calls, stage, engine_pred)
 
 
 # Engine terms that are tensors autograd saves (the table's activation row measures those only).
@@ -200,7 +150,13 @@ def _has_ddp_buckets(program: StepProgram) -> bool:
 
 
 def _calls(
-    pl: Placement, program: StepProgram, model: Transformer, impl: Implementation, precision: Precision, rank: int
+    pl: Placement,
+    program: StepProgram,
+    model: Transformer,
+    impl: Implementation,
+    precision: Precision,
+    rank: int,
+    engine: Engine,
 ) -> Iterator[Call]:
     tensors = parameter_tensors(model)
     stage = stage_of(pl, rank)
@@ -225,8 +181,19 @@ def _calls(
         if not group_tensors:
             continue
         yield from _state_calls(pl, op, n, wire, count, group_tensors, impl)
-    yield from _ddp_bucket_calls(pl, program, mine, impl, precision)
-    yield from _fsdp_unit_calls(pl, program, mine, impl, precision, stage)
+    zero1 = zero1_axis(pl) if engine is Engine.DDP and impl.zero_redundancy_whole_tensors else None
+    if zero1 is not None:
+        # ZeRO-1 on DDP + ZeroRedundancyOptimizer: DDP all-reduces the gradients in its buckets
+        # (where the program reduce-scatters), and each tensor is broadcast from its owner after
+        # the step (where the program all-gathers the updated shards).
+        yield from _ddp_bucket_calls(pl, program, mine, impl, precision, force=True)
+        n = int(pl.degree(zero1))
+        for t in mine:
+            elements = _int(shard_elements(pl, P, t.group, sp.Integer(t.elements), zero1))
+            yield Call(OpKind.BROADCAST, n, elements * precision.wire_bytes_of(P))
+    else:
+        yield from _ddp_bucket_calls(pl, program, mine, impl, precision)
+        yield from _fsdp_unit_calls(pl, program, mine, impl, precision, stage)
     yield from _loss_parallel_calls(pl, model, impl, stage)
 
 
@@ -284,9 +251,14 @@ def _fsdp_unit_calls(
 
 
 def _ddp_bucket_calls(
-    pl: Placement, program: StepProgram, ts: list[Tensor], impl: Implementation, precision: Precision
+    pl: Placement,
+    program: StepProgram,
+    ts: list[Tensor],
+    impl: Implementation,
+    precision: Precision,
+    force: bool = False,
 ) -> Iterator[Call]:
-    if not _has_ddp_buckets(program):
+    if not (force or _has_ddp_buckets(program)):
         return
     dp = pl.axis_where(lambda kind: kind is DATA)
     assert dp is not None  # DDP buckets run along the data axis

@@ -29,6 +29,8 @@ from formal._vocab import Axis
 TABLE_COMPOSITIONS: tuple[str, ...] = (
     "ddp8",
     "zero18",  # DDP + ZeroRedundancyOptimizer: whole tensors per rank, a broadcast per tensor
+    "dp8xm4",  # gradient accumulation: 4 micro-batches, DDP's all-reduce on the last only (no_sync)
+    "fsdp8xm4",  # FSDP2: gathers and reduce-scatters every micro-batch
     "fsdp8",
     "fsdp-sgo8",
     "tp8",

@@ -200,3 +200,13 @@ def test_zero1_on_ddp_partitions_whole_tensors() -> None:
     term = next(t for t in a.engine.terms if t.key == "zero_redundancy_whole_tensors")
     even = -(-gpt.parameter_count() * MIXED.optimizer // 8)
     assert term.bytes == max(loads) * MIXED.optimizer - even >= 0
+
+
+def test_html_report_shows_the_engine_terms_and_the_peak() -> None:
+    from checker._html import render_html
+    from checker._report import to_json
+
+    a = analyze(parse("fsdp8", devices=8), LLAMA, MIXED, engine=Engine.FSDP2)
+    page = render_html(to_json(a))
+    assert "FSDP2 root module unsharded (fsdp2)" in page
+    assert f"{a.peak:,}" in page and "peak with fsdp2" in page

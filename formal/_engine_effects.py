@@ -29,7 +29,7 @@ placement's figure, and say so (``EnginePrediction.modelled``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import StrEnum
 
 from formal._axes import TENSOR
@@ -205,10 +205,6 @@ class EnginePrediction:
     def moments(self) -> dict[str, int]:
         return {m: self.moment_total(m) for m in MOMENTS}
 
-    def activation_terms(self, moment: str) -> int:
-        """Bytes the activation terms add at ``moment`` (the persistent ones included)."""
-        return sum(t.bytes for t in self.terms if t.state == "activations" and t.moment in ("persistent", moment))
-
     @property
     def peak_moment(self) -> str:
         both = self.moments
@@ -216,13 +212,13 @@ class EnginePrediction:
 
     @property
     def total(self) -> int:
-        """The per-device peak: the larger moment (the placement's figure when nothing is modelled)."""
+        """The per-device peak: the largest moment (the placement's figure when no term applies)."""
         if not self.terms and self.base == self.placement_total:
             return self.placement_total
         return max(self.moments.values())
 
     def persistent(self, state: str) -> int:
-        """Bytes the persistent terms add to a row of the memory table (gradients, activations)."""
+        """Bytes the persistent terms add to a row of the memory table (``Term.state``)."""
         return sum(t.bytes for t in self.terms if t.moment == "persistent" and t.state == state)
 
     def as_json(self) -> dict[str, object]:
@@ -633,11 +629,8 @@ def _on_stage(pl: Placement, group: Group, stage: Stage) -> bool:
     return True
 
 
-def with_effects(effects: EngineEffects, **changes: object) -> EngineEffects:
-    return replace(effects, **changes)  # type: ignore[arg-type]
-
-
 __all__ = [
+    "MOMENTS",
     "NO_EFFECTS",
     "Engine",
     "EngineEffects",
@@ -647,4 +640,7 @@ __all__ = [
     "effects_for",
     "engine_prediction",
     "modelled",
+    "pytorch_engine",
+    "whole_tensor_owners",
+    "zero1_axis",
 ]

@@ -16,7 +16,17 @@ from typing import Any
 import click
 
 from checker._analysis import Analysis
-from checker._command import DEFAULT_RESERVE, EXIT_CODES, RESERVE_HELP, build, fail, print_import, request
+from checker._command import (
+    DEFAULT_RESERVE,
+    ENGINE_HELP,
+    ENGINES,
+    EXIT_CODES,
+    RESERVE_HELP,
+    build,
+    fail,
+    print_import,
+    request,
+)
 from checker._exporters import Target, dtensor_placements, export
 from checker._frameworks import CONFUSED, all_rows, explain_row, placement_difference, placement_table
 from checker._html import write_report
@@ -183,6 +193,8 @@ SUMMARY_SPECS = {
     "activations_bytes": Column("activ GB", True, 6),
     "buffers_bytes": Column("buffers GB", True, 1),
     "total_bytes": Column("total GB", True),
+    "peak_bytes": Column("peak GB", True),
+    "engine": Column("engine", keep=1),
     "fits": Column("fits"),
     "network_bytes": Column("comm GB", True, 8),
     "model_state_psi": Column("Psi", True, 0),
@@ -205,6 +217,7 @@ _model_options = [
     click.option("--seq", type=WholeNumber(1, MAX_SEQ), default=None, help="Sequence length."),
 ]
 _reserve_option = click.option("--reserve", default=DEFAULT_RESERVE, show_default=True, help=RESERVE_HELP)
+_engine_option = click.option("--engine", type=click.Choice(ENGINES), default=None, help=ENGINE_HELP)
 _node_option = click.option(
     "--node-size",
     type=WholeNumber(1, MAX_DEGREE),
@@ -239,6 +252,7 @@ def _analyze(composition: str, kw: dict[str, Any]) -> Analysis:
         kw["seq"],
         node_size=kw["node_size"],
         reserve=kw["reserve"],
+        engine=kw.get("engine"),
     )
     return analysis
 
@@ -308,7 +322,7 @@ def _write_chart(path: Path, data: bytes) -> None:
     ),
 )
 @click.argument("compositions", nargs=-1, required=True)
-@_with([*_model_options, _reserve_option, _node_option, *_table_options])
+@_with([*_model_options, _reserve_option, _engine_option, _node_option, *_table_options])
 @click.option("--chart", default=None, help="Write a stacked memory chart (.png or .svg).")
 def compare(compositions: tuple[str, ...], chart: str | None, as_csv: bool, as_json: bool, **kw: Any) -> None:
     """Compare COMPOSITIONS side by side, e.g. compare dp8 zero1 zero2 zero3 fsdp8."""
@@ -352,7 +366,7 @@ def compare(compositions: tuple[str, ...], chart: str | None, as_csv: bool, as_j
 )
 @click.argument("template")
 @click.option("--values", required=True, help="Comma-separated values for {} in TEMPLATE, e.g. 1,2,4,8.")
-@_with([*_model_options, _reserve_option, _node_option, *_table_options])
+@_with([*_model_options, _reserve_option, _engine_option, _node_option, *_table_options])
 @click.option("--chart", default=None, help="Write memory and traffic against the value (.png or .svg).")
 def sweep(template: str, values: str, chart: str | None, as_csv: bool, as_json: bool, **kw: Any) -> None:
     """Vary one degree: sweep 'tp{}xzero3' --values 1,2,4,8 (a value that does not fit the

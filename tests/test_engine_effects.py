@@ -210,3 +210,16 @@ def test_html_report_shows_the_engine_terms_and_the_peak() -> None:
     page = render_html(to_json(a))
     assert "FSDP2 root module unsharded (fsdp2)" in page
     assert f"{a.peak:,}" in page and "peak with fsdp2" in page
+
+
+def test_compare_shows_the_peak_beside_the_placement_total() -> None:
+    code, out = cli("compare", "fsdp8", "dp8", "--devices", "8", "--json")
+    assert code == 0
+    rows = {r["composition"]: r for r in json.loads(out)}
+    assert rows["fsdp8"]["engine"] == "fsdp2" and rows["dp8"]["engine"] == "ddp"
+    # DDP's bucket copy: the peak holds every gradient twice (2 bytes each in the default recipe)
+    extra = rows["dp8"]["peak_bytes"] - rows["dp8"]["total_bytes"]
+    assert extra >= LLAMA.parameter_count() * MIXED.gradients
+    plain = json.loads(cli("compare", "dp8", "--devices", "8", "--engine", "megatron", "--json")[1])
+    ids = 2 * 8 * LLAMA.seq * LLAMA.micro_batch
+    assert plain[0]["peak_bytes"] == plain[0]["total_bytes"] + ids

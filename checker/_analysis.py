@@ -6,6 +6,7 @@ placement.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import sympy as sp
@@ -16,17 +17,19 @@ from formal._costs import (
     bubble_fraction,
     busiest_stage_traffic,
     in_flight_micro_batches,
+    memory,
     model_state_paper_units,
     most_loaded,
     total_bytes,
     transfers,
 )
+from formal._engine_effects import Engine, EnginePrediction, engine_prediction
 from formal._exact import exact
 from formal._model import DEFAULT_PRECISION, Model, Precision
 from formal._placement import Placement
 from formal._program import StepProgram, derive_program, group_sizes
 from formal._strategies import Composition
-from formal._vocab import Stage
+from formal._vocab import Group, Stage
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,15 @@ class Analysis:
     symbolic_memory: Memory
     traffic_stage: Stage = Stage.FIRST  # the pipeline stage whose device sends the most (``traffic``'s)
     reserve: int = 0  # bytes of device memory kept back for the runtime (``--reserve``)
+    engine: EnginePrediction | None = None  # the declared engine's terms on its most-loaded device
+
+    @property
+    def peak(self) -> int:
+        """The per-device peak a user reads: the engine's (placement + its named terms) when an
+        engine is declared, else the placement's own figure (the paper's number)."""
+        if self.engine is not None:
+            return self.engine.total
+        return int(sp.ceiling(exact(self.memory.total)))
 
     @property
     def communication_bytes(self) -> sp.Expr:
@@ -58,7 +70,7 @@ class Analysis:
         """Whether the most-loaded device's total and the runtime's ``reserve`` fit its memory."""
         if self.device_memory is None:
             return None
-        return bool(exact(self.memory.total) + self.reserve <= self.device_memory)
+        return bool(self.peak + self.reserve <= self.device_memory)
 
     @property
     def bubble(self) -> sp.Expr:
@@ -76,6 +88,7 @@ def analyze(
     device_memory: int | None = None,
     program: StepProgram | None = None,
     reserve: int = 0,
+    engine: Engine | None = None,
 ) -> Analysis:
     """Placement, step program, memory (the most-loaded pipeline stage) and communication (the
     stage that sends the most) of ``composition`` on ``model``, bytes per ``precision``
@@ -85,6 +98,8 @@ def analyze(
     runtime) set ``Analysis.fits``; ``program`` replaces the derived step
     program (a user's, of this composition's placement, which is then read from it). The placement
     is built once; the symbolic one (degrees as symbols) gives the memory expressions.
+    ``engine``: the training engine whose effects are added (``formal._engine_effects``), on the
+    pipeline stage where placement and effects together are largest; None: the placement only.
     """
     if program is None:
         placement = composition.placement(model)
@@ -96,6 +111,7 @@ def analyze(
     symbolic_pl = composition.placement(model, symbolic=True)
     sym = most_loaded(symbolic_pl, model, precision, sizes)
     traffic_stage, traffic = busiest_stage_traffic(program, precision)
+    engine_pred = None if engine is None else engine_peak(placement, model, precision, sizes, engine)
     return Analysis(
         composition=composition,
         model=model,
@@ -109,4 +125,18 @@ def analyze(
         symbolic_memory=sym,
         traffic_stage=traffic_stage,
         reserve=reserve,
+        engine=engine_pred,
     )
+
+
+def engine_peak(
+    placement: Placement, model: Model, precision: Precision, sizes: Mapping[Group, sp.Expr], engine: Engine
+) -> EnginePrediction:
+    """The engine's prediction on the device with the largest peak (first or last pipeline
+    stage; without a pipeline the one kind of device)."""
+    stages = (Stage.FIRST, Stage.LAST) if placement.pipelined and placement.pipeline_degree != 1 else (Stage.FIRST,)
+    candidates = [
+        engine_prediction(placement, model, precision, memory(placement, model, precision, sizes, st), engine, st)
+        for st in stages
+    ]
+    return max(candidates, key=lambda e: e.total)

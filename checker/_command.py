@@ -19,6 +19,7 @@ from checker._import_common import Imported
 from checker._numbers import MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, parse_bytes, parse_count
 from checker._parse import DEFAULT_NODE_SIZE, parse
 from checker._toml import StrategyFile
+from formal._engine_effects import Engine, default_engine, pytorch_engine
 from formal._hf import load_hf_config, seq_note
 from formal._input import printable
 from formal._model import PRECISIONS, Model, ParameterCount, Precision, Transformer
@@ -29,10 +30,12 @@ from formal._vocab import Axis
 from formal.errors import InputError
 
 EXIT_VALID, EXIT_INVALID, EXIT_USAGE, EXIT_UNKNOWN, EXIT_INTERNAL = 0, 1, 2, 3, 4
+EXIT_VALIDATION = 6  # --validate torch: PyTorch measured what the prediction did not
 EXIT_CODES = (
     "Exit codes: 0 valid, 1 invalid (the rule is named), 2 usage or input error, 3 unknown, "
     "4 internal error (a bug: please report it; --debug shows the traceback), "
-    "5 z3 and --simulate disagree (a bug in the tool: both answers are shown first)."
+    "5 z3 and --simulate disagree (a bug in the tool: both answers are shown first), "
+    "6 --validate torch measured what the prediction did not (the differences are shown)."
 )
 
 
@@ -100,8 +103,23 @@ def sized(chosen: Model, micro_batch: int | None, seq: int | None) -> Model:
         if not 1 <= seq <= MAX_SEQ:
             raise InputError(f"--seq {seq}: must be from 1 to {MAX_SEQ:,}")
         if isinstance(chosen, Transformer):
-            chosen = replace(chosen, seq=seq)
+            chosen = with_seq(chosen, seq)
     return chosen
+
+
+def with_seq(model: Transformer, seq: int) -> Transformer:
+    """``model`` trained at ``seq`` tokens. A learned position table keeps its rows (its
+    parameter count does not change with the training length); a sequence longer than the
+    table has no position embedding for its tail and is refused."""
+    if model.learned_positions:
+        rows = model.position_rows
+        if seq > rows:
+            raise InputError(
+                f"--seq {seq}: {model.name or 'the model'} has a learned position table of {rows:,} "
+                f"positions; a longer sequence has no position embedding (at most --seq {rows})"
+            )
+        return replace(model, seq=seq, positions=rows)
+    return replace(model, seq=seq)
 
 
 def load_model(model: str | None, params: str | None, micro_batch: int | None, seq: int | None) -> Model:
@@ -121,6 +139,40 @@ class Request:
     strategies: StrategyFile | None = None
     imported: Imported | None = None
     reserve: int = 0  # bytes of device memory kept back for the runtime (``--reserve``)
+    engine: Engine | None = None  # the training engine whose effects the peak includes (``--engine``)
+
+
+ENGINE_HELP = (
+    "The training engine whose own buffers the peak includes (fsdp2, ddp: PyTorch's, modelled; "
+    "deepspeed, megatron: the placement's figure). Default: by the composition (fsdp/hsdp: fsdp2, "
+    "dp/ddp: ddp, zero*: deepspeed, otherwise megatron) or the imported config's framework."
+)
+ENGINES = tuple(e.value for e in Engine)
+
+
+def engine_of(comp: Composition, imported: Imported | None, declared: str | None) -> Engine:
+    """``--engine`` as declared, else the imported config's framework (DeepSpeed, Megatron-LM;
+    torchtitan runs FSDP2), else the composition's default (``default_engine``)."""
+    if declared is not None:
+        if declared not in ENGINES:
+            raise InputError(f"--engine {declared}: unknown (known: {', '.join(ENGINES)})")
+        return Engine(declared)
+    if imported is not None:
+        return {"deepspeed": Engine.DEEPSPEED, "megatron": Engine.MEGATRON}.get(imported.framework.value, Engine.FSDP2)
+    return default_engine(tuple(s.name for s in comp.strategies))
+
+
+def for_validation(req: Request, declared: str | None) -> Request:
+    """``--validate torch`` checks the prediction for the PyTorch engine the harness runs the
+    composition on (``pytorch_engine``): that engine unless ``--engine`` names another, which is
+    refused (the numbers printed would not be the numbers validated)."""
+    torch_engine = pytorch_engine(tuple(s.name for s in req.composition.strategies))
+    if declared is not None and Engine(declared) is not torch_engine:
+        raise InputError(
+            f"--engine {declared} with --validate torch: the harness runs this composition on "
+            f"{torch_engine.value}; give --engine {torch_engine.value} or leave --engine out"
+        )
+    return replace(req, engine=torch_engine)
 
 
 def _given(option: str) -> bool:
@@ -156,6 +208,7 @@ def request(
     node_size: int = DEFAULT_NODE_SIZE,
     from_path: str | None = None,
     reserve: str = DEFAULT_RESERVE,
+    engine: str | None = None,
 ) -> Request:
     """COMPOSITION parsed, or ``--from CONFIG`` imported (never both), and the model loaded once.
 
@@ -203,7 +256,8 @@ def request(
         raise InputError(f"--precision {precision}: unknown (known: {', '.join(PRECISIONS)})")
     mem = parse_bytes(device_memory) if device_memory is not None else DEFAULT_DEVICE_MEMORY
     kept = reserve_bytes(reserve, mem)
-    return Request(comp, chosen, PRECISIONS[precision], mem, devices, strategies, imported, kept)
+    chosen_engine = engine_of(comp, imported, engine)
+    return Request(comp, chosen, PRECISIONS[precision], mem, devices, strategies, imported, kept, chosen_engine)
 
 
 def reserve_bytes(reserve: str, device_memory: int | None) -> int:
@@ -221,7 +275,15 @@ def analysis_of(req: Request) -> Analysis:
     program = None
     if req.strategies is not None and req.strategies.program is not None:
         program = req.strategies.program_for(req.composition.placement(req.model), req.model)
-    return analyze(req.composition, req.model, req.precision, req.device_memory, program=program, reserve=req.reserve)
+    return analyze(
+        req.composition,
+        req.model,
+        req.precision,
+        req.device_memory,
+        program=program,
+        reserve=req.reserve,
+        engine=req.engine,
+    )
 
 
 def build(
@@ -236,6 +298,7 @@ def build(
     strategies: StrategyFile | None = None,
     node_size: int = DEFAULT_NODE_SIZE,
     reserve: str = DEFAULT_RESERVE,
+    engine: str | None = None,
 ) -> Analysis:
     """The analysis of one composition text (``compare``, ``sweep``): ``request`` then ``analysis_of``."""
     return analysis_of(
@@ -251,6 +314,7 @@ def build(
             strategies,
             node_size,
             reserve=reserve,
+            engine=engine,
         )
     )
 
@@ -284,6 +348,11 @@ __all__ = [
     "EXIT_UNKNOWN",
     "EXIT_USAGE",
     "EXIT_VALID",
+    "EXIT_VALIDATION",
+    "ENGINES",
+    "ENGINE_HELP",
+    "engine_of",
+    "for_validation",
     "RESERVE_HELP",
     "Request",
     "analysis_of",

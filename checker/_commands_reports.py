@@ -16,7 +16,17 @@ from typing import Any
 import click
 
 from checker._analysis import Analysis
-from checker._command import DEFAULT_RESERVE, EXIT_CODES, RESERVE_HELP, build, fail, print_import, request
+from checker._command import (
+    DEFAULT_RESERVE,
+    ENGINE_HELP,
+    ENGINES,
+    EXIT_CODES,
+    RESERVE_HELP,
+    build,
+    fail,
+    print_import,
+    request,
+)
 from checker._exporters import Target, dtensor_placements, export
 from checker._frameworks import CONFUSED, all_rows, explain_row, placement_difference, placement_table
 from checker._html import write_report
@@ -105,6 +115,10 @@ def check_csv_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
         for name, value in memory["per_device"].items()
     ]
     rows.append({"section": "memory", "name": "host", "stage": stage, "bytes": memory.get("host")})
+    if memory.get("peak") is not None:  # the per-device peak with the engine's terms
+        rows.append({"section": "memory", "name": "peak", "stage": stage, "bytes": memory["peak"]})
+        for t in (memory.get("engine") or {}).get("terms", []):
+            rows.append({"section": "engine", "name": t["name"], "stage": t["moment"], "bytes": t["bytes"]})
     for c in doc["communication"]["collectives"]:
         rows.append(
             {
@@ -179,6 +193,8 @@ SUMMARY_SPECS = {
     "activations_bytes": Column("activ GB", True, 6),
     "buffers_bytes": Column("buffers GB", True, 1),
     "total_bytes": Column("total GB", True),
+    "peak_bytes": Column("peak GB", True),
+    "engine": Column("engine", keep=1),
     "fits": Column("fits"),
     "network_bytes": Column("comm GB", True, 8),
     "model_state_psi": Column("Psi", True, 0),
@@ -201,6 +217,7 @@ _model_options = [
     click.option("--seq", type=WholeNumber(1, MAX_SEQ), default=None, help="Sequence length."),
 ]
 _reserve_option = click.option("--reserve", default=DEFAULT_RESERVE, show_default=True, help=RESERVE_HELP)
+_engine_option = click.option("--engine", type=click.Choice(ENGINES), default=None, help=ENGINE_HELP)
 _node_option = click.option(
     "--node-size",
     type=WholeNumber(1, MAX_DEGREE),
@@ -235,6 +252,7 @@ def _analyze(composition: str, kw: dict[str, Any]) -> Analysis:
         kw["seq"],
         node_size=kw["node_size"],
         reserve=kw["reserve"],
+        engine=kw.get("engine"),
     )
     return analysis
 
@@ -250,6 +268,8 @@ SUMMARY_COLUMNS = (
     "activations_bytes",
     "buffers_bytes",
     "total_bytes",
+    "peak_bytes",
+    "engine",
     "fits",
     "network_bytes",
     "model_state_psi",
@@ -265,6 +285,8 @@ def summary(doc: dict[str, Any]) -> dict[str, Any]:
         "devices": doc["devices"],
         **{f"{k}_bytes": per[k] for k in ("parameters", "gradients", "optimizer", "activations", "buffers")},
         "total_bytes": per["total"],
+        "peak_bytes": doc["memory"].get("peak", per["total"]),  # with the engine's terms (what fits reads)
+        "engine": (doc["memory"].get("engine") or {}).get("engine", ""),
         "fits": doc["memory"]["fits"],
         "network_bytes": doc["communication"]["per_device_per_step"],
         "model_state_psi": doc["communication"]["model_state_psi_units"],
@@ -300,7 +322,7 @@ def _write_chart(path: Path, data: bytes) -> None:
     ),
 )
 @click.argument("compositions", nargs=-1, required=True)
-@_with([*_model_options, _reserve_option, _node_option, *_table_options])
+@_with([*_model_options, _reserve_option, _engine_option, _node_option, *_table_options])
 @click.option("--chart", default=None, help="Write a stacked memory chart (.png or .svg).")
 def compare(compositions: tuple[str, ...], chart: str | None, as_csv: bool, as_json: bool, **kw: Any) -> None:
     """Compare COMPOSITIONS side by side, e.g. compare dp8 zero1 zero2 zero3 fsdp8."""
@@ -344,7 +366,7 @@ def compare(compositions: tuple[str, ...], chart: str | None, as_csv: bool, as_j
 )
 @click.argument("template")
 @click.option("--values", required=True, help="Comma-separated values for {} in TEMPLATE, e.g. 1,2,4,8.")
-@_with([*_model_options, _reserve_option, _node_option, *_table_options])
+@_with([*_model_options, _reserve_option, _engine_option, _node_option, *_table_options])
 @click.option("--chart", default=None, help="Write memory and traffic against the value (.png or .svg).")
 def sweep(template: str, values: str, chart: str | None, as_csv: bool, as_json: bool, **kw: Any) -> None:
     """Vary one degree: sweep 'tp{}xzero3' --values 1,2,4,8 (a value that does not fit the

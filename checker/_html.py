@@ -231,6 +231,11 @@ def render_html(doc: dict[str, Any]) -> str:
         (k, f"{per[k]:,}" if per[k] is not None else "unknown", _gb(per[k]))
         for k in ("parameters", "gradients", "optimizer", "model_states", "activations", "buffers", "total")
     ]
+    engine = doc["memory"].get("engine")
+    if isinstance(engine, dict):  # the declared engine's terms, then the peak fits reads
+        name = engine["engine"]
+        mem_rows += [(f"{t['label']} ({name})", f"{t['bytes']:,}", _gb(t["bytes"])) for t in engine["terms"]]
+        mem_rows.append((f"peak with {name}", f"{doc['memory']['peak']:,}", _gb(doc["memory"]["peak"])))
     coll = doc["communication"]["collectives"]
     coll_rows = [
         (

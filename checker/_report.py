@@ -23,6 +23,7 @@ from checker._numbers import gb
 from checker._output import Column, fitted_table
 from checker._parse import readable
 from formal._costs import activation_breakdown, ceil_int, deferred_layer_activations
+from formal._engine_effects import modelled
 from formal._exact import exact
 from formal._input import printable
 from formal._model import ParameterCount, Transformer
@@ -141,6 +142,8 @@ def to_json(analysis: Analysis) -> dict[str, Any]:
             "host": _num(mem.host),
             "most_loaded_rank": {"pipeline_stage": mem.stage, "in_flight_micro_batches": _exact(analysis.in_flight)},
             "activations_by_group": activations_by_group(analysis),
+            "peak": analysis.peak,
+            "engine": None if analysis.engine is None else analysis.engine.as_json(),
             "expressions": expressions,
             "device_memory": analysis.device_memory,
             "reserve": analysis.reserve,
@@ -197,8 +200,11 @@ def _with_modifier(analysis: Analysis, modifier: str) -> WhatIf:
     c = analysis.composition
     recompute = Recompute.FULL if modifier == "recompute" else Recompute.SELECTIVE
     changed = replace(c, options=replace(c.options, recompute=recompute), modifiers=(*c.modifiers, modifier))
-    other = analyze(changed, analysis.model, analysis.precision, analysis.device_memory, reserve=analysis.reserve)
-    return WhatIf(modifier, ceil_int(other.memory.total), other.fits)
+    engine = None if analysis.engine is None else analysis.engine.engine
+    other = analyze(
+        changed, analysis.model, analysis.precision, analysis.device_memory, reserve=analysis.reserve, engine=engine
+    )
+    return WhatIf(modifier, other.peak, other.fits)
 
 
 def what_ifs(analysis: Analysis) -> tuple[WhatIf, ...]:
@@ -289,6 +295,50 @@ def _fit(analysis: Analysis, total: int) -> str:
     return f"{gb(total)}{reserve} > {gb(cap)} per device: does NOT fit"
 
 
+def engine_summary(analysis: Analysis) -> list[str]:
+    """The first screen's engine line: what the declared engine adds to the placement's figure
+    (the paper's number), or that its effects are not modelled."""
+    e = analysis.engine
+    if e is None:
+        return []
+    if not e.modelled:
+        if modelled(e.engine):  # a modelled engine on a bare parameter count: no layers to place
+            return [f"engine   {e.engine.value}: its units need the model's layers (placement only)"]
+        return [f"engine   {e.engine.value}: its own buffers not modelled (placement only)"]
+    added = e.total - e.placement_total
+    sign = "+" if added >= 0 else "-"
+    return [
+        f"engine   {e.engine.value}: {sign}{gb(abs(added))} on the placement's {gb(e.placement_total)} (terms below)"
+    ]
+
+
+def _size(n: int) -> str:
+    """Bytes for people at a scale that shows them (a term may be kilobytes beside gigabytes)."""
+    if abs(n) >= 10**8:
+        return gb(n)
+    if abs(n) >= 10**5:
+        return f"{n / 1e6:,.1f} MB"
+    return f"{n:,} B"
+
+
+def engine_lines(analysis: Analysis) -> list[str]:
+    """Each engine term on its own line, with when it is held: the detail under the memory table."""
+    e = analysis.engine
+    if e is None or not e.modelled:
+        return []
+    when = {"forward": "end of a forward", "loss": "loss backward", "backward": "first block backward"}
+    out = [f"Engine terms ({e.engine.value}, {e.stage} stage; peak at the {when[e.peak_moment]}):"]
+    out.append(f"  placement only (the paper's number): {gb(e.placement_total)}")
+    if e.base != e.placement_total:
+        out.append(f"  less the modes' generic gather buffers: -{gb(e.placement_total - e.base)}")
+    for t in e.terms:
+        if t.moment in ("persistent", e.peak_moment):
+            out.append(f"  {t.label}: {_size(t.bytes)}")
+    out.append(f"  peak per device: {gb(e.total)}")
+    out += [f"  note: {n}" for n in e.notes]
+    return out
+
+
 def summary_lines(analysis: Analysis, verdict: Verdict) -> list[str]:
     """The first screen: what was checked, the verdict, the peak per device against the device
     memory with its reserve, the traffic per step and the pipeline bubble."""
@@ -302,7 +352,8 @@ def summary_lines(analysis: Analysis, verdict: Verdict) -> list[str]:
     return [
         f"{readable(c)} on {c.devices} device{'' if c.devices == 1 else 's'} · {what}",
         f"verdict  {_verdict_summary(verdict)}",
-        f"memory   {_fit(analysis, ceil_int(analysis.memory.total))}",
+        f"memory   {_fit(analysis, analysis.peak)}",
+        *engine_summary(analysis),
         f"traffic  {gb(traffic)} per device per step · model states {decimal(analysis.model_state_psi, 3)} Psi",
         f"bubble   {stall}",
     ]
@@ -323,6 +374,8 @@ def print_human(analysis: Analysis, console: Console) -> None:
     columns = (Column("state"), Column("bytes", True, 1), Column("GB", True))
     title = f"Memory per device (most loaded: {stage} pipeline stage; GB = 1e9 bytes)"
     console.print(fitted_table(title, columns, rows, console.width))
+    for line in engine_lines(analysis):
+        console.print(escape(line), highlight=False)
     comm_rows: list[list[str]] = []
     for (op, axis, state, phase), group in aggregate_collectives(doc["communication"]["collectives"]).items():
         moved = sum(r["bytes"] for r in group)

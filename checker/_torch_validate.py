@@ -22,11 +22,15 @@ from checker._torch._compare import pct as _pct
 from formal._strategies import Composition
 from formal._vocab import Axis
 
-# Every engine at world size 8: DDP, FSDP2 (reshard after forward, and not), DTensor TP (with
-# and without sequence parallelism), FSDP+TP, HSDP, pipelining (GPipe and 1F1B, 16 micro-batches
-# so that 1F1B's in-flight min(p, m) = 8 differs from GPipe's 16).
+# Every engine at world size 8: DDP, ZeRO-1 (DDP + ZeroRedundancyOptimizer), FSDP2 (reshard
+# after forward, and not), DTensor TP (with and without sequence parallelism), FSDP+TP, HSDP,
+# pipelining (GPipe and 1F1B, 16 micro-batches so that 1F1B's in-flight min(p, m) = 8 differs
+# from GPipe's 16).
 TABLE_COMPOSITIONS: tuple[str, ...] = (
     "ddp8",
+    "zero18",  # DDP + ZeroRedundancyOptimizer: whole tensors per rank, a broadcast per tensor
+    "dp8xm4",  # gradient accumulation: 4 micro-batches, DDP's all-reduce on the last only (no_sync)
+    "fsdp8xm4",  # FSDP2: gathers and reduce-scatters every micro-batch
     "fsdp8",
     "fsdp-sgo8",
     "tp8",
@@ -96,6 +100,7 @@ def validate(composition: Composition | str, devices: int | None = None, rank: i
         tuple(sorted(measured.calls)),
         time.perf_counter() - start,
         rank,
+        predicted.engine,
     )
 
 
@@ -117,6 +122,10 @@ def format_comparison(c: Comparison) -> str:
         f"  model states exact: {c.model_states_exact}; collective list equal: {c.calls_equal}; "
         f"activations within {ACTIVATION_TOLERANCE:.0%}: {c.activations_within}"
     )
+    if c.engine_prediction is not None:
+        e = c.engine_prediction
+        lines.append(f"  predicted peak {e.total} B on {e.engine.value} (placement only {e.placement_total} B):")
+        lines += [f"    {t.label}: {t.bytes} B ({t.moment})" for t in e.terms]
     return "\n".join(lines)
 
 
@@ -180,6 +189,8 @@ def as_json(c: Comparison) -> dict[str, Any]:
         },
         "model_states_exact": c.model_states_exact,
         "activations_within": c.activations_within,
+        "ok": c.ok,
+        "prediction": None if c.engine_prediction is None else c.engine_prediction.as_json(),
     }
 
 

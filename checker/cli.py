@@ -21,14 +21,18 @@ import click
 
 from checker._command import (
     DEFAULT_RESERVE,
+    ENGINE_HELP,
+    ENGINES,
     EXIT_CODES,
     EXIT_INTERNAL,
     EXIT_UNKNOWN,
     EXIT_USAGE,
     EXIT_VALID,
+    EXIT_VALIDATION,
     RESERVE_HELP,
     analysis_of,
     fail,
+    for_validation,
     outcome,
     print_import,
     request,
@@ -295,6 +299,7 @@ def main() -> None:
     help="(or --explain=all) --explain and the unsat core of every proved obligation (tracked constraint names).",
 )
 @click.option("--reserve", default=DEFAULT_RESERVE, show_default=True, help=RESERVE_HELP)
+@click.option("--engine", type=click.Choice(ENGINES), default=None, help=ENGINE_HELP)
 @click.option(
     "--rlimit",
     type=WholeNumber(1, 10**12),
@@ -360,11 +365,13 @@ def check(
     rlimit: int = DEFAULT_RUN_RLIMIT,
     node_size: int = DEFAULT_NODE_SIZE,
     hardware: str | None = None,
+    engine: str | None = None,
 ) -> None:
     """Check COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG: memory, communication and verdict.
 
     Exit codes: 0 valid, 1 invalid (a rule is broken), 2 usage or input error, 3 unknown, 4 internal error,
-    5 z3 and --simulate disagree (a bug in the tool)."""
+    5 z3 and --simulate disagree (a bug in the tool), 6 --validate torch measured what the prediction
+    did not (model states, collectives or activations outside the tolerance)."""
     if as_json and as_csv:
         fail("--json and --csv: choose one")
         return
@@ -384,7 +391,10 @@ def check(
             node_size=node_size,
             from_path=from_path,
             reserve=reserve,
+            engine=engine,
         )
+        if validate is not None:  # the prediction checked is the one printed: PyTorch's engine
+            req = for_validation(req, engine)
         if req.imported is not None:
             print_import(req.imported)
         analysis = analysis_of(req)
@@ -423,6 +433,8 @@ def check(
             return
     simulation = conflict = None
     code = verdict_exit(verdict)
+    if validation is not None and not validation.doc.get("ok", False) and code == EXIT_VALID:
+        code = EXIT_VALIDATION  # PyTorch's measurement disagrees with the prediction
     if simulate:  # the executable reference beside the verdict; a disagreement is said first
         from checker._simulate import EXIT_DISAGREEMENT, disagreement, disagreement_text, run_simulation
 

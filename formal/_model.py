@@ -73,6 +73,9 @@ class Transformer:
     experts: int = 0  # 0: dense; otherwise experts per MoE layer (every layer)
     top_k: int = 0
     source: str = ""
+    # Rows of a learned position table (GPT-2/3's ``n_positions``); None: ``seq``. A table is
+    # a parameter of its own size: training at another sequence length does not resize it.
+    positions: int | None = None
     # Decoupled attention width (Hugging Face ``head_dim``, Megatron ``--kv-channels``): None is
     # hidden / heads. Only the parameter counts use it; activations keep Korthikanti's formulas.
     head_size: int | None = None
@@ -121,6 +124,11 @@ class Transformer:
     def is_moe(self) -> bool:
         return self.experts > 0
 
+    @property
+    def position_rows(self) -> int:
+        """Rows of the learned position table (``positions``, else the sequence length)."""
+        return self.seq if self.positions is None else self.positions
+
     def group_elements(self) -> dict[Group, int]:
         """Parameter elements of every group, summed over all layers (exact integers)."""
         hid, f, hd = self.hidden, self.ffn_, self.head_dim
@@ -137,7 +145,7 @@ class Transformer:
             NORM: self.layers * (2 * norm_one + (2 * hd if self.qk_norm else 0)),
             FINAL_NORM: norm_one if self.final_norm else 0,
             EMBEDDING: self.vocab * hid,
-            POSITION: self.seq * hid if self.learned_positions else 0,
+            POSITION: self.position_rows * hid if self.learned_positions else 0,
             HEAD: 0 if self.tied_embeddings else self.vocab * hid,
         }
         if self.is_moe:

@@ -112,6 +112,24 @@ def test_fsdp_traffic_is_one_and_a_half_ddp() -> None:
     assert params < fsdp[OpKind.ALL_GATHER] < 2 * params
 
 
+@pytest.mark.parametrize("text", ["dp8", "fsdp8", "tp8xsp", "tp2xfsdp4", "hsdp4xdpr2"])
+def test_the_cli_prints_the_numbers_the_validator_checks(text: str) -> None:
+    """``check --engine`` on the harness's model and precision: the same engine terms and peak
+    as the validator's prediction (one home for the effects: ``formal._engine_effects``)."""
+    from checker._analysis import analyze
+    from checker._command import Request, for_validation
+    from checker._torch._predict import harness_precision
+    from formal._model import PRECISIONS
+
+    comp = parse(text, devices=8)
+    model = NetConfig().formal()
+    req = for_validation(Request(comp, model, PRECISIONS["zero"], None, 8), None)
+    assert req.engine is not None
+    a = analyze(comp, model, harness_precision(), engine=req.engine)
+    p = predict(comp, model)
+    assert a.engine == p.engine and a.peak == p.peak
+
+
 def test_tensor_layout_adds_up_to_the_formal_groups() -> None:
     model = NetConfig().formal()
     assert sum(t.elements for t in parameter_tensors(model)) == model.parameter_count()

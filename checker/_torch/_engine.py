@@ -340,12 +340,26 @@ class Runner:
             else:
                 schedule.step()
         else:
-            logits = model(ids)
-            self.backward(logits, targets)
+            self._accumulate(model, ids, targets)
         reduce_partial_gradients(model)
         opt.step()
 
-    def backward(self, logits: Any, targets: torch.Tensor) -> None:
+    def _accumulate(self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> None:
+        """Gradient accumulation over the step's m micro-batches, one forward and backward each
+        (``m<N>`` without a pipeline): DDP skips its all-reduce on all but the last (``no_sync``),
+        FSDP2 reduce-scatters after each backward (its default); a micro-batch's loss is its
+        share of the replica's mean (1/m; exact mode's sum needs no scale)."""
+        import contextlib
+
+        m = self.comp.options.micro_batches
+        scale = 1.0 if self.cfg.exact else 1.0 / m
+        pieces = zip(torch.split(ids, self.cfg.batch), torch.split(targets, self.cfg.batch), strict=True)
+        for i, (x, y) in enumerate(pieces):
+            quiet = self.engine in (Engine.DDP, Engine.ZERO1) and i < m - 1
+            with model.no_sync() if quiet else contextlib.nullcontext():  # type: ignore[operator]
+                self.backward(model(x), y, scale)
+
+    def backward(self, logits: Any, targets: torch.Tensor, scale: float = 1.0) -> None:
         # Each replica's loss is its share of the global mean: DDP and FSDP average the
         # replicas' gradients, so the per-replica loss is the replica's own mean.
         from torch.distributed.tensor import DTensor
@@ -357,12 +371,12 @@ class Runner:
                 from torch.distributed.tensor import Replicate
 
                 full = logits.redistribute(placements=[Replicate()]).to_local()
-                loss_fn(self.cfg, full, targets).backward()  # type: ignore[no-untyped-call]
+                loss_fn(self.cfg, full, targets, scale).backward()  # type: ignore[no-untyped-call]
                 return
             with loss_parallel():
-                loss_fn(self.cfg, logits, targets).backward()  # type: ignore[no-untyped-call]
+                loss_fn(self.cfg, logits, targets, scale).backward()  # type: ignore[no-untyped-call]
             return
-        loss_fn(self.cfg, logits, targets).backward()  # type: ignore[no-untyped-call]
+        loss_fn(self.cfg, logits, targets, scale).backward()  # type: ignore[no-untyped-call]
 
 
 def reduce_partial_gradients(model: nn.Module) -> None:

@@ -34,11 +34,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from checker._parse import parse
-from checker._torch._compare import Comparison, Row, state_rows
+from checker._torch._compare import PEAK, Comparison, Row, state_rows
 from checker._torch._engine import Engine, Measured, Runner, _stage, fake_group, model_state_tensors
 from checker._torch._net import NetConfig
-from checker._torch._predict import predict
+from checker._torch._predict import SAVED_BY_AUTOGRAD, predict
 from checker._torch._record import CommRecorder, SavedActivations, _Held, storage_bytes, storage_key
+from formal._engine_effects import EnginePrediction
 
 # 0.53 B parameters (8 blocks of 50 M, embedding and head of 65.5 M each): few blocks keep the
 # number of dispatched ops (the cost of a fake step) small; the vocabulary makes the logits count.
@@ -321,8 +322,9 @@ def _tracked(tracker: Any, opt: torch.optim.Optimizer, measured: Measured) -> Tr
 def compare_large(text: str, cfg: NetConfig = LARGE, rank: int = 0) -> tuple[Comparison, LargeResult]:
     """Our prediction against the fake-mode run: model states against the storages and against
     ``MemTracker``'s categories (both exact), activations against ``MemTracker``'s largest
-    activation category (the row ``activations``); ``saved_row`` compares with
-    ``SavedActivations``."""
+    activation category (the row ``activations``), the per-device peak the CLI prints
+    (placement and engine terms, ``formal._engine_effects``) against the tracker's peak total
+    (the row ``peak total``); ``saved_row`` compares with ``SavedActivations``."""
     result = measure_large(text, cfg, rank)
     comp = parse(text, devices=None)
     predicted = predict(comp, cfg.formal(), rank=rank)
@@ -332,17 +334,41 @@ def compare_large(text: str, cfg: NetConfig = LARGE, rank: int = 0) -> tuple[Com
         Row("tracker parameters", predicted.parameters, t.parameters),
         Row("tracker gradients", predicted.gradients, t.gradients),
         Row("tracker optimizer", predicted.optimizer, t.optimizer),
-        Row("activations", predicted.activations, t.activation_max),
+        # MemTracker's largest activation category falls at the end of a forward: what autograd
+        # saved and what the engine holds then (a pipeline stage's in-flight outputs, idle receive
+        # buffers), the engine's terms at that moment.
+        Row("activations", predicted.activations + _held_beyond_saved(predicted.engine), t.activation_max),
+        Row(PEAK, predicted.peak, t.peak["Total"]),
     )
     comparison = Comparison(
-        comp, m.engine.value, m.stage, rows, predicted.calls, tuple(sorted(m.calls)), result.seconds, rank
+        comp,
+        m.engine.value,
+        m.stage,
+        rows,
+        predicted.calls,
+        tuple(sorted(m.calls)),
+        result.seconds,
+        rank,
+        predicted.engine,
     )
     return comparison, result
 
 
+def _held_beyond_saved(e: EnginePrediction) -> int:
+    """Activation-state engine terms held at the end of a forward that autograd does not save."""
+    return sum(
+        t.bytes
+        for t in e.terms
+        if t.state == "activations" and t.moment in ("persistent", "forward") and t.key not in SAVED_BY_AUTOGRAD
+    )
+
+
 def saved_row(c: Comparison, r: LargeResult) -> Row:
-    """Predicted activations against the peak of tensors saved for backward."""
-    return Row("saved activations", c.row("activations").predicted, r.saved.peak)
+    """Predicted activations against the peak of tensors saved for backward (the engine's
+    held-not-saved terms left out)."""
+    assert c.engine_prediction is not None
+    beyond = _held_beyond_saved(c.engine_prediction)
+    return Row("saved activations", c.row("activations").predicted - beyond, r.saved.peak)
 
 
 def large_ok(c: Comparison, r: LargeResult) -> bool:
@@ -361,16 +387,17 @@ def format_large(results: Sequence[tuple[Comparison, LargeResult]], cfg: NetConf
     head = (
         f"{'composition':<14}{'rank':>5}{'model states pred':>18}{'measured':>11}{'tracker':>11}{'err':>7}"
         f"{'activ. pred':>13}{'MemTracker':>13}{'err':>8}{'saved':>13}{'err':>8}"
-        f"{'calls':>6}{'equal':>6}{'s':>6}"
+        f"{'peak pred':>13}{'tracker':>13}{'err':>8}{'calls':>6}{'equal':>6}{'s':>6}"
     )
     lines = [f"{cfg}: {params / 1e6:.0f} M parameters, fp32 Adam, world 8, FakeTensorMode", head, "-" * len(head)]
     for c, r in results:
-        ms, act, sv = c.row("model states"), c.row("activations"), saved_row(c, r)
+        ms, act, sv, pk = c.row("model states"), c.row("activations"), saved_row(c, r), c.row(PEAK)
         tracker = r.tracked.parameters + r.tracked.gradients + r.tracked.optimizer
         exact = "exact" if c.model_states_exact else _pct(ms.error)
         lines.append(
             f"{c.composition!s:<14}{c.rank:>5}{ms.predicted:>18}{ms.measured:>11}{tracker:>11}{exact:>7}"
             f"{act.predicted:>13}{act.measured:>13}{_pct(act.error):>8}{sv.measured:>13}{_pct(sv.error):>8}"
+            f"{pk.predicted:>13}{pk.measured:>13}{_pct(pk.error):>8}"
             f"{len(c.measured_calls):>6}{c.calls_equal!s:>6}{c.seconds:>6.1f}"
         )
     worst = max(results, key=lambda cr: abs(cr[0].row("activations").error))[0]
@@ -379,6 +406,11 @@ def format_large(results: Sequence[tuple[Comparison, LargeResult]], cfg: NetConf
         f"({worst.composition}, rank {worst.rank}); model states exact in "
         f"{sum(c.model_states_exact for c, _ in results)}/{len(results)}, collective lists equal in "
         f"{sum(c.calls_equal for c, _ in results)}/{len(results)}"
+    )
+    worst_peak = max(results, key=lambda cr: abs(cr[0].row(PEAK).error))[0]
+    lines.append(
+        f"worst peak error against the tracker's peak total: {_pct(worst_peak.row(PEAK).error)} "
+        f"({worst_peak.composition}, rank {worst_peak.rank})"
     )
     for c, r in results:
         lines.append(f"{c.composition} rank {c.rank}: saved for backward at the peak, by module and function (bytes)")

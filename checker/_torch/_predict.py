@@ -2,12 +2,14 @@
 
 The numbers come from ``formal`` alone: ``memory()`` on the composition's placement and the
 collectives of ``derive_program()``. What PyTorch does beyond the textbook placement is stated
-as ``Implementation``: named, documented facts about the engine, each on or off, none a fudge
-factor. The formal program says *which* collectives run and on how many elements; the
-implementation says how the engine cuts them into calls (FSDP2 one call per ``fully_shard``
-unit, DDP one per gradient bucket, DTensor one per tensor) and which extra collectives its
-layers add (the vocabulary-parallel loss). The vocabulary-parallel embedding's and head's
-activation collectives are ops of the program, run on the stage that holds them.
+in ``formal._engine_effects`` (``EngineEffects``, here also named ``Implementation``): named,
+documented facts about the engine, each on or off, none a fudge factor, read by the CLI too, so
+that the peak ``check-composition --engine fsdp2|ddp`` prints is the one validated here.
+The formal program says *which* collectives run and on how many elements; the effects say how
+the engine cuts them into calls (FSDP2 one call per ``fully_shard`` unit, DDP one per gradient
+bucket, DTensor one per tensor) and which extra collectives its layers add (the
+vocabulary-parallel loss). The vocabulary-parallel embedding's and head's activation
+collectives are ops of the program, run on the stage that holds them.
 """
 
 from __future__ import annotations
@@ -19,37 +21,33 @@ import sympy as sp
 
 from checker._torch._record import Call
 from formal._axes import DATA, TENSOR, AxisKind
-from formal._costs import (
-    activation_memory,
-    holds_io_activations,
-    in_flight_micro_batches,
-    memory,
-    op_stage_factor,
-    stage_in_flight,
+from formal._costs import activation_memory, holds_io_activations, memory, op_stage_factor
+from formal._engine_effects import (
+    Engine,
+    EngineEffects,
+    EnginePrediction,
+    engine_prediction,
+    pytorch_engine,
+    zero1_axis,
 )
-from formal._exact import exact, exact_int
-from formal._model import PRECISIONS, Ffn, Norm, Precision, Transformer
+from formal._exact import exact_int
+from formal._model import PRECISIONS, Precision, Transformer
 from formal._placement import Placement
 from formal._program import Op, StepProgram, derive_program, group_sizes, shard_elements
 from formal._strategies import Composition
+from formal._tensors import Tensor, parameter_tensors
 from formal._vocab import (
-    ATTENTION,
     EMBEDDING,
-    FINAL_NORM,
     HEAD,
     LAYER_GROUPS,
-    MLP,
-    NORM,
     OUTPUT_IO,
     POSITION,
     ROW_BIAS,
     Axis,
-    Group,
     OpKind,
     Stage,
     State,
 )
-from formal.errors import ModelError
 
 P, G, A = State.PARAMETERS, State.GRADIENTS, State.ACTIVATIONS
 MiB = 2**20
@@ -58,97 +56,18 @@ MiB = 2**20
 TORCH_PRECISION = PRECISIONS["fp32-adam"]
 
 
-@dataclass(frozen=True)
-class Implementation:
-    """What PyTorch 2.13 does beyond the placement (pytorch-ground-truth.md). Each field names
-    one effect; the defaults are the engine's own defaults, as the harness runs it."""
+# The harness runs PyTorch on the CPU, whose dropout keeps the scaled float noise, not a 1-byte
+# mask: 4-byte masks (a fact of the device, not of the engine; CUDA's dropout keeps a bool mask).
+CPU_DROPOUT_MASK_BYTES = 4
 
-    # FSDP2: ``reshard_after_forward=None`` on the root module means False, so the root's
-    # parameters (here embedding, final norm, head) stay unsharded from forward into backward:
-    # backward all-gathers only the blocks.
-    fsdp_root_unsharded: bool = True
-    # DDP without ``gradient_as_bucket_view``: the reducer keeps its own flat buckets, a second
-    # full copy of every gradient. Buckets fill in reverse registration order (the gradient-ready
-    # order of a sequential model), the first closing at 1 MiB
-    # (``dist._DEFAULT_FIRST_BUCKET_BYTES``), the others at ``bucket_cap_mb`` = 25 MiB; a bucket
-    # closes once it reaches its cap. One all-reduce per bucket.
-    ddp_bucket_copy: bool = True
-    ddp_first_bucket_bytes: int = 1 * MiB
-    ddp_bucket_bytes: int = 25 * MiB
-    # DTensor's embedding backward on a row-sharded (vocabulary-parallel) table returns a
-    # Replicate gradient: every tp rank holds the full-vocabulary embedding gradient.
-    tp_embedding_full_gradient: bool = True
-    # DTensor ``RowwiseParallel`` adds its (replicated) bias to the partial sum before the
-    # reduction, so under sequence parallelism the bias gradient is complete (Megatron adds it
-    # after the reduce-scatter, where the gradient is partial and must be all-reduced).
-    tp_row_bias_before_reduction: bool = True
-    # ``loss_parallel`` cross-entropy over vocabulary-sharded logits: all-reduces of one value
-    # per token (max, sum of exponentials, target logit), fp32.
-    tp_loss_reductions: int = 3
-    # DTensor ``ColwiseParallel(input_layouts=Shard(1))`` saves the all-gathered input of the
-    # QKV and FC1 matmuls (and of the head) for backward; Megatron (Korthikanti et al. 2022,
-    # sections 4.2.2 and 4.3) keeps only the sequence shard and all-gathers it again in
-    # backward. Two of LAYER_IO's four activations per sbh, and one of OUTPUT_IO's two, are
-    # then held whole, not split by tp.
-    sp_saves_gathered_inputs: bool = True
-    # PyTorch's CPU dropout keeps the scaled float noise, not a 1-byte mask: 4-byte masks.
-    dropout_mask_bytes: int = 4
-
-    def precision(self, base: Precision = TORCH_PRECISION) -> Precision:
-        return replace(base, mask_bytes=self.dropout_mask_bytes)
+# The engine effects the harness runs with: PyTorch's defaults (``formal._engine_effects``).
+Implementation = EngineEffects
+PYTORCH_DEFAULTS = EngineEffects()
 
 
-@dataclass(frozen=True)
-class Tensor:
-    """One parameter tensor of the formal model, in registration order."""
-
-    name: str
-    group: Group
-    elements: int
-    layer: int | None  # None: not in a transformer block
-
-
-def parameter_tensors(model: Transformer) -> list[Tensor]:
-    """The parameter tensors a GPT-style model registers, in order, from the formal description
-    (fused QKV, GELU MLP, LayerNorm or RMSNorm, optional biases, learned positions, untied head).
-    Their sizes add up to the formal groups (checked)."""
-    if model.ffn_kind is not Ffn.GELU or model.is_moe:
-        raise ModelError(f"{model.name}: the tensor layout covers dense GELU models only")
-    h, f, hd = model.hidden, model.ffn_, model.head_dim
-    qkv = model.heads * hd + 2 * model.kv_heads_ * hd
-    out: list[Tensor] = [Tensor("embed.weight", EMBEDDING, model.vocab * h, None)]
-    if model.learned_positions:
-        out.append(Tensor("pos.weight", POSITION, model.seq * h, None))
-
-    def norm(prefix: str, group: Group, layer: int | None) -> list[Tensor]:
-        ts = [Tensor(f"{prefix}.weight", group, h, layer)]
-        if model.norm is Norm.LAYERNORM:
-            ts.append(Tensor(f"{prefix}.bias", group, h, layer))
-        return ts
-
-    def linear(prefix: str, group: Group, bias_group: Group, n_in: int, n_out: int, layer: int) -> list[Tensor]:
-        ts = [Tensor(f"{prefix}.weight", group, n_in * n_out, layer)]
-        if model.bias:
-            ts.append(Tensor(f"{prefix}.bias", bias_group, n_out, layer))
-        return ts
-
-    for i in range(model.layers):
-        pre = f"layers.{i}"
-        out += norm(f"{pre}.ln1", NORM, i)
-        out += linear(f"{pre}.qkv", ATTENTION, ATTENTION, h, qkv, i)
-        out += linear(f"{pre}.proj", ATTENTION, ROW_BIAS, model.heads * hd, h, i)
-        out += norm(f"{pre}.ln2", NORM, i)
-        out += linear(f"{pre}.fc1", MLP, MLP, h, f, i)
-        out += linear(f"{pre}.fc2", MLP, ROW_BIAS, f, h, i)
-    if model.final_norm:
-        out += norm("norm", FINAL_NORM, None)
-    if not model.tied_embeddings:
-        out.append(Tensor("head.weight", HEAD, model.vocab * h, None))
-    totals: dict[Group, int] = {}
-    for t in out:
-        totals[t.group] = totals.get(t.group, 0) + t.elements
-    assert totals == model.group_elements(), (totals, model.group_elements())
-    return out
+def harness_precision(base: Precision = TORCH_PRECISION) -> Precision:
+    """The precision the harness's runs have: fp32 Adam with the CPU's 4-byte dropout masks."""
+    return replace(base, mask_bytes=CPU_DROPOUT_MASK_BYTES)
 
 
 @dataclass(frozen=True)
@@ -156,9 +75,14 @@ class Prediction:
     parameters: int
     gradients: int
     optimizer: int
-    activations: int
+    activations: int  # what autograd saves: the placement's, and the engine's saved inputs
     calls: tuple[Call, ...]
     stage: Stage
+    engine: EnginePrediction  # the per-device peak with its engine terms, as the CLI prints it
+
+    @property
+    def peak(self) -> int:
+        return self.engine.total
 
 
 def _int(x: sp.Expr) -> int:
@@ -184,47 +108,36 @@ def on_stage(pl: Placement, t: Tensor, rank: int) -> bool:
 
 
 def predict(
-    comp: Composition, model: Transformer, impl: Implementation = Implementation(), rank: int = 0
+    comp: Composition,
+    model: Transformer,
+    impl: EngineEffects = PYTORCH_DEFAULTS,
+    rank: int = 0,
+    engine: Engine | None = None,
 ) -> Prediction:
-    """Per-rank model-state bytes, activation bytes and collective calls of one steady step."""
-    precision = impl.precision()
+    """Per-rank model-state bytes, activation bytes, collective calls and peak of one steady step,
+    on the PyTorch engine the harness runs ``comp`` on (``pytorch_engine``) unless ``engine``
+    says otherwise. The engine's terms come from ``formal._engine_effects``, the same the CLI prints."""
+    precision = harness_precision()
     pl = comp.placement(model)
     program = derive_program(pl, model)
     sizes = group_sizes(model)
     stage = stage_of(pl, rank)
-    mem = memory(pl, model, precision, sizes, stage)
-    grads = mem.gradients.total
-    if _has_ddp_buckets(program) and impl.ddp_bucket_copy:
-        grads += _ddp_reduced_bytes(program, precision)
-    if impl.tp_embedding_full_gradient:
-        grads += _embedding_gradient_replicas(pl, model, precision, stage)
     index = rank if int(pl.pipeline_degree) > 1 else None  # pipeline rank r runs stage r
+    mem = memory(pl, model, precision, sizes, stage)
     act = activation_memory(pl, model, precision, stage, index)
     assert act is not None
-    act += _sequence_parallel_gathered_inputs(pl, model, impl, precision, stage, index)
-    calls = tuple(sorted(_calls(pl, program, model, impl, precision, rank)))
-    return Prediction(_int(mem.parameters.total), _int(grads), _int(mem.optimizer.total), _int(act), calls, stage)
+    mem = replace(mem, activations=act)
+    chosen = engine if engine is not None else pytorch_engine(tuple(s.name for s in comp.strategies))
+    engine_pred = engine_prediction(pl, model, precision, mem, chosen, stage, index, impl, data_rank=rank)
+    grads = _int(mem.gradients.total) + engine_pred.persistent("gradients")
+    optimizer = _int(mem.optimizer.total) + engine_pred.persistent("optimizer")
+    saved = _int(act) + sum(t.bytes for t in engine_pred.terms if t.key in SAVED_BY_AUTOGRAD)
+    calls = tuple(sorted(_calls(pl, program, model, impl, precision, rank, chosen)))
+    return Prediction(_int(mem.parameters.total), grads, optimizer, saved, calls, stage, engine_pred)
 
 
-def _sequence_parallel_gathered_inputs(
-    pl: Placement,
-    model: Transformer,
-    impl: Implementation,
-    precision: Precision,
-    stage: Stage,
-    index: int | None = None,
-) -> sp.Expr:
-    tp = pl.axis_where(lambda kind: kind is TENSOR)
-    t = sp.Integer(1) if tp is None else pl.degree(tp)
-    if not impl.sp_saves_gathered_inputs or tp is None or t == 1 or not pl.mode(A, _layer_io(), tp).is_sharded:
-        return sp.Integer(0)
-    sbh = sp.Integer(model.seq * model.micro_batch * model.hidden)
-    layers = sp.Integer(model.layers) / pl.pipeline_degree
-    whole = precision.activations * sbh * (1 - 1 / t)  # one gathered input beyond its shard
-    extra = 2 * whole * layers  # the QKV and FC1 inputs
-    if holds_io_activations(pl, OUTPUT_IO, stage):
-        extra += whole  # the head's input
-    return exact(extra * (in_flight_micro_batches(pl, stage) if index is None else stage_in_flight(pl, index)))
+# Engine terms that are tensors autograd saves (the table's activation row measures those only).
+SAVED_BY_AUTOGRAD = frozenset({"sp_saves_gathered_inputs", "input_ids", "target_ids"})
 
 
 def _on(op: Op, kind: AxisKind) -> bool:
@@ -236,33 +149,14 @@ def _has_ddp_buckets(program: StepProgram) -> bool:
     return any(op.kind is OpKind.ALL_REDUCE and op.state is G and _on(op, DATA) for op in program.ops)
 
 
-def _ddp_reduced_bytes(program: StepProgram, precision: Precision) -> sp.Expr:
-    return sum(
-        (
-            op.elements * precision.bytes_of(G)
-            for op in program.ops
-            if op.kind is OpKind.ALL_REDUCE and op.state is G and _on(op, DATA)
-        ),
-        sp.Integer(0),
-    )
-
-
-def _embedding_gradient_replicas(pl: Placement, model: Transformer, precision: Precision, stage: Stage) -> sp.Expr:
-    """The full-vocabulary gradient DTensor keeps on each tp rank, beyond the rank's shard,
-    while the gradient is the persistent one (not reduce-scattered away by FSDP)."""
-    tp = pl.axis_where(lambda kind: kind is TENSOR)
-    if tp is None or EMBEDDING not in pl.groups(G) or not pl.computes_sharded(tp, EMBEDDING):
-        return sp.Integer(0)
-    if any(pl.mode(G, EMBEDDING, ax).is_sharded for ax in pl.axes if ax.splits_data):
-        return sp.Integer(0)
-    if stage != Stage.FIRST and int(pl.pipeline_degree) > 1:
-        return sp.Integer(0)
-    shard = shard_elements(pl, G, EMBEDDING, sp.Integer(model.group_elements()[EMBEDDING]), None, stage)
-    return (shard * pl.degree(tp) - shard) * precision.bytes_of(G)
-
-
 def _calls(
-    pl: Placement, program: StepProgram, model: Transformer, impl: Implementation, precision: Precision, rank: int
+    pl: Placement,
+    program: StepProgram,
+    model: Transformer,
+    impl: Implementation,
+    precision: Precision,
+    rank: int,
+    engine: Engine,
 ) -> Iterator[Call]:
     tensors = parameter_tensors(model)
     stage = stage_of(pl, rank)
@@ -287,8 +181,19 @@ def _calls(
         if not group_tensors:
             continue
         yield from _state_calls(pl, op, n, wire, count, group_tensors, impl)
-    yield from _ddp_bucket_calls(pl, program, mine, impl, precision)
-    yield from _fsdp_unit_calls(pl, program, mine, impl, precision, stage)
+    zero1 = zero1_axis(pl) if engine is Engine.DDP and impl.zero_redundancy_whole_tensors else None
+    if zero1 is not None:
+        # ZeRO-1 on DDP + ZeroRedundancyOptimizer: DDP all-reduces the gradients in its buckets
+        # (where the program reduce-scatters), and each tensor is broadcast from its owner after
+        # the step (where the program all-gathers the updated shards).
+        yield from _ddp_bucket_calls(pl, program, mine, impl, precision, force=True)
+        n = int(pl.degree(zero1))
+        for t in mine:
+            elements = _int(shard_elements(pl, P, t.group, sp.Integer(t.elements), zero1))
+            yield Call(OpKind.BROADCAST, n, elements * precision.wire_bytes_of(P))
+    else:
+        yield from _ddp_bucket_calls(pl, program, mine, impl, precision)
+        yield from _fsdp_unit_calls(pl, program, mine, impl, precision, stage)
     yield from _loss_parallel_calls(pl, model, impl, stage)
 
 
@@ -346,9 +251,14 @@ def _fsdp_unit_calls(
 
 
 def _ddp_bucket_calls(
-    pl: Placement, program: StepProgram, ts: list[Tensor], impl: Implementation, precision: Precision
+    pl: Placement,
+    program: StepProgram,
+    ts: list[Tensor],
+    impl: Implementation,
+    precision: Precision,
+    force: bool = False,
 ) -> Iterator[Call]:
-    if not _has_ddp_buckets(program):
+    if not (force or _has_ddp_buckets(program)):
         return
     dp = pl.axis_where(lambda kind: kind is DATA)
     assert dp is not None  # DDP buckets run along the data axis
@@ -377,10 +287,13 @@ def _loss_parallel_calls(pl: Placement, model: Transformer, impl: Implementation
     yield from [Call(OpKind.ALL_REDUCE, t, tokens)] * (impl.tp_loss_reductions * pl.options.micro_batches)
 
 
-def _layer_io() -> Group:
-    from formal._vocab import LAYER_IO
-
-    return LAYER_IO
-
-
-__all__ = ["LAYER_GROUPS", "Implementation", "Prediction", "TORCH_PRECISION", "parameter_tensors", "predict"]
+__all__ = [
+    "LAYER_GROUPS",
+    "CPU_DROPOUT_MASK_BYTES",
+    "Implementation",
+    "Prediction",
+    "TORCH_PRECISION",
+    "harness_precision",
+    "parameter_tensors",
+    "predict",
+]

@@ -1,0 +1,646 @@
+"""What a named training engine holds beyond the placement: engine effects as terms of the peak.
+
+The placement gives the textbook figure (``formal._costs.memory``: persistent model states, the
+activations the layers save, the buffers the modes imply), the paper's number. A real engine
+adds tensors of its own: FSDP2 keeps its root module unsharded, prefetches the next block,
+holds a block's unsharded gradient before its reduce-scatter; DDP keeps a second copy of the
+gradients in its buckets; DTensor's tensor parallelism keeps the full-vocabulary embedding
+gradient and the gathered inputs of its column-parallel matmuls; PyTorch's cross-entropy
+backward makes logits-sized temporaries; ``torch.distributed.pipelining`` keeps each in-flight
+micro-batch's stage output and preallocates a receive buffer per micro-batch.
+
+Each effect is a named ``Term`` derived from the placement (which groups are sharded where, the
+stage's layers, the micro-batches in flight) and the model, never a per-strategy constant.
+``engine_prediction`` adds them to the placement's figure at three moments of the step, the
+largest being the peak:
+
+* ``forward``: a forward has just ended (a pipeline stage holds that micro-batch's output);
+* ``loss``: the loss's backward has begun; every activation is held, with the loss's
+  temporaries;
+* ``backward``: the first transformer block's backward (the last block of the stage); the output
+  layer's activations are freed, but an FSDP engine holds the root's first gradients unsharded,
+  two gathered blocks (the one computing and the one prefetched) and the block's gradient.
+
+The CLI (``check-composition --engine``) prints these terms; the PyTorch validator
+(``checker/_torch/_predict.py``) reads the same terms, so the number a user reads is the number
+that is validated. Engines whose effects are not modelled here (DeepSpeed, Megatron-LM) get the
+placement's figure, and say so (``EnginePrediction.modelled``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from formal._axes import TENSOR
+from formal._costs import Memory, ceil_int, holds_io_activations, in_flight_micro_batches, stage_in_flight
+from formal._costs import _tensor_factor as tensor_factor
+from formal._model import Model, Precision, Transformer
+from formal._placement import Placement
+from formal._program import shard_elements
+from formal._tensors import parameter_tensors
+from formal._vocab import (
+    EMBEDDING,
+    EMBEDDING_IO,
+    FINAL_NORM,
+    FIRST_STAGE_GROUPS,
+    HEAD,
+    LAST_STAGE_GROUPS,
+    LAYER_GROUPS,
+    LAYER_IO,
+    LOGITS,
+    OUTPUT_IO,
+    Axis,
+    Group,
+    Mode,
+    Stage,
+    State,
+)
+from formal.errors import ModelError
+
+P, G, OPT, A = State.PARAMETERS, State.GRADIENTS, State.OPTIMIZER, State.ACTIVATIONS
+MiB = 2**20
+
+
+class Engine(StrEnum):
+    """The training engine a prediction is for (``--engine``)."""
+
+    FSDP2 = "fsdp2"  # PyTorch: FSDP2 fully_shard, DTensor tensor parallelism, torch.distributed.pipelining
+    DDP = "ddp"  # PyTorch: DistributedDataParallel (ZeRO-1: ZeroRedundancyOptimizer), DTensor, pipelining
+    DEEPSPEED = "deepspeed"
+    MEGATRON = "megatron"
+
+
+@dataclass(frozen=True)
+class EngineEffects:
+    """What an engine does beyond the placement, one field per effect (PyTorch 2.13's defaults;
+    ``effects_for`` switches off what an engine does not do). Sources are cited per field."""
+
+    # FSDP2 (torch/distributed/fsdp/_fully_shard/_fully_shard.py): ``reshard_after_forward=None``
+    # on the root module means False, so the root's parameters (embedding, final norm, head) stay
+    # unsharded from forward through backward; the unsharded parameters are allocated apart from
+    # the sharded ones (``FSDPParam.alloc_all_gather_outputs``), so the whole root is held.
+    fsdp_root_unsharded: bool = True
+    # FSDP2 prefetches the next module's all-gather while one computes (implicit forward and
+    # backward prefetching of one module, ``FSDPParamGroup``): two blocks unsharded at once.
+    fsdp_prefetched_blocks: int = 1
+    # FSDP2 reduce-scatters a module's gradients after its backward: the block's unsharded
+    # gradient is held until then; the root's own gradients (the head's and final norm's,
+    # computed first) wait for the root's reduce-scatter at the end of backward.
+    fsdp_unsharded_gradients: bool = True
+    # DDP without ``gradient_as_bucket_view`` (torch/nn/parallel/distributed.py): the reducer
+    # keeps its own flat buckets, a second full copy of every gradient it all-reduces. Buckets fill
+    # in reverse registration order, the first closing at 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``),
+    # the others at ``bucket_cap_mb`` = 25 MiB; one all-reduce per bucket.
+    ddp_bucket_copy: bool = True
+    # ``ZeroRedundancyOptimizer`` (ZeRO-1 under DDP, torch/distributed/optim/
+    # zero_redundancy_optimizer.py ``_partition_parameters``): whole tensors, largest first, each
+    # to the rank with the fewest elements so far; a rank's optimizer state is its tensors', not
+    # an even 1/n. After the step each tensor is broadcast from its owner (one call per tensor).
+    zero_redundancy_whole_tensors: bool = True
+    ddp_first_bucket_bytes: int = 1 * MiB
+    ddp_bucket_bytes: int = 25 * MiB
+    # DTensor's embedding backward on a row-sharded (vocabulary-parallel) table returns a
+    # Replicate gradient: every tp rank holds the full-vocabulary embedding gradient.
+    tp_embedding_full_gradient: bool = True
+    # DTensor ``RowwiseParallel`` adds its (replicated) bias to the partial sum before the
+    # reduction, so under sequence parallelism the bias gradient is complete (Megatron-LM adds it
+    # after the reduce-scatter, where the gradient is partial and is all-reduced).
+    tp_row_bias_before_reduction: bool = True
+    # ``loss_parallel`` cross-entropy over vocabulary-sharded logits: all-reduces of one fp32
+    # value per token (max, sum of exponentials, target logit).
+    tp_loss_reductions: int = 3
+    # ``loss_parallel`` keeps the vocabulary shard of the logits themselves for its backward,
+    # beside the log-probabilities (torch/distributed/tensor/parallel/loss.py).
+    tp_loss_keeps_logits: bool = True
+    # DTensor ``ColwiseParallel(input_layouts=Shard(1))`` saves the all-gathered input of the
+    # QKV and FC1 matmuls (and of the head) for backward; Megatron-LM (Korthikanti et al. 2022,
+    # sections 4.2.2 and 4.3) keeps only the sequence shard and gathers it again in backward.
+    sp_saves_gathered_inputs: bool = True
+    # Cross-entropy's backward (``aten::_log_softmax_backward_data``, ``nll_loss_backward``): the
+    # gradient of the log-probabilities, the probabilities and the logits' gradient, fp32 tensors
+    # the size of the logits, held while the loss's backward runs.
+    loss_backward_temporaries: int = 3
+    # ``torch.distributed.pipelining`` (``_PipelineStageBase.fwd_cache``): a stage keeps each
+    # forward's output until that micro-batch's backward, beside what autograd saves; and it
+    # preallocates one receive buffer per micro-batch (``_make_recv_buffers`` for every chunk),
+    # idle while its micro-batch is not in flight.
+    pipeline_keeps_outputs: bool = True
+    pipeline_receive_buffers: bool = True
+    # The embedding's backward reads the token ids (``aten::embedding_backward`` takes the
+    # indices) and the loss's the targets (``nll_loss`` saves ``target``): int64, 8 bytes a token,
+    # kept per micro-batch in flight by every engine (Megatron-LM's embedding and
+    # vocabulary-parallel cross-entropy save them too).
+    token_id_bytes: int = 8
+
+
+# Every effect off: the placement's own figure.
+NO_EFFECTS = EngineEffects(
+    fsdp_root_unsharded=False,
+    fsdp_prefetched_blocks=0,
+    fsdp_unsharded_gradients=False,
+    ddp_bucket_copy=False,
+    zero_redundancy_whole_tensors=False,
+    tp_embedding_full_gradient=False,
+    tp_row_bias_before_reduction=False,
+    tp_loss_reductions=3,  # Megatron's vocabulary-parallel cross-entropy makes the same three reductions
+    tp_loss_keeps_logits=False,
+    sp_saves_gathered_inputs=False,
+    token_id_bytes=8,  # every engine's embedding and loss keep their int64 token ids
+    loss_backward_temporaries=0,
+    pipeline_keeps_outputs=False,
+    pipeline_receive_buffers=False,
+)
+
+
+def effects_for(engine: Engine) -> EngineEffects:
+    """The effects an engine has: PyTorch's (FSDP2, DDP: the same DTensor and pipelining
+    stack) are modelled; DeepSpeed's and Megatron-LM's are not yet (``modelled`` is False)."""
+    if engine in (Engine.FSDP2, Engine.DDP):
+        return EngineEffects()
+    return NO_EFFECTS
+
+
+def modelled(engine: Engine) -> bool:
+    return engine in (Engine.FSDP2, Engine.DDP)
+
+
+# The moments of a step at which a peak can fall: the end of a forward, the loss's backward, the
+# first block's backward.
+MOMENTS = ("forward", "loss", "backward")
+
+
+@dataclass(frozen=True)
+class Term:
+    """One engine effect on one device: its name, what it holds, bytes, and when.
+
+    ``moment``: ``persistent`` (held through the step: counted at every moment), ``forward``,
+    ``loss`` or ``backward`` (held at that moment only, ``MOMENTS``). ``state``: which row of
+    the memory table it adds to (``gradients``, ``optimizer``, ``activations``, ``buffers``)."""
+
+    key: str
+    label: str
+    bytes: int
+    moment: str
+    state: str
+
+
+@dataclass(frozen=True)
+class EnginePrediction:
+    """The placement's figure and what the engine adds: the per-device peak a user reads."""
+
+    engine: Engine
+    modelled: bool  # False: the engine's effects are not modelled (the placement's figure stands)
+    placement_total: int  # the paper's number: model states + activations + the modes' buffers
+    placement_buffers: int
+    base: int  # the placement's figure without the buffers an FSDP engine replaces with its own
+    terms: tuple[Term, ...]
+    stage: Stage = Stage.FIRST
+    notes: tuple[str, ...] = ()  # effects of the engine this prediction could not model, said
+
+    def moment_total(self, moment: str) -> int:
+        return self.base + sum(t.bytes for t in self.terms if t.moment in ("persistent", moment))
+
+    @property
+    def moments(self) -> dict[str, int]:
+        return {m: self.moment_total(m) for m in MOMENTS}
+
+    @property
+    def peak_moment(self) -> str:
+        both = self.moments
+        return max(MOMENTS, key=lambda m: (both[m], m == "loss"))
+
+    @property
+    def total(self) -> int:
+        """The per-device peak: the largest moment (the placement's figure when no term applies)."""
+        if not self.terms and self.base == self.placement_total:
+            return self.placement_total
+        return max(self.moments.values())
+
+    def persistent(self, state: str) -> int:
+        """Bytes the persistent terms add to a row of the memory table (``Term.state``)."""
+        return sum(t.bytes for t in self.terms if t.moment == "persistent" and t.state == state)
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "engine": self.engine.value,
+            "modelled": self.modelled,
+            "pipeline_stage": self.stage.value,
+            "placement_total": self.placement_total,
+            "total": self.total,
+            "peak_moment": self.peak_moment,
+            "moments": self.moments,
+            "notes": list(self.notes),
+            "terms": [
+                {"name": t.key, "label": t.label, "bytes": t.bytes, "moment": t.moment, "state": t.state}
+                for t in self.terms
+            ],
+        }
+
+
+def default_engine(strategy_names: tuple[str, ...]) -> Engine:
+    """The engine a composition most plausibly runs on when none is declared: DeepSpeed for the
+    ZeRO stages by name (zero1/2/3, ZeRO++), FSDP2 for fsdp/hsdp, DDP for plain data parallelism,
+    Megatron-LM when no data axis shards or replicates with an engine of its own (tp, sp, pp, cp,
+    ep alone: the layout the placement model describes)."""
+    names = set(strategy_names)
+    if any(n.startswith("zero") or n.startswith("hpz") for n in names):
+        return Engine.DEEPSPEED
+    if any(n.startswith("fsdp") or n.startswith("hsdp") for n in names):
+        return Engine.FSDP2
+    if names & {"dp", "ddp"}:
+        return Engine.DDP
+    return Engine.MEGATRON
+
+
+def pytorch_engine(strategy_names: tuple[str, ...]) -> Engine:
+    """The PyTorch engine a composition runs on: DDP for plain data parallelism (``dp``, ``ddp``;
+    ``zero1``: DDP with ``ZeroRedundancyOptimizer``), FSDP2 otherwise (tensor and pipeline
+    parallelism run on DTensor and ``torch.distributed.pipelining`` under either)."""
+    return Engine.DDP if set(strategy_names) & {"dp", "ddp", "zero1"} else Engine.FSDP2
+
+
+def _data_axes(pl: Placement, state: State, group: Group) -> list[Axis]:
+    """Data axes along which ``group``'s ``state`` is sharded (FSDP's shard dimension)."""
+    return [a for a in pl.axes if a.splits_data and pl.mode(state, group, a).is_sharded]
+
+
+def _whole_along_data(pl: Placement, state: State, group: Group, size: int, stage: Stage) -> int:
+    axes = _data_axes(pl, state, group)
+    return ceil_int(shard_elements(pl, state, group, size, axes, stage)) if axes else 0
+
+
+def engine_prediction(
+    pl: Placement,
+    model: Model,
+    precision: Precision,
+    placement: Memory,
+    engine: Engine,
+    stage: Stage = Stage.FIRST,
+    index: int | None = None,
+    effects: EngineEffects | None = None,
+    data_rank: int | None = None,
+) -> EnginePrediction:
+    """The engine's terms on one device of ``stage`` (pipeline stage ``index`` when given),
+    added to ``placement`` (``formal._costs.memory`` of that stage, its activations for that
+    stage). ``effects`` overrides the engine's own (``effects_for``). ``data_rank``: the device's
+    rank along the data axis, for effects that differ between its ranks (ZeRO-1's whole-tensor
+    partition); None: the most loaded of them."""
+    fx = effects_for(engine) if effects is None else effects
+    buffers = 0 if placement.buffers is None else ceil_int(placement.buffers)
+    total = ceil_int(placement.total)
+    terms: list[Term] = []
+    fsdp = engine is Engine.FSDP2 and any(_data_axes(pl, P, g) for g in pl.groups(P))
+    known = modelled(engine) or effects is not None
+    if known:
+        terms += _gradient_terms(pl, model, precision, fx, stage, engine is Engine.DDP)
+    notes: list[str] = []
+    if known and engine is Engine.DDP and fx.zero_redundancy_whole_tensors and isinstance(model, Transformer):
+        terms += _whole_tensor_partition(pl, model, precision, placement, data_rank, notes)
+    if isinstance(model, Transformer):
+        terms += _token_id_terms(pl, model, fx, stage, index)
+    if known and isinstance(model, Transformer):
+        terms += _activation_terms(pl, model, precision, fx, stage, index)
+        if fsdp:
+            terms += _fsdp_terms(pl, model, precision, fx, stage)
+    # A bare parameter count has no layers: FSDP2's units (root, blocks) are unknown.
+    known = known and (isinstance(model, Transformer) or not fsdp)
+    base = total - buffers if fsdp and known else total  # FSDP2's own buffers replace the modes' generic ones
+    kept = tuple(t for t in terms if t.bytes)
+    return EnginePrediction(engine, known, total, buffers, base, kept, stage, tuple(notes))
+
+
+def _gradient_terms(
+    pl: Placement, model: Model, precision: Precision, fx: EngineEffects, stage: Stage, ddp: bool
+) -> list[Term]:
+    out: list[Term] = []
+    sizes = model.group_elements()
+    if fx.ddp_bucket_copy and ddp:
+        # Every gradient all-reduced along a data axis (not sharded there): a bucket copy.
+        copy = 0
+        for g in pl.groups(G):
+            axes = [a for a in pl.axes if a.splits_data and pl.degree(a) != 1]
+            if axes and not any(pl.mode(G, g, a).is_sharded for a in axes) and _local(pl, G, g):
+                copy += ceil_int(shard_elements(pl, G, g, sizes[g], None, stage)) * precision.bytes_of(G)
+        out.append(
+            Term(
+                "ddp_bucket_copy",
+                "DDP gradient buckets (a second copy of the gradients)",
+                copy,
+                "persistent",
+                "gradients",
+            )
+        )
+    if fx.tp_embedding_full_gradient:
+        out.append(
+            Term(
+                "tp_embedding_full_gradient",
+                "DTensor embedding gradient whole along tp (Replicate)",
+                _embedding_gradient_replicas(pl, model, precision, stage),
+                "persistent",
+                "gradients",
+            )
+        )
+    return out
+
+
+def zero1_axis(pl: Placement) -> Axis | None:
+    """The data axis along which the optimizer state is sharded while the gradients are not
+    (ZeRO-1): where ``ZeroRedundancyOptimizer`` partitions; None if there is none or several."""
+    found = [
+        a
+        for a in pl.axes
+        if a.splits_data
+        and pl.degree(a) != 1
+        and any(pl.mode(OPT, g, a).is_sharded for g in pl.groups(OPT))
+        and not any(pl.mode(G, g, a).is_sharded for g in pl.groups(G))
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def whole_tensor_owners(pl: Placement, model: Transformer, axis: Axis) -> list[int]:
+    """The rank along ``axis`` that owns each parameter tensor (``parameter_tensors`` order):
+    largest first, each to the rank with the fewest elements so far (the first such rank),
+    as ``ZeroRedundancyOptimizer._partition_parameters`` does."""
+    tensors = parameter_tensors(model)
+    sizes = [ceil_int(shard_elements(pl, OPT, t.group, t.elements, axis, Stage.FIRST)) for t in tensors]
+    n = int(pl.degree(axis))
+    load = [0] * n
+    owners = [0] * len(tensors)
+    for i in sorted(range(len(tensors)), key=lambda i: -sizes[i]):  # stable: registration order on ties
+        r = load.index(min(load))
+        owners[i] = r
+        load[r] += sizes[i]
+    return owners
+
+
+def _whole_tensor_partition(
+    pl: Placement,
+    model: Transformer,
+    precision: Precision,
+    placement: Memory,
+    data_rank: int | None,
+    notes: list[str],
+) -> list[Term]:
+    axis = zero1_axis(pl)
+    if axis is None:
+        return []
+    unmodelled = "ZeRO-1's whole-tensor split not modelled"
+    if pl.pipelined and pl.pipeline_degree != 1:
+        notes.append(f"{unmodelled} with a pipeline (1/n)")
+        return []
+    try:
+        owners = whole_tensor_owners(pl, model, axis)
+    except ModelError:
+        notes.append(f"{unmodelled} for these tensors (1/n)")
+        return []
+    tensors = parameter_tensors(model)
+    n = int(pl.degree(axis))
+    load = [0] * n
+    for t, r in zip(tensors, owners, strict=True):
+        load[r] += ceil_int(shard_elements(pl, OPT, t.group, t.elements, axis, Stage.FIRST))
+    rank = max(range(n), key=lambda r: load[r]) if data_rank is None else data_rank % n
+    even = ceil_int(placement.optimizer.total)
+    held = load[rank] * precision.bytes_of(OPT)
+    label = f"ZeroRedundancyOptimizer whole tensors (rank {rank} of {n})"
+    return [Term("zero_redundancy_whole_tensors", label, held - even, "persistent", "optimizer")]
+
+
+def _local(pl: Placement, state: State, group: Group) -> bool:
+    return pl.local_mode(state, group) not in (Mode.OFFLOADED, Mode.MATERIALIZED)
+
+
+def _embedding_gradient_replicas(pl: Placement, model: Model, precision: Precision, stage: Stage) -> int:
+    """The full-vocabulary gradient DTensor keeps on each tp rank beyond the rank's shard, while
+    the gradient is the persistent one (not reduce-scattered away by FSDP)."""
+    tp = pl.axis_where(lambda kind: kind is TENSOR)
+    if tp is None or pl.degree(tp) == 1 or EMBEDDING not in pl.groups(G) or not pl.computes_sharded(tp, EMBEDDING):
+        return 0
+    if any(pl.mode(G, EMBEDDING, ax).is_sharded for ax in pl.axes if ax.splits_data):
+        return 0
+    if stage != Stage.FIRST and pl.pipelined and pl.pipeline_degree != 1:
+        return 0
+    shard = ceil_int(shard_elements(pl, G, EMBEDDING, model.group_elements()[EMBEDDING], None, stage))
+    return (shard * int(pl.degree(tp)) - shard) * precision.bytes_of(G)
+
+
+def _tp_axis(pl: Placement) -> Axis | None:
+    return pl.axis_where(lambda kind: kind is TENSOR)
+
+
+def _tp(pl: Placement) -> int:
+    tp = _tp_axis(pl)
+    return 1 if tp is None else int(pl.degree(tp))
+
+
+def _in_flight(pl: Placement, stage: Stage, index: int | None) -> int:
+    return ceil_int(in_flight_micro_batches(pl, stage) if index is None else stage_in_flight(pl, index))
+
+
+def _token_id_terms(
+    pl: Placement, model: Transformer, fx: EngineEffects, stage: Stage, index: int | None
+) -> list[Term]:
+    """The int64 token ids the embedding's backward reads and the targets the loss's reads, for
+    each micro-batch in flight: ``s b / cp`` each (a context-parallel rank holds its chunk)."""
+    cp = _cp_degree(pl)
+    per = -(-(model.seq * model.micro_batch) // cp)  # a context-parallel rank's chunk, rounded up
+    tokens = per * fx.token_id_bytes * _in_flight(pl, stage, index)
+    out: list[Term] = []
+    if holds_io_activations(pl, EMBEDDING_IO, stage):
+        out.append(Term("input_ids", "embedding keeps the int64 token ids", tokens, "persistent", "activations"))
+    if holds_io_activations(pl, LOGITS, stage):
+        out.append(Term("target_ids", "loss keeps the int64 targets", tokens, "persistent", "activations"))
+    return out
+
+
+def _cp_degree(pl: Placement) -> int:
+    d = 1
+    for axis, degree in pl.mesh:
+        if axis.kind.splits_sequence:
+            d *= int(degree)
+    return d
+
+
+def _activation_terms(
+    pl: Placement, model: Transformer, precision: Precision, fx: EngineEffects, stage: Stage, index: int | None
+) -> list[Term]:
+    out: list[Term] = []
+    t = _tp(pl)
+    sbh = model.seq * model.micro_batch * model.hidden
+    in_flight = _in_flight(pl, stage, index)
+    tp = _tp_axis(pl)
+    sp_on = tp is not None and t > 1 and pl.mode(A, LAYER_IO, tp).is_sharded
+    if fx.sp_saves_gathered_inputs and sp_on:
+        whole = precision.activations * sbh - ceil_int(precision.activations * sbh * tensor_factor(pl, LAYER_IO))
+        extra = 2 * whole * ceil_int(pl.stage_layers(model.layers))  # the QKV and FC1 inputs
+        if holds_io_activations(pl, OUTPUT_IO, stage):
+            extra += whole  # the head's input
+        out.append(
+            Term(
+                "sp_saves_gathered_inputs",
+                "DTensor SP: gathered QKV/FC1 inputs saved",
+                extra * in_flight,
+                "persistent",
+                "activations",
+            )
+        )
+    io = model.io_activation_bytes(precision.activations, precision.mask_bytes, precision.logits_bytes)
+    last = holds_io_activations(pl, LOGITS, stage)
+    logits = ceil_int(io[LOGITS] * tensor_factor(pl, LOGITS)) if last else 0
+    if logits and fx.loss_backward_temporaries:
+        out.append(
+            Term(
+                "loss_backward_temporaries",
+                f"cross-entropy backward: {fx.loss_backward_temporaries} logits-sized fp32 temporaries",
+                fx.loss_backward_temporaries * logits,
+                "loss",
+                "activations",
+            )
+        )
+    head = HEAD if HEAD in pl.groups(P) else EMBEDDING
+    if logits and fx.tp_loss_keeps_logits and tp is not None and t > 1 and pl.computes_sharded(tp, head):
+        out.append(
+            Term(
+                "tp_loss_keeps_logits",
+                "loss_parallel keeps the logits' vocabulary shard",
+                logits,
+                "loss",
+                "activations",
+            )
+        )
+    # The output layer's activations of the micro-batch in backward are freed by the first block's backward.
+    if last:
+        freed = logits + ceil_int(io[OUTPUT_IO] * tensor_factor(pl, OUTPUT_IO))
+        out.append(
+            Term(
+                "output_layer_freed",
+                "output layer's activations freed (backward of the blocks)",
+                -freed,
+                "backward",
+                "activations",
+            )
+        )
+    p = pl.pipeline_degree
+    if pl.pipelined and p != 1:
+        m = int(pl.options.micro_batches)
+        hidden = ceil_int(precision.activations * sbh * tensor_factor(pl, LAYER_IO))
+        output = logits if last else hidden
+        if fx.pipeline_keeps_outputs and in_flight > 1:
+            out.append(
+                Term(
+                    "pipeline_keeps_outputs",
+                    f"pipelining keeps {in_flight - 1} other in-flight stage outputs",
+                    (in_flight - 1) * output,
+                    "persistent",
+                    "activations",
+                )
+            )
+        if fx.pipeline_keeps_outputs:  # at the end of a forward its own output is held too
+            out.append(
+                Term("pipeline_current_output", "pipelining: this forward's output", output, "forward", "activations")
+            )
+        first = stage == Stage.FIRST if index is None else index == 0
+        if fx.pipeline_receive_buffers and not first and m > in_flight:
+            out.append(
+                Term(
+                    "pipeline_receive_buffers",
+                    f"pipelining: {m - in_flight} idle preallocated receive buffers",
+                    (m - in_flight) * hidden,
+                    "persistent",
+                    "activations",
+                )
+            )
+    return out
+
+
+def _fsdp_terms(pl: Placement, model: Transformer, precision: Precision, fx: EngineEffects, stage: Stage) -> list[Term]:
+    """FSDP2's unsharded parameters and gradients (the placement's ``S*`` buffers replaced)."""
+    out: list[Term] = []
+    sizes = model.group_elements()
+    width_p, width_g = precision.wire_bytes_of(P), precision.wire_bytes_of(G)
+    layers = ceil_int(pl.stage_layers(model.layers))
+    root_groups = [g for g in pl.groups(P) if g not in LAYER_GROUPS and _on_stage(pl, g, stage)]
+    block_groups = [g for g in pl.groups(P) if g in LAYER_GROUPS]
+    root = sum(_whole_along_data(pl, P, g, sizes[g], stage) for g in root_groups) * width_p
+    block = sum(_whole_along_data(pl, P, g, sizes[g], stage) for g in block_groups) * width_p // max(layers, 1)
+    held = any(pl.entry(P, g, a).keep_gathered for g in block_groups for a in _data_axes(pl, P, g))
+    if fx.fsdp_root_unsharded and root:
+        out.append(Term("fsdp_root_unsharded", "FSDP2 root module unsharded", root, "persistent", "buffers"))
+    elif root:  # without the effect the root is gathered for its use like a block
+        out.append(Term("fsdp_root_gathered", "FSDP2 root module gathered for its use", root, "loss", "buffers"))
+    if held:
+        out.append(
+            Term(
+                "fsdp_blocks_unsharded",
+                f"FSDP2 all {layers} blocks unsharded (no reshard)",
+                block * layers,
+                "persistent",
+                "buffers",
+            )
+        )
+    else:
+        k = fx.fsdp_prefetched_blocks
+        out.append(
+            Term("fsdp_prefetch", f"FSDP2 backward prefetch: {k} block(s) gathered", block * k, "loss", "buffers")
+        )
+        out.append(
+            Term(
+                "fsdp_blocks_gathered",
+                f"FSDP2 {1 + k} block(s) gathered (computing and prefetched)",
+                block * (1 + k),
+                "backward",
+                "buffers",
+            )
+        )
+    if fx.fsdp_unsharded_gradients:
+        first_grads = [g for g in (HEAD, FINAL_NORM) if g in pl.groups(G) and _on_stage(pl, g, stage)]
+        if HEAD not in pl.groups(G) and EMBEDDING in pl.groups(G) and _on_stage(pl, EMBEDDING, stage):
+            first_grads.append(EMBEDDING)  # tied: the head's gradient accumulates into the embedding's
+        head_grad = sum(_whole_along_data(pl, G, g, sizes[g], stage) for g in first_grads) * width_g
+        block_grad = sum(_whole_along_data(pl, G, g, sizes[g], stage) for g in block_groups if g in pl.groups(G))
+        out.append(
+            Term(
+                "fsdp_root_gradient",
+                "FSDP2 head gradient unsharded until the root's reduce-scatter",
+                head_grad,
+                "backward",
+                "buffers",
+            )
+        )
+        out.append(
+            Term(
+                "fsdp_block_gradient",
+                "FSDP2 block gradient unsharded before its reduce-scatter",
+                block_grad * width_g // max(layers, 1),
+                "backward",
+                "buffers",
+            )
+        )
+    return out
+
+
+def _on_stage(pl: Placement, group: Group, stage: Stage) -> bool:
+    if not pl.pipelined or pl.pipeline_degree == 1 or group in pl.tied:
+        return True
+    if group in FIRST_STAGE_GROUPS:
+        return stage == Stage.FIRST
+    if group in LAST_STAGE_GROUPS:
+        return stage == Stage.LAST
+    return True
+
+
+__all__ = [
+    "MOMENTS",
+    "NO_EFFECTS",
+    "Engine",
+    "EngineEffects",
+    "EnginePrediction",
+    "Term",
+    "default_engine",
+    "effects_for",
+    "engine_prediction",
+    "modelled",
+    "pytorch_engine",
+    "whole_tensor_owners",
+    "zero1_axis",
+]

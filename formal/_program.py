@@ -15,6 +15,8 @@ from formal._exact import exact
 from formal._exchanges import exchanged_group, program_exchanges
 from formal._model import Model, Transformer
 from formal._placement import Entry, Placement, Recompute
+from formal._scalar_program import derive_scalars
+from formal._scalars import ScalarOp
 from formal._vocab import (
     EMBEDDING,
     EXPERTS,
@@ -92,6 +94,7 @@ class StepProgram:
     ops: tuple[Op, ...]
     origins: tuple[tuple[tuple[Group, Axis], Origin], ...]
     derived: bool = True  # False when given by the user (TOML) or mutated
+    scalars: tuple[ScalarOp, ...] = ()  # the loss normaliser, norm, clip, overflow (formal._scalars)
 
     def origin(self, group: Group, axis: Axis) -> Origin:
         return dict(self.origins).get((group, axis), Origin.COMPLETE)
@@ -245,7 +248,7 @@ def derive_program(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr] |
     # 5. refresh
     for g in groups:
         ops += _refresh_parameters(pl, g, sizes[g])
-    return StepProgram(pl, tuple(ops), tuple(origins.items()))
+    return StepProgram(pl, tuple(ops), tuple(origins.items()), scalars=derive_scalars(pl))
 
 
 def _fetch_parameters(pl: Placement, g: Group, size: sp.Expr, m: sp.Expr, phase: Phase) -> list[Op]:

@@ -19,6 +19,7 @@ from checker._numbers import MAX_BATCH, MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, pa
 from formal._model import Ffn, Model, Norm, Transformer
 from formal._placement import Options, Recompute, Schedule
 from formal._presets import DEFAULT_DEVICES, DEFAULT_MODEL, PRESETS
+from formal._scalars import LossScale, ScalarSettings
 from formal.errors import InputError
 
 # --- Megatron-LM ----------------------------------------------------------------------------
@@ -53,6 +54,10 @@ _MEG_VALUE = (
     "--vocab-size",
     "--tokenizer-type",
     "--max-position-embeddings",
+    "--clip-grad",
+    "--loss-scale",
+    "--moe-aux-loss-coeff",
+    "--moe-router-load-balancing-type",
 )
 # Bounds of the Megatron arguments read as numbers that are not degrees (MAX_DEGREE otherwise).
 _MEG_BOUNDS = {
@@ -73,6 +78,7 @@ _MEG_FLAGS = (
     "--disable-bias-linear",
     "--use-rotary-position-embeddings",
     "--no-position-embedding",
+    "--calculate-per-token-loss",
 )
 # Arguments that take several values (``nargs``): how many.
 _MEG_MULTI = {"--rampup-batch-size": 3}
@@ -80,8 +86,6 @@ _MEG_MULTI = {"--rampup-batch-size": 3}
 _MEG_IGNORED = (
     "--rotary-base",
     "--rotary-percent",
-    "--moe-router-load-balancing-type",
-    "--moe-aux-loss-coeff",
     "--moe-grouped-gemm",
     "--moe-token-dispatcher-type",
     "--lr",
@@ -93,7 +97,6 @@ _MEG_IGNORED = (
     "--train-iters",
     "--train-samples",
     "--weight-decay",
-    "--clip-grad",
     "--adam-beta1",
     "--adam-beta2",
     "--adam-eps",
@@ -144,7 +147,6 @@ _MEG_IGNORED = (
     "--manual-gc-interval",
     "--no-async-tensor-model-parallel-allreduce",
     "--optimizer",
-    "--loss-scale",
     "--initial-loss-scale",
     "--min-loss-scale",
     "--loss-scale-window",
@@ -365,6 +367,7 @@ def import_megatron(
         chunks=chunks,
         micro_batches=m,
         uneven_stages=uneven,
+        scalars=_meg_scalars(values, flags, where, notes),
     )
     distopt = "--use-distributed-optimizer" in flags
     if distopt and ep > 1:
@@ -404,6 +407,58 @@ def import_megatron(
         own = replace(base, dropout=dropout)  # a preset keeps its name (``model``), trained as the arguments say
     out = imported(Framework.MEGATRON, layout, total, micro, seq, precision, preset, notes)
     return out if own is None else replace(out, transformer=own)
+
+
+def _meg_number(values: dict[str, str], name: str, default: str, where: str) -> Fraction:
+    text = values.get(name, default)
+    try:
+        value = Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        raise ConfigError(f"{where}: {name} {text!r}: expected a number") from None
+    if value < 0 or value > 10**12:
+        raise ConfigError(f"{where}: {name} {text}: expected a number from 0 to 1e12")
+    return value
+
+
+_MEG_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+
+
+def _meg_scalars(values: dict[str, str], flags: set[str], where: str, notes: list[Unmapped]) -> ScalarSettings:
+    """Megatron-LM's scalars (``megatron/training/arguments.py``): ``--clip-grad`` (mapped when
+    given; 0 clips nothing, and Megatron's default, 1.0, clips too), ``--calculate-per-token-loss``
+    (the loss divided by the token count all-reduced over dp x cp and the micro-batches), fp16
+    loss scaling (dynamic unless
+    ``--loss-scale`` fixes it), the MoE load-balancing loss (``--moe-aux-loss-coeff``, default 0,
+    of ``--moe-router-load-balancing-type``, default ``aux_loss``)."""
+    clip = _meg_number(values, "--clip-grad", "0", where)  # the default (1.0) is mapped when stated
+    scale = LossScale.NONE
+    if "--fp16" in flags:
+        scale = LossScale.STATIC if "--loss-scale" in values else LossScale.DYNAMIC
+    elif "--loss-scale" in values:
+        notes.append(Unmapped("--loss-scale", "a loss scale without --fp16: Megatron scales bf16 losses by none"))
+    balancing = values.get("--moe-router-load-balancing-type", "aux_loss")
+    if balancing not in _MEG_BALANCING:
+        raise ConfigError(
+            f"{where}: --moe-router-load-balancing-type {balancing!r}: expected one of {', '.join(_MEG_BALANCING)}"
+        )
+    coeff = _meg_number(values, "--moe-aux-loss-coeff", "0", where)
+    if coeff and balancing in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
+        scope = "global batch" if balancing == "global_aux_loss" else "micro-batch"
+        notes.append(
+            Unmapped(
+                "--moe-aux-loss-coeff",
+                f"the load-balancing loss ({balancing}, coefficient {coeff}, statistics per {scope}) is not "
+                "decided: its normalisation across tp, cp, ep, dp and micro-batches is not modelled",
+            )
+        )
+    return ScalarSettings(
+        clip=clip > 0,
+        max_norm=clip if clip > 0 else None,
+        per_token="--calculate-per-token-loss" in flags,
+        loss_scale=scale,
+        aux_loss_coeff=coeff or None,
+        balancing=balancing if coeff else "",
+    )
 
 
 # Megatron-LM's defaults (``megatron/training/arguments.py``): --attention-dropout 0.1 on the

@@ -26,7 +26,7 @@ biases), the whole on one device (a first- or last-stage group along pp), or the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from fractions import Fraction
 
@@ -54,11 +54,12 @@ class ScalarSettings:
     """
 
     clip: bool = False
-    max_norm: Fraction | None = None
+    max_norm: Fraction | None = field(default=None, compare=False)  # reported; the verdict holds for any
     per_token: bool = False
     loss_scale: LossScale = LossScale.NONE
-    aux_loss_coeff: Fraction | None = None
-    balancing: str = ""
+    # The MoE load-balancing loss is read and reported, not yet decided (not in the composition text).
+    aux_loss_coeff: Fraction | None = field(default=None, compare=False)
+    balancing: str = field(default="", compare=False)
 
     @property
     def any(self) -> bool:
@@ -91,6 +92,18 @@ def scalar_modifier(term: str, settings: ScalarSettings) -> ScalarSettings:
             return replace(settings, loss_scale=LossScale.DYNAMIC)
         case _:
             raise AssertionError(term)
+
+
+def scalar_terms(settings: ScalarSettings) -> list[str]:
+    """The composition-language modifiers that give ``settings`` (``max_norm`` is not written)."""
+    out: list[str] = []
+    if settings.clip:
+        out.append("clip")
+    if settings.per_token:
+        out.append("per-token")
+    if settings.loss_scale is LossScale.DYNAMIC:
+        out.append("fp16")
+    return out
 
 
 class ScalarKind(StrEnum):
@@ -154,4 +167,5 @@ __all__ = [
     "ScalarOp",
     "ScalarSettings",
     "scalar_modifier",
+    "scalar_terms",
 ]

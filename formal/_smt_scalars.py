@@ -72,6 +72,9 @@ def decide_scalars(program: StepProgram, timeout_ms: int) -> tuple[list[Obligati
         op = normalisers[0] if normalisers else ScalarOp(ScalarKind.NORMALISE_LOSS, note="mean of means")
         add(_loss_normalisation(program, op, timeout_ms))
     groups = pl.groups(State.PARAMETERS)
+    # Axes of degree 1 exchange nothing; with none left, one of them still judges which groups
+    # the scalar covers (found by the differential: a norm leaving a group out on one device).
+    judged = [a for a, d in pl.mesh if d != 1] or [pl.axes[0]]
     norms = [op for op in ops if op.kind is ScalarKind.GRAD_NORM]
     if len(norms) > 1:
         raise InputError(f"{len(norms)} grad_norm ops: clipping computes one global norm")
@@ -80,9 +83,8 @@ def decide_scalars(program: StepProgram, timeout_ms: int) -> tuple[list[Obligati
         norm = norms[0] if norms else ScalarOp(ScalarKind.GRAD_NORM, groups=frozenset())
         norm_at = kinds.index(ScalarKind.GRAD_NORM) if norms else len(ops)
         for g in groups:
-            for axis, d in pl.mesh:
-                if d != 1:
-                    add(_norm(program, norm, g, axis, timeout_ms))
+            for axis in judged:
+                add(_norm(program, norm, g, axis, timeout_ms))
             clipped = any(ops[i].covers(g) and i > norm_at for i in clips)
             early = any(ops[i].covers(g) and i < norm_at for i in clips)
             add(_clip(g, clipped, early, bool(norms), timeout_ms))
@@ -92,9 +94,8 @@ def decide_scalars(program: StepProgram, timeout_ms: int) -> tuple[list[Obligati
     if checks or settings.loss_scale is LossScale.DYNAMIC:
         check = checks[0] if checks else ScalarOp(ScalarKind.OVERFLOW_CHECK, groups=frozenset())
         for g in groups:
-            for axis, d in pl.mesh:
-                if d != 1:
-                    add(_overflow(program, check, g, axis, timeout_ms))
+            for axis in judged:
+                add(_overflow(program, check, g, axis, timeout_ms))
     return obligations, violations
 
 
@@ -168,14 +169,17 @@ def _loss_normalisation(program: StepProgram, op: ScalarOp, timeout_ms: int) -> 
             f"{' x '.join(reduced)} ({replicas}), not compensated: a token weighs {weight}, not 1/{n_total}"
         )
     else:
-        name = missing[0]
+        name = MB if MB in missing else missing[0]  # accumulation first: the most reported case
         rule = f"token_count[loss, {name}]"
         own = values[cells[0]]
         other = sum(v for c, v in values.items() if dict(c.where)[name] and all(not r for n, r in c.where if n != name))
         what = "micro-batch" if name == MB else f"{name} rank"
         others = "the other micro-batches" if name == MB else f"the other {name} ranks"
-        plural = "have" if dict(coords)[name] > 2 else "has"
-        if dict(coords)[name] == 2:
+        plural = "has"
+        if dict(coords)[name] > 2:
+            plural = "have together"
+            others = f"the other {dict(coords)[name] - 1} " + ("micro-batches" if name == MB else f"{name} ranks")
+        else:
             others = "micro-batch 1" if name == MB else f"{name} rank 1"
         explanation = (
             f"{what} 0 has {own} tokens, {others} {plural} {other}: the count is not reduced along {name}, so "
@@ -191,7 +195,8 @@ def _loss_normalisation(program: StepProgram, op: ScalarOp, timeout_ms: int) -> 
         "count_reduced_over": sorted(over),
         "compensated": op.compensated,
     }
-    return ob, [Violation(rule, GI, "loss", None, missing[0] if missing else None, explanation, witness)]
+    axis = None if not missing or rule == "loss_compensation[loss]" or name == MB else name
+    return ob, [Violation(rule, GI, "loss", None, axis, explanation, witness)]
 
 
 def _bits(n: int) -> list[tuple[bool, ...]]:
@@ -282,7 +287,7 @@ def _norm(
     adders = {j: [_device_name(p, i) for i in p.devices if adds(i, j)] for j in range(len(x))}
     held = {str(i): _number(model.eval(v, model_completion=True)) for i, v in norms.items()}
     single = _number(model.eval(reference, model_completion=True))
-    label = _piece_label(kind, group)
+    label = _piece_label(kind, group, axis)
     twice = [j for j in counts if counts[j] > 1 and z3.is_true(model.eval(x[j] > 0, model_completion=True))]
     if reduced and twice:
         j = twice[0]
@@ -319,9 +324,11 @@ def _norm(
     return ob, [Violation(rule, GI, State.GRADIENTS.value, group.name, axis.value, explanation, witness)]
 
 
-def _piece_label(kind: Holding, group: Group) -> Any:
+def _piece_label(kind: Holding, group: Group, axis: Axis) -> Any:
     def label(j: int) -> str:
-        return f"'s shard {j}" if kind is Holding.SHARD else ""
+        if kind is not Holding.SHARD:
+            return ""
+        return f"'s layers on stage {j}" if axis.kind.is_pipeline else f"'s shard {j}"
 
     return label
 
@@ -384,7 +391,7 @@ def _overflow(
     skips = {str(i): z3.is_true(model.eval(v, model_completion=True)) for i, v in decisions.items()}
     where = [j for j in range(len(flags)) if z3.is_true(model.eval(flags[j], model_completion=True))]
     j = where[0]
-    label = _piece_label(kind, group)(j)
+    label = _piece_label(kind, group, axis)(j)
     if not covered:
         rule = f"overflow_covers[{name}]"
         explanation = (

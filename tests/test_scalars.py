@@ -214,6 +214,19 @@ def test_an_overflow_in_one_shard_unseen_by_the_others_is_named() -> None:
     assert not any(x.axis == "tp" for x in violations)
 
 
+def test_a_group_left_out_of_the_norm_on_one_device_is_named() -> None:
+    # Regression (found by the thorough differential): with every degree 1 no axis was judged,
+    # so a norm that leaves a group out was proved while the reference clipped by a smaller norm.
+    program = _program("pp1xclip")
+    ops = tuple(
+        replace(op, groups=frozenset({Group("attention")})) if op.kind is ScalarKind.GRAD_NORM else op
+        for op in program.scalars
+    )
+    _, violations = decide_scalars(replace(program, scalars=ops), 10_000)
+    assert "norm_covers[G.mlp, pp]" in {v.rule for v in violations}
+    assert not _matches(replace(program, scalars=ops))
+
+
 def test_a_group_left_out_of_the_clip_is_named() -> None:
     program = _program("dp2xclip")
     ops = tuple(

@@ -154,7 +154,6 @@ def export_torchtitan(comp: Composition, model: Model) -> Exported:
         FSDP_over_one_device_as_shard_degree_1_disables_FSDP=(
             layout.data is not DataSharding.NONE and layout.dp * layout.ep == 1
         ),
-        fp16_dynamic_loss_scaling=o.scalars.loss_scale is LossScale.DYNAMIC,
         per_token_loss_normalisation_in_the_TOML=o.scalars.per_token,
     )
     if layout.data is DataSharding.NONE:
@@ -215,6 +214,11 @@ def export_torchtitan(comp: Composition, model: Model) -> Exported:
             ac = {"mode": "selective", "selective_ac_option": "op"}
         case _:
             raise AssertionError(o.recompute)
+    if o.scalars.loss_scale is LossScale.DYNAMIC:
+        notes.append(
+            "fp16 dynamic loss scaling: torchtitan trains in bf16 without a loss scale, so there is no "
+            "overflow decision to reduce; the checked composition's fp16 obligations do not apply"
+        )
     text = _toml({"parallelism": par, "training": training, "activation_checkpoint": ac})
     if layout.cp > 1 and layout.data is not DataSharding.NONE:
         notes.append("torchtitan's FSDP also shards parameters over cp; the checked composition replicates them")

@@ -19,7 +19,7 @@ from checker._numbers import MAX_BATCH, MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, pa
 from formal._model import Ffn, Model, Norm, Transformer
 from formal._placement import Options, Recompute, Schedule
 from formal._presets import DEFAULT_DEVICES, DEFAULT_MODEL, PRESETS
-from formal._scalars import LossScale, ScalarSettings
+from formal._scalars import GLOBAL, MICRO_BATCH, LossScale, ScalarSettings
 from formal.errors import InputError
 
 # --- Megatron-LM ----------------------------------------------------------------------------
@@ -442,22 +442,23 @@ def _meg_scalars(values: dict[str, str], flags: set[str], where: str, notes: lis
             f"{where}: --moe-router-load-balancing-type {balancing!r}: expected one of {', '.join(_MEG_BALANCING)}"
         )
     coeff = _meg_number(values, "--moe-aux-loss-coeff", "0", where)
+    scope = ""
     if coeff and balancing in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
-        scope = "global batch" if balancing == "global_aux_loss" else "micro-batch"
-        notes.append(
-            Unmapped(
-                "--moe-aux-loss-coeff",
-                f"the load-balancing loss ({balancing}, coefficient {coeff}, statistics per {scope}) is not "
-                "decided: its normalisation across tp, cp, ep, dp and micro-batches is not modelled",
+        scope = GLOBAL if balancing == "global_aux_loss" else MICRO_BATCH
+        if balancing == "seq_aux_loss":
+            notes.append(
+                Unmapped(
+                    "--moe-router-load-balancing-type seq_aux_loss",
+                    "statistics per sequence: checked as per micro-batch (the same axes split both)",
+                )
             )
-        )
     return ScalarSettings(
         clip=clip > 0,
         max_norm=clip if clip > 0 else None,
         per_token="--calculate-per-token-loss" in flags,
         loss_scale=scale,
         aux_loss_coeff=coeff or None,
-        balancing=balancing if coeff else "",
+        balancing=scope,
     )
 
 

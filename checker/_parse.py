@@ -37,6 +37,8 @@ MODIFIERS: dict[str, str] = {
     "clip": "global gradient-norm clipping (torchtitan max_norm, DeepSpeed gradient_clipping)",
     "per-token": "loss averaged over the global batch's valid tokens, whose counts differ per rank",
     "fp16": "fp16 dynamic loss scaling: an overflow anywhere skips the step on every rank",
+    "balance-loss": "MoE load-balancing loss from each replica's micro-batch routing statistics",
+    "global-balance-loss": "MoE load-balancing loss from the global batch's routing statistics",
     "hpz": "ZeRO++ hpZ on the zero3/fsdp term: zero3<k>xhpz-dpr<N/k>, k = --node-size (Wang et al. 2023)",
 }
 
@@ -239,7 +241,7 @@ def _modifier(term: str, options: Options, seen: list[str]) -> Options | None:
             return replace(options, offload_optimizer=True)
         case "offload-params":
             return replace(options, offload_parameters=True)
-        case "clip" | "per-token" | "fp16":
+        case "clip" | "per-token" | "fp16" | "balance-loss" | "global-balance-loss":
             return replace(options, scalars=scalar_modifier(term, options.scalars))
         case "recompute":
             full = term in ("recompute", "full-recompute")

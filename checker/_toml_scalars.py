@@ -4,11 +4,12 @@ They replace the derived scalar program (the loss normaliser, the global gradien
 clip and the fp16 overflow check), in file order::
 
     [[scalars]]
-    op = "grad_norm"          # normalise_loss, grad_norm, clip or overflow_check
+    op = "grad_norm"          # normalise_loss, grad_norm, clip, overflow_check or aux_loss
     groups = ["attention"]    # optional: the parameter groups covered (default: every one)
     over = ["dp", "tp"]       # the axes the scalar is all-reduced over (default: none)
     once = ["tp"]             # grad_norm: along these only a piece's first holder adds it
-    micro_batches = true      # normalise_loss: the count is summed over the step's micro-batches
+    micro_batches = true      # normalise_loss: the count is summed over the step's micro-batches;
+                              #   aux_loss: the routing statistics are (global-batch balancing)
     compensated = true        # normalise_loss: the loss undoes the gradient mean (default true)
     tokens = "variable"       # normalise_loss: "variable" (default) or "equal" token counts
 
@@ -28,11 +29,11 @@ from formal.errors import StrategyFileError
 
 MAX_SCALARS = 100
 _KEYS = {"op", "groups", "over", "once", "micro_batches", "compensated", "tokens", "note"}
-_ONLY: dict[str, ScalarKind] = {
-    "once": ScalarKind.GRAD_NORM,
-    "micro_batches": ScalarKind.NORMALISE_LOSS,
-    "compensated": ScalarKind.NORMALISE_LOSS,
-    "tokens": ScalarKind.NORMALISE_LOSS,
+_ONLY: dict[str, tuple[ScalarKind, ...]] = {
+    "once": (ScalarKind.GRAD_NORM,),
+    "micro_batches": (ScalarKind.NORMALISE_LOSS, ScalarKind.AUX_LOSS),
+    "compensated": (ScalarKind.NORMALISE_LOSS,),
+    "tokens": (ScalarKind.NORMALISE_LOSS,),
 }
 
 
@@ -65,9 +66,10 @@ def _spec(at: str, index: int, body: dict[str, Any]) -> ScalarSpec:
     kind = kinds.get(str(body.get("op", "")).strip().lower()) if isinstance(body.get("op"), str) else None
     if kind is None:
         raise StrategyFileError(f"{at}: needs op = one of {', '.join(kinds)}")
-    for key, owner in _ONLY.items():
-        if key in body and kind is not owner:
-            raise StrategyFileError(f"{at}: {key} applies to {owner.value} only, not {kind.value}")
+    for key, owners in _ONLY.items():
+        if key in body and kind not in owners:
+            names = " and ".join(o.value for o in owners)
+            raise StrategyFileError(f"{at}: {key} applies to {names} only, not {kind.value}")
     if kind is ScalarKind.CLIP and ("over" in body):
         raise StrategyFileError(f"{at}: a clip is local (it applies the factor of the norm before it): no over")
     groups = _names(at, "groups", body.get("groups")) if "groups" in body else None

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from enum import StrEnum
 
 from formal._placement import Placement
-from formal._scalars import LossScale, ScalarKind, ScalarOp
+from formal._scalars import GLOBAL, LossScale, ScalarKind, ScalarOp
 from formal._vocab import FIRST_STAGE_GROUPS, LAST_STAGE_GROUPS, LAYER_GROUPS, Axis, Group, State
 
 G, O = State.GRADIENTS, State.OPTIMIZER  # noqa: E741 (the paper's P/O/G)
@@ -107,7 +107,36 @@ def derive_scalars(pl: Placement) -> tuple[ScalarOp, ...]:
         ops.append(ScalarOp(ScalarKind.CLIP, note="clip by min(1, max_norm / norm)"))
     if settings.loss_scale is LossScale.DYNAMIC:
         ops.append(ScalarOp(ScalarKind.OVERFLOW_CHECK, over=split, note="skip the step on overflow"))
+    if settings.balancing:
+        scope = aux_scope(pl, settings.balancing == GLOBAL)
+        ops.append(
+            ScalarOp(
+                ScalarKind.AUX_LOSS,
+                over=scope,
+                micro_batches=settings.balancing == GLOBAL,
+                note="load-balancing statistics",
+            )
+        )
     return tuple(ops)
+
+
+def aux_split_axes(pl: Placement) -> tuple[Axis, ...]:
+    """Axes (degree > 1) along which devices route different tokens: the data axes (dp, dpr, cp,
+    ep) and tp under sequence parallelism (its ranks hold sequence shards); tp without it and pp
+    hold the same tokens (or the same layer's) on every rank."""
+    return tuple(
+        a for a in _split_axes(pl) if a.splits_data or (a.kind.sequence_parallel and pl.options.sequence_parallel)
+    )
+
+
+def aux_scope(pl: Placement, whole_batch: bool) -> tuple[Axis, ...]:
+    """The axes the load-balancing statistics must be reduced over: for one replica's
+    micro-batch (Megatron-LM's ``aux_loss``), those that split its tokens, cp and tp under
+    sequence parallelism (its router reduces the tokens per expert over the tp x cp group); for
+    the global batch (``global_aux_loss``), every axis that splits the tokens."""
+    if whole_batch:
+        return aux_split_axes(pl)
+    return tuple(a for a in aux_split_axes(pl) if not a.kind.splits_batch)
 
 
 def split_axes(pl: Placement, groups: Iterable[Group]) -> tuple[Axis, ...]:
@@ -118,6 +147,8 @@ def split_axes(pl: Placement, groups: Iterable[Group]) -> tuple[Axis, ...]:
 
 __all__ = [
     "Holding",
+    "aux_scope",
+    "aux_split_axes",
     "derive_scalars",
     "holders",
     "holding",

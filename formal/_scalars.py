@@ -57,13 +57,12 @@ class ScalarSettings:
     max_norm: Fraction | None = field(default=None, compare=False)  # reported; the verdict holds for any
     per_token: bool = False
     loss_scale: LossScale = LossScale.NONE
-    # The MoE load-balancing loss is read and reported, not yet decided (not in the composition text).
-    aux_loss_coeff: Fraction | None = field(default=None, compare=False)
-    balancing: str = field(default="", compare=False)
+    aux_loss_coeff: Fraction | None = field(default=None, compare=False)  # reported; any positive value
+    balancing: str = ""  # the load-balancing loss's statistics: "" (none), "micro-batch" or "global"
 
     @property
     def any(self) -> bool:
-        return self.clip or self.per_token or self.loss_scale is LossScale.DYNAMIC
+        return self.clip or self.per_token or self.loss_scale is LossScale.DYNAMIC or bool(self.balancing)
 
     def features(self) -> tuple[str, ...]:
         out: list[str] = []
@@ -75,10 +74,13 @@ class ScalarSettings:
             out.append("fp16 dynamic loss scaling")
         elif self.loss_scale is LossScale.STATIC:
             out.append("fp16 static loss scale")
+        if self.balancing:
+            out.append(f"MoE load-balancing loss ({self.balancing} statistics)")
         return tuple(out)
 
 
-SCALAR_MODIFIERS = ("clip", "per-token", "fp16")  # their terms in the composition language
+SCALAR_MODIFIERS = ("clip", "per-token", "fp16", "balance-loss", "global-balance-loss")  # composition-language terms
+MICRO_BATCH, GLOBAL = "micro-batch", "global"  # the load-balancing statistics' scope
 
 
 def scalar_modifier(term: str, settings: ScalarSettings) -> ScalarSettings:
@@ -90,6 +92,10 @@ def scalar_modifier(term: str, settings: ScalarSettings) -> ScalarSettings:
             return replace(settings, per_token=True)
         case "fp16":
             return replace(settings, loss_scale=LossScale.DYNAMIC)
+        case "balance-loss":
+            return replace(settings, balancing=MICRO_BATCH)
+        case "global-balance-loss":
+            return replace(settings, balancing=GLOBAL)
         case _:
             raise AssertionError(term)
 
@@ -103,6 +109,8 @@ def scalar_terms(settings: ScalarSettings) -> list[str]:
         out.append("per-token")
     if settings.loss_scale is LossScale.DYNAMIC:
         out.append("fp16")
+    if settings.balancing:
+        out.append("balance-loss" if settings.balancing == MICRO_BATCH else "global-balance-loss")
     return out
 
 
@@ -113,6 +121,7 @@ class ScalarKind(StrEnum):
     GRAD_NORM = "grad_norm"  # add the squared norms of the held gradients, all-reduce (sum) the total
     CLIP = "clip"  # scale the gradients by min(1, max_norm / norm)
     OVERFLOW_CHECK = "overflow_check"  # look for inf/nan in the held gradients, all-reduce (max) the flag
+    AUX_LOSS = "aux_loss"  # the MoE load-balancing loss from routing statistics all-reduced over axes
 
 
 @dataclass(frozen=True)
@@ -129,7 +138,10 @@ class ScalarOp:
     of the data axes its count is reduced over, undoing the gradient synchronisation's mean
     (Hugging Face transformers multiplies by the number of processes; Megatron-LM sums the
     gradients instead, the same product); ``tokens``: ``variable`` (token counts may differ) or
-    ``equal`` (every rank and micro-batch has as many valid tokens).
+    ``equal`` (every rank and micro-batch has as many valid tokens). For ``AUX_LOSS``: ``over``,
+    the axes its routing statistics (tokens per expert, summed router probabilities) are
+    all-reduced over before the loss is formed; ``micro_batches``, accumulated over the step's
+    micro-batches (global-batch balancing).
     """
 
     kind: ScalarKind
@@ -148,7 +160,10 @@ class ScalarOp:
         parts = [self.kind.value]
         if self.groups is not None:
             parts.append("groups " + ",".join(sorted(g.name for g in self.groups)))
-        if self.kind is ScalarKind.NORMALISE_LOSS:
+        if self.kind is ScalarKind.AUX_LOSS:
+            parts.append("statistics over " + (",".join(a.value for a in self.over) or "the device's tokens"))
+            parts.append("and the micro-batches" if self.micro_batches else "per micro-batch")
+        elif self.kind is ScalarKind.NORMALISE_LOSS:
             parts.append("count over " + (",".join(a.value for a in self.over) or "nothing (local)"))
             parts.append("micro-batches summed" if self.micro_batches else "per micro-batch / m")
             if not self.compensated:
@@ -161,6 +176,8 @@ class ScalarOp:
 
 
 __all__ = [
+    "GLOBAL",
+    "MICRO_BATCH",
     "SCALAR_MODIFIERS",
     "LossScale",
     "ScalarKind",

@@ -33,8 +33,8 @@ from math import prod
 import numpy as np
 
 from formal._program import StepProgram
-from formal._scalar_program import Holding, holders, holding, token_axes
-from formal._scalars import LossScale, ScalarKind, ScalarOp
+from formal._scalar_program import Holding, aux_scope, aux_split_axes, holders, holding, token_axes
+from formal._scalars import GLOBAL, LossScale, ScalarKind, ScalarOp
 from formal._smt_common import _int_degree
 from formal._vocab import Axis, Group, State
 
@@ -78,6 +78,76 @@ def simulate_scalars(program: StepProgram, seed: int = 0) -> ScalarMismatch | No
         found = _overflow(program, check, mesh, rng)
         if found is not None:
             return found
+    if ScalarKind.AUX_LOSS in kinds or settings.balancing:
+        aux = next((op for op in ops if op.kind is ScalarKind.AUX_LOSS), ScalarOp(ScalarKind.AUX_LOSS))
+        found = _aux(program, aux, rng)
+        if found is not None:
+            return found
+    return None
+
+
+# --------------------------------------------------------------------------- the load-balancing loss
+
+EXPERTS = 3
+
+
+def _aux(program: StepProgram, op: ScalarOp, rng: np.random.Generator) -> ScalarMismatch | None:
+    """Random routing of a few tokens per cell (one cell per position along every axis that
+    splits the tokens, and per micro-batch); each cell forms Switch's ``E sum_e f_e P_e`` from
+    the statistics of the cells it reduces over; the cells' losses combine as the gradient does
+    (the mean along data axes and micro-batches, the sum along tp); single-device training
+    balances each set of tokens its scope names (a replica's micro-batch, or the global batch)."""
+    pl = program.placement
+    whole = pl.options.scalars.balancing == GLOBAL
+    axes = list(aux_split_axes(pl))
+    m = int(pl.options.micro_batches)
+    names = [a.value for a in axes] + ["micro-batch"]
+    degrees = [int(pl.degree(a)) for a in axes] + [m]
+    reduced = [a in op.over for a in axes] + [op.micro_batches]
+    scope = [a in set(aux_scope(pl, whole)) for a in axes] + [whole]
+    averaged = [a.splits_data for a in axes] + [True]
+    grid = list(itertools.product(*(range(d) for d in degrees)))
+    stats: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
+    for cell in grid:
+        tokens = int(rng.integers(1, 6))
+        choice = rng.integers(0, EXPERTS, size=tokens)
+        probs = rng.dirichlet(np.ones(EXPERTS), size=tokens)
+        stats[cell] = (np.bincount(choice, minlength=EXPERTS).astype(float), probs.sum(axis=0))
+
+    def balance(cells: list[tuple[int, ...]]) -> float:
+        counts = sum((stats[c][0] for c in cells), np.zeros(EXPERTS))
+        probs = sum((stats[c][1] for c in cells), np.zeros(EXPERTS))
+        n = counts.sum()
+        return float(EXPERTS * np.sum((counts / n) * (probs / n)))
+
+    def group(cell: tuple[int, ...], free: list[bool]) -> list[tuple[int, ...]]:
+        return [c for c in grid if all(c[i] == cell[i] or free[i] for i in range(len(cell)))]
+
+    device = {cell: balance(group(cell, reduced)) for cell in grid}
+
+    def combine(values: dict[tuple[int, ...], float], i: int) -> dict[tuple[int, ...], float]:
+        """Fold coordinate ``i``: the mean, the sum, or (reduced along tp) the one shared loss."""
+        out: dict[tuple[int, ...], list[float]] = {}
+        for cell, v in values.items():
+            out.setdefault(cell[:i] + cell[i + 1 :], []).append(v)
+        if averaged[i]:
+            return {k: sum(v) / len(v) for k, v in out.items()}
+        return {k: (v[0] if reduced[i] else sum(v)) for k, v in out.items()}
+
+    program_value = device
+    for i in reversed(range(len(degrees))):
+        program_value = combine(program_value, i)
+    reference = {cell: balance(group(cell, scope)) for cell in grid}
+    for i in reversed(range(len(degrees))):
+        folded: dict[tuple[int, ...], list[float]] = {}
+        for cell, v in reference.items():
+            folded.setdefault(cell[:i] + cell[i + 1 :], []).append(v)
+        reference = {k: sum(v) / len(v) for k, v in folded.items()}
+    mine, single = program_value[()], reference[()]
+    if abs(mine - single) > RTOL * max(1.0, abs(single)):
+        return ScalarMismatch(
+            "aux_loss", dict(zip(names, [0] * len(names), strict=True)), f"{mine:.12g}", f"{single:.12g}"
+        )
     return None
 
 

@@ -38,12 +38,12 @@ import sympy as sp
 import z3
 
 from formal._program import StepProgram
-from formal._scalar_program import Holding, holders, holding, pieces, token_axes
-from formal._scalars import LossScale, ScalarKind, ScalarOp
+from formal._scalar_program import Holding, aux_scope, aux_split_axes, holders, holding, pieces, token_axes
+from formal._scalars import GLOBAL, LossScale, ScalarKind, ScalarOp
 from formal._smt_common import _int_degree, _number, _status
 from formal._solver import Solver
 from formal._verdict import Condition, Obligation, Violation
-from formal._vocab import Axis, Group, State
+from formal._vocab import ROUTER, Axis, Group, State
 from formal.errors import InputError
 
 GI = Condition.GRADIENT_INTEGRITY
@@ -96,7 +96,106 @@ def decide_scalars(program: StepProgram, timeout_ms: int) -> tuple[list[Obligati
         for g in groups:
             for axis in judged:
                 add(_overflow(program, check, g, axis, timeout_ms))
+    auxes = [op for op in ops if op.kind is ScalarKind.AUX_LOSS]
+    if len(auxes) > 1:
+        raise InputError(f"{len(auxes)} aux_loss ops: one load-balancing loss per step")
+    if auxes or settings.balancing:
+        if ROUTER not in groups:
+            raise InputError("a load-balancing loss needs a model with experts (a router to balance)")
+        aux = auxes[0] if auxes else ScalarOp(ScalarKind.AUX_LOSS)
+        whole = settings.balancing == GLOBAL
+        scope = set(aux_scope(pl, whole))
+        m = _int_degree(sp.sympify(pl.options.micro_batches))
+        coords: list[tuple[str, int, bool, bool, bool]] = [
+            (a.value, _int_degree(pl.degree(a)), a in scope, a in aux.over, a.splits_data) for a in aux_split_axes(pl)
+        ]
+        if m > 1:
+            coords.append((MB, m, whole, aux.micro_batches, True))
+        for name, d, in_scope, reduced, averaged in coords:
+            add(_aux(name, d, in_scope, reduced, averaged, whole, timeout_ms))
     return obligations, violations
+
+
+# --------------------------------------------------------------------------- the load-balancing loss
+
+EXPERTS_MODELLED = 2  # two experts suffice for a witness; the loss is a sum over experts
+MAX_AUX_SHARDS = 3
+
+
+def _aux(
+    name: str, d: int, in_scope: bool, reduced: bool, averaged: bool, whole: bool, timeout_ms: int
+) -> tuple[Obligation, list[Violation]]:
+    """The load-balancing loss along one coordinate (an axis, or the micro-batches) that splits
+    the routed tokens into ``d`` shards (modelled: up to 3, the others alike). Switch/GShard's
+    loss over a set of tokens is ``E sum_e f_e P_e`` (f_e the fraction routed to expert e, P_e
+    their mean router probability of e). Reduced, every shard forms it from the union's
+    statistics; not, from its own, and the shards' losses combine as the gradient does: the mean
+    along data axes and micro-batches, the sum along tp. Single-device training forms it over
+    the union when the coordinate lies within the statistics' scope, else per shard, averaged."""
+    k = min(d, MAX_AUX_SHARDS)
+    e_ = EXPERTS_MODELLED
+    solver = Solver(timeout_ms)
+    n = [z3.Int(f"n{s}") for s in range(k)]
+    c = [[z3.Int(f"c{s}_{e}") for e in range(e_)] for s in range(k)]
+    p = [[z3.Real(f"p{s}_{e}") for e in range(e_)] for s in range(k)]
+    for s_ in range(k):
+        solver.track(f"tokens[{s_}]", z3.And(n[s_] >= 1, *[x >= 0 for x in c[s_]], z3.Sum(*c[s_]) == n[s_]))
+        solver.track(f"probabilities[{s_}]", z3.And(*[x >= 0 for x in p[s_]], z3.Sum(*p[s_]) == z3.ToReal(n[s_])))
+
+    def balance(counts: list[z3.ArithRef], probs: list[z3.ArithRef], tokens: z3.ArithRef) -> z3.ArithRef:
+        t = z3.ToReal(tokens)
+        return e_ * z3.Sum(*[(z3.ToReal(counts[e]) / t) * (probs[e] / t) for e in range(e_)])
+
+    own = [balance(c[s_], p[s_], n[s_]) for s_ in range(k)]
+    union = balance(
+        [z3.Sum(*[c[s_][e] for s_ in range(k)]) for e in range(e_)],
+        [z3.Sum(*[p[s_][e] for s_ in range(k)]) for e in range(e_)],
+        z3.Sum(*n),
+    )
+    combined = z3.Sum(*own) / k if averaged else z3.Sum(*own)
+    program = union if reduced else combined
+    reference = union if in_scope else z3.Sum(*own) / k
+    label = f"aux, {name}"
+    solver.track(f"aux_loss[{label}]", program != reference)
+    answer = solver.check()
+    ob = Obligation(f"aux_loss[{label}]", GI, _status(answer, violated_when="sat"), answer.reason, answer.seconds)
+    if answer.model is None:
+        return ob, []
+    model = answer.model
+
+    def val(x: z3.ArithRef) -> int | str:
+        return _number(model.eval(x, model_completion=True))
+
+    shard = "micro-batch" if name == MB else f"{name} rank"
+    routed = "; ".join(
+        f"{shard} {s_} routes {', '.join(f'{val(c[s_][e])} to expert {e}' for e in range(e_))}" for s_ in range(k)
+    )
+    scope = "the global batch" if whole else "each replica's micro-batch"
+    if in_scope:
+        rule = f"aux_loss_statistics[{label}]"
+        why = (
+            f"the routing statistics are not reduced along {name}: each {shard} balances its own tokens "
+            f"({', '.join(str(val(a)) for a in own)}), " + ("averaged" if averaged else "summed")
+        )
+    else:
+        rule = f"aux_loss_scope[{label}]"
+        why = (
+            f"the routing statistics are reduced along {name}, so the loss balances more tokens than "
+            f"{scope}: another loss than single-device training's"
+        )
+    explanation = f"{routed}: {why}; the loss is {val(program)} where single-device training has {val(reference)}"
+    witness: dict[str, Any] = {
+        "scope": scope,
+        "tokens": {f"{shard} {s_}": val(n[s_]) for s_ in range(k)},
+        "routed": {f"{shard} {s_}": [val(x) for x in c[s_]] for s_ in range(k)},
+        "probabilities": {f"{shard} {s_}": [val(x) for x in p[s_]] for s_ in range(k)},
+        "loss": val(program),
+        "single_device": val(reference),
+        "reduced": reduced,
+        "modelled_shards": k,
+        "degree": d,
+    }
+    return ob, [Violation(rule, GI, "aux", ROUTER.name, None if name == MB else name, explanation, witness)]
 
 
 # --------------------------------------------------------------------------- the loss normaliser

@@ -49,9 +49,16 @@ CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
         ),  # 512 = 2 x 16 x 16; m16 = 4p
         ("torchtitan_llama3_8b.toml", 8, "fsdp8xselectivexclip", 8, 1, "llama3-8b"),
         ("torchtitan_llama3_70b.toml", 64, "tp8xfsdp8xspxrecomputexclip", 64, 8, "llama3-70b"),
-        ("torchtitan_llama3_405b_3d.toml", 384, "tp8xfsdp-sgo4xdpr2xpp6xspxm16xv3xrecompute", 384, 1, "llama3-405b"),
+        (
+            "torchtitan_llama3_405b_3d.toml",
+            384,
+            "tp8xfsdp-sgo4xdpr2xpp6xspxm16xv3xrecomputexclip",
+            384,
+            1,
+            "llama3-405b",
+        ),
         ("megatron_gpt3_175b.sh", None, "tp8xdistopt8xpp16xspxm192xv2xselectivexclip", 1024, 1, "gpt3-175b"),
-        ("megatron_mixtral_8x7b.sh", None, "distopt2xpp4xep8xrecompute", 64, 1, "mixtral-8x7b"),
+        ("megatron_mixtral_8x7b.sh", None, "distopt2xpp4xep8xrecomputexbalance-loss", 64, 1, "mixtral-8x7b"),
     ],
 )
 def test_example_configs_import(

@@ -15,18 +15,22 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import compositions, models
 
+from checker._importers import load_config
 from checker._parse import parse
 from checker._toml import loads
 from formal._model import Transformer
+from formal._presets import PRESETS
 from formal._program import StepProgram, derive_program
 from formal._scalars import ScalarKind, ScalarOp
 from formal._sim_scalars import simulate_scalars
+from formal._smt import decide
 from formal._smt_scalars import decide_scalars
 from formal._strategies import Composition
 from formal._verdict import Status
@@ -62,7 +66,8 @@ def scalar_compositions(draw: st.DrawFn) -> tuple[Composition, Transformer]:
     """Library compositions with clipping, per-token loss and fp16 loss scaling."""
     model = draw(models())
     c = draw(compositions(model))
-    return parse(str(c) + SCALARS), model
+    balance = draw(st.sampled_from(["xbalance-loss", "xglobal-balance-loss"])) if model.is_moe else ""
+    return parse(str(c) + SCALARS + balance), model
 
 
 def _small(c: Composition) -> bool:
@@ -75,7 +80,8 @@ def test_derived_scalar_programs_are_proved_and_match(drawn: tuple[Composition, 
     c, model = drawn
     program = derive_program(c.placement(model), model)
     kinds = {op.kind for op in program.scalars}
-    assert kinds == {ScalarKind.NORMALISE_LOSS, ScalarKind.GRAD_NORM, ScalarKind.CLIP, ScalarKind.OVERFLOW_CHECK}
+    every = {ScalarKind.NORMALISE_LOSS, ScalarKind.GRAD_NORM, ScalarKind.CLIP, ScalarKind.OVERFLOW_CHECK}
+    assert kinds == every | ({ScalarKind.AUX_LOSS} if model.is_moe else set())
     assert _proved(program), str(c)
     if _small(c):
         assert _matches(program), str(c)
@@ -238,6 +244,34 @@ def test_a_group_left_out_of_the_clip_is_named() -> None:
     assert "clip_factor[G.attention]" not in {v.rule for v in violations}
 
 
+def test_per_rank_routing_statistics_under_cp_are_named() -> None:
+    # The load-balancing loss of a replica's micro-batch formed from each cp rank's own tokens
+    # (Megatron PR #3769 reduces the router's statistics over the tp x cp group).
+    model = Transformer("tiny-moe", layers=8, hidden=512, heads=8, vocab=1024, seq=256, experts=8, top_k=2)
+    program = _program("dp2xcp2xep2xbalance-loss", model, toml='[[scalars]]\nop = "aux_loss"\n')
+    _, violations = decide_scalars(program, 10_000)
+    (v,) = violations
+    assert v.rule == "aux_loss_statistics[aux, cp]"
+    w = v.witness
+
+    # re-derive both losses from the witness: Switch's E sum_e f_e P_e, per rank (averaged) and joint
+    def balance(counts: list[Fraction], probs: list[Fraction]) -> Fraction:
+        n = sum(counts)
+        return len(counts) * sum((c / n) * (p / n) for c, p in zip(counts, probs, strict=True))
+
+    ranks = sorted(w["routed"])
+    counts = [[Fraction(str(x)) for x in w["routed"][r]] for r in ranks]
+    probs = [[Fraction(str(x)) for x in w["probabilities"][r]] for r in ranks]
+    own = sum(balance(c, p) for c, p in zip(counts, probs, strict=True)) / len(ranks)
+    joint = balance([sum(col) for col in zip(*counts, strict=True)], [sum(col) for col in zip(*probs, strict=True)])
+    assert Fraction(str(w["loss"])) == own != joint == Fraction(str(w["single_device"]))
+    # global statistics where the reference balances each replica's micro-batch: another loss
+    toml = '[[scalars]]\nop = "aux_loss"\nover = ["cp", "dp"]\n'
+    _, violations = decide_scalars(_program("dp2xcp2xep2xbalance-loss", model, toml=toml), 10_000)
+    assert {v.rule for v in violations} == {"aux_loss_scope[aux, dp]"}
+    assert not _matches(_program("dp2xcp2xep2xbalance-loss", model, toml=toml))
+
+
 def test_scalar_entries_are_checked_when_read() -> None:
     for bad, says in (
         ('[[scalars]]\nop = "norm"\n', "needs op = one of"),
@@ -260,3 +294,40 @@ def test_a_normaliser_op_built_in_code_matches_the_file_one() -> None:
     program = _program("dp2xm2", toml='[[scalars]]\nop = "normalise_loss"\nover = ["dp"]\nmicro_batches = true\n')
     (op,) = program.scalars
     assert op == ScalarOp(ScalarKind.NORMALISE_LOSS, None, (Axis.DP,), (), True, True, "variable", op.note)
+
+
+CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
+
+
+def _config_verdict(path: Path, devices: int | None) -> set[str]:
+    imported = load_config(path, devices=devices)
+    model = imported.transformer or PRESETS[imported.model or "llama2-7b"]
+    c = imported.composition
+    verdict = decide(c, derive_program(c.placement(model), model), model)
+    assert verdict.status is Status.PROVED, verdict.violations
+    return {o.name.split("[")[0] for o in verdict.obligations}
+
+
+@pytest.mark.parametrize(
+    ("name", "devices", "features"),
+    [
+        ("torchtitan_llama3_405b_3d.toml", 384, {"clip_norm", "clip_factor"}),  # max_norm with FSDP x PP
+        ("deepspeed_pipeline.json", None, {"clip_norm", "clip_factor", "loss_scale_overflow"}),  # ZeRO-1 x PP, fp16
+        ("megatron_gpt3_175b.sh", None, {"clip_norm", "clip_factor"}),  # --clip-grad with TP x PP
+        ("megatron_mixtral_8x7b.sh", None, {"aux_loss"}),  # --moe-aux-loss-coeff
+    ],
+)
+def test_the_real_configs_are_proved_with_obligations_that_name_their_scalars(
+    name: str, devices: int | None, features: set[str]
+) -> None:
+    assert features <= _config_verdict(CONFIGS / name, devices)
+
+
+def test_megatron_per_token_loss_is_mapped_and_proved(tmp_path: Path) -> None:
+    # --calculate-per-token-loss was refused as an unknown argument; it is the global token count
+    script = (
+        (CONFIGS / "megatron_gpt3_175b.sh").read_text().replace("--clip-grad", "--calculate-per-token-loss --clip-grad")
+    )
+    path = tmp_path / "gpt3.sh"
+    path.write_text(script)
+    assert "loss_normalisation" in _config_verdict(path, None)

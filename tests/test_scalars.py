@@ -256,8 +256,8 @@ def test_per_rank_routing_statistics_under_cp_are_named() -> None:
 
     # re-derive both losses from the witness: Switch's E sum_e f_e P_e, per rank (averaged) and joint
     def balance(counts: list[Fraction], probs: list[Fraction]) -> Fraction:
-        n = sum(counts)
-        return len(counts) * sum((c / n) * (p / n) for c, p in zip(counts, probs, strict=True))
+        n = sum(counts, Fraction(0))
+        return len(counts) * sum(((c / n) * (p / n) for c, p in zip(counts, probs, strict=True)), Fraction(0))
 
     ranks = sorted(w["routed"])
     counts = [[Fraction(str(x)) for x in w["routed"][r]] for r in ranks]

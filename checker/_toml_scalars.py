@@ -4,7 +4,8 @@ They replace the derived scalar program (the loss normaliser, the global gradien
 clip and the fp16 overflow check), in file order::
 
     [[scalars]]
-    op = "grad_norm"          # normalise_loss, grad_norm, clip, overflow_check or aux_loss
+    op = "grad_norm"          # normalise_loss, grad_norm, clip, overflow_check, aux_loss or
+                              #   cross_entropy
     groups = ["attention"]    # optional: the parameter groups covered (default: every one)
     over = ["dp", "tp"]       # the axes the scalar is all-reduced over (default: none)
     once = ["tp"]             # grad_norm: along these only a piece's first holder adds it
@@ -12,6 +13,7 @@ clip and the fp16 overflow check), in file order::
                               #   aux_loss: the routing statistics are (global-batch balancing)
     compensated = true        # normalise_loss: the loss undoes the gradient mean (default true)
     tokens = "variable"       # normalise_loss: "variable" (default) or "equal" token counts
+    gathered = ["tp"]         # cross_entropy: the logits were all-gathered along these first
 
 ``normalise_loss`` with ``over = []`` and ``micro_batches = false`` is the mean of the
 micro-batches' (and ranks') token means.
@@ -28,12 +30,18 @@ from formal._vocab import Axis, Group, State
 from formal.errors import StrategyFileError
 
 MAX_SCALARS = 100
-_KEYS = {"op", "groups", "over", "once", "micro_batches", "compensated", "tokens", "note"}
+_KEYS = {"op", "groups", "over", "once", "micro_batches", "compensated", "tokens", "note", "gathered"}
 _ONLY: dict[str, tuple[ScalarKind, ...]] = {
     "once": (ScalarKind.GRAD_NORM,),
     "micro_batches": (ScalarKind.NORMALISE_LOSS, ScalarKind.AUX_LOSS),
     "compensated": (ScalarKind.NORMALISE_LOSS,),
     "tokens": (ScalarKind.NORMALISE_LOSS,),
+    "gathered": (ScalarKind.CROSS_ENTROPY,),
+    "groups": (
+        ScalarKind.GRAD_NORM,
+        ScalarKind.CLIP,
+        ScalarKind.OVERFLOW_CHECK,
+    ),
 }
 
 
@@ -75,6 +83,7 @@ def _spec(at: str, index: int, body: dict[str, Any]) -> ScalarSpec:
     groups = _names(at, "groups", body.get("groups")) if "groups" in body else None
     over = _axes(at, "over", body.get("over", []))
     once = _axes(at, "once", body.get("once", []))
+    gathered = _axes(at, "gathered", body.get("gathered", []))
     flags = {k: body.get(k, default) for k, default in (("micro_batches", False), ("compensated", True))}
     for key, value in flags.items():
         if not isinstance(value, bool):
@@ -93,6 +102,7 @@ def _spec(at: str, index: int, body: dict[str, Any]) -> ScalarSpec:
         bool(flags["compensated"]),
         str(tokens),
         str(body.get("note", "from the strategy file")),
+        gathered,
     )
     return ScalarSpec(index, op, groups)
 
@@ -122,7 +132,7 @@ def scalar_program(path: str, specs: tuple[ScalarSpec, ...], pl: Placement) -> t
     """The file's scalar ops over a placement: every axis and group it names must exist."""
     groups = set(pl.groups(State.PARAMETERS))
     for spec in specs:
-        for axis in (*spec.op.over, *spec.op.once):
+        for axis in (*spec.op.over, *spec.op.once, *spec.op.gathered):
             if axis not in pl.axes:
                 raise StrategyFileError(
                     f"{path}: {spec.where}: axis {axis.value} is not in this composition "

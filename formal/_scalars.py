@@ -122,6 +122,7 @@ class ScalarKind(StrEnum):
     CLIP = "clip"  # scale the gradients by min(1, max_norm / norm)
     OVERFLOW_CHECK = "overflow_check"  # look for inf/nan in the held gradients, all-reduce (max) the flag
     AUX_LOSS = "aux_loss"  # the MoE load-balancing loss from routing statistics all-reduced over axes
+    CROSS_ENTROPY = "cross_entropy"  # the loss kernel: its softmax normaliser all-reduced over axes
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,9 @@ class ScalarOp:
     ``equal`` (every rank and micro-batch has as many valid tokens). For ``AUX_LOSS``: ``over``,
     the axes its routing statistics (tokens per expert, summed router probabilities) are
     all-reduced over before the loss is formed; ``micro_batches``, accumulated over the step's
-    micro-batches (global-batch balancing).
+    micro-batches (global-batch balancing). For ``CROSS_ENTROPY``: ``over``, the axes a
+    vocabulary-parallel kernel all-reduces its softmax normaliser (sum of exponentials) over;
+    ``gathered``, the axes along which the logits were all-gathered before the kernel.
     """
 
     kind: ScalarKind
@@ -152,6 +155,7 @@ class ScalarOp:
     compensated: bool = True
     tokens: str = "variable"
     note: str = ""
+    gathered: tuple[Axis, ...] = ()  # CROSS_ENTROPY: axes the logits were all-gathered along before it
 
     def covers(self, group: Group) -> bool:
         return self.groups is None or group in self.groups
@@ -168,6 +172,10 @@ class ScalarOp:
             parts.append("micro-batches summed" if self.micro_batches else "per micro-batch / m")
             if not self.compensated:
                 parts.append("uncompensated")
+        elif self.kind is ScalarKind.CROSS_ENTROPY:
+            parts.append("normaliser over " + (",".join(a.value for a in self.over) or "the device's vocabulary"))
+            if self.gathered:
+                parts.append("logits gathered along " + ",".join(a.value for a in self.gathered))
         elif self.kind is not ScalarKind.CLIP:
             parts.append("over " + (",".join(a.value for a in self.over) or "nothing"))
             if self.once:

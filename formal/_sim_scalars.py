@@ -36,7 +36,7 @@ from formal._program import StepProgram
 from formal._scalar_program import Holding, aux_scope, aux_split_axes, holders, holding, token_axes
 from formal._scalars import GLOBAL, LossScale, ScalarKind, ScalarOp
 from formal._smt_common import _int_degree
-from formal._vocab import Axis, Group, State
+from formal._vocab import LOGITS, Axis, Group, State
 
 RTOL = 1e-9  # relative tolerance of the float64 norm and clip (summation order differs)
 MAX_DEVICES = 512
@@ -83,6 +83,47 @@ def simulate_scalars(program: StepProgram, seed: int = 0) -> ScalarMismatch | No
         found = _aux(program, aux, rng)
         if found is not None:
             return found
+    for kernel in (op for op in ops if op.kind is ScalarKind.CROSS_ENTROPY):
+        found = _cross_entropy(program, kernel, mesh, rng)
+        if found is not None:
+            return found
+    return None
+
+
+# --------------------------------------------------------------------------- the loss kernel's logits
+
+
+def _cross_entropy(
+    program: StepProgram, op: ScalarOp, mesh: list[tuple[Axis, int]], rng: np.random.Generator
+) -> ScalarMismatch | None:
+    """Random logits over a vocabulary of 4 entries per shard; every device computes the
+    cross-entropy of one target token as its kernel does (log of its normaliser, summed over
+    the ``over`` axes, minus the target's logit from the owning shard), against ``log Z - x_t``
+    over the whole vocabulary, within ``RTOL``."""
+    pl = program.placement
+    split = [(a, d) for a, d in mesh if a.kind.hosts_vocabulary and pl.mode(State.ACTIVATIONS, LOGITS, a).is_sharded]
+    shards = prod(d for _, d in split)
+    vocab = 4 * shards
+    logits = rng.standard_normal(vocab)
+    target = int(rng.integers(0, vocab))
+    single = float(np.log(np.sum(np.exp(logits))) - logits[target])
+    names = [a for a, _ in split]
+    layout = np.arange(vocab).reshape([*(d for _, d in split), 4])
+
+    def local(device: dict[Axis, int]) -> float:
+        """Sum of exp over the vocabulary ``device`` holds: its shard along the axes kept split."""
+        index = layout
+        for a in names:
+            if a not in op.gathered:
+                index = np.take(index, [device[a]], axis=names.index(a))
+        return float(np.sum(np.exp(logits[index.ravel()])))
+
+    devices = _devices(mesh)
+    for dev in devices:
+        peers = [o for o in devices if all(o[a] == dev[a] or a in op.over for a, _ in mesh)]
+        value = float(np.log(sum(local(o) for o in peers)) - logits[target])  # target from its owner
+        if abs(value - single) > RTOL * max(1.0, abs(single)):
+            return ScalarMismatch("cross_entropy", _show(dev), f"{value:.12g}", f"{single:.12g}", "the loss")
     return None
 
 

@@ -43,7 +43,7 @@ from formal._scalars import GLOBAL, LossScale, ScalarKind, ScalarOp
 from formal._smt_common import _int_degree, _number, _status
 from formal._solver import Solver
 from formal._verdict import Condition, Obligation, Violation
-from formal._vocab import ROUTER, Axis, Group, State
+from formal._vocab import LOGITS, ROUTER, Axis, Group, State
 from formal.errors import InputError
 
 GI = Condition.GRADIENT_INTEGRITY
@@ -113,7 +113,82 @@ def decide_scalars(program: StepProgram, timeout_ms: int) -> tuple[list[Obligati
             coords.append((MB, m, whole, aux.micro_batches, True))
         for name, d, in_scope, reduced, averaged in coords:
             add(_aux(name, d, in_scope, reduced, averaged, whole, timeout_ms))
+    kernels = [op for op in ops if op.kind is ScalarKind.CROSS_ENTROPY]
+    if len(kernels) > 1:
+        raise InputError(f"{len(kernels)} cross_entropy ops: one loss kernel")
+    for kernel in kernels:
+        if (State.ACTIVATIONS, LOGITS) not in set(pl.keys()):
+            raise InputError("cross_entropy: the model has no logits activation (a transformer's output layer)")
+        for axis in judged:
+            add(_cross_entropy(program, kernel, axis, timeout_ms))
     return obligations, violations
+
+
+# --------------------------------------------------------------------------- the loss kernel's logits
+
+
+def _cross_entropy(
+    program: StepProgram, op: ScalarOp, axis: Axis, timeout_ms: int
+) -> tuple[Obligation, list[Violation]]:
+    """The softmax normaliser ``Z = sum_j exp(x_j)`` a cross-entropy kernel forms from the logits
+    each device holds along ``axis`` (vocabulary shards where ``A.logits`` is sharded along it
+    and not gathered, else the whole vocabulary), summed over the axis if the kernel all-reduces
+    there (Megatron-LM's ``vocab_parallel_cross_entropy``), against single-device training's
+    ``Z`` over the whole vocabulary (the target logit is taken from the shard that owns it). The
+    exponentials are positive reals; the loss is ``log Z - x_target``, so Z decides it."""
+    pl = program.placement
+    d = _int_degree(pl.degree(axis))
+    # only an axis that hosts the vocabulary splits it (along data axes A.logits splits the batch)
+    vocab_split = axis.kind.hosts_vocabulary and pl.mode(State.ACTIVATIONS, LOGITS, axis).is_sharded
+    sharded = vocab_split and axis not in op.gathered
+    k = min(d, MAX_EXPLICIT)
+    rest = d - k
+    pieces_ = (k + (1 if rest else 0)) if sharded else 1
+    exps = [z3.Real(f"exp{j}") for j in range(pieces_)]
+    solver = Solver(timeout_ms)
+    solver.track("positive", z3.And(*[e > 0 for e in exps]))
+    devices = range(k + (1 if rest else 0))
+    weight = {i: (rest if (i == k and not sharded) else 1) for i in devices}  # the aggregate: rest whole copies
+
+    def local(i: int) -> z3.ArithRef:
+        return exps[i] if sharded else weight[i] * exps[0]
+
+    reduced = axis in op.over
+    total = z3.Sum(*[local(i) for i in devices])
+    mine = {i: (total if reduced else local(i)) for i in devices if i < k}
+    reference = z3.Sum(*exps)
+    name = f"A.logits, {axis.value}"
+    solver.track(f"logits_placement[{name}]", z3.Or(*[v != reference for v in mine.values()]))
+    answer = solver.check()
+    ob = Obligation(f"cross_entropy[{name}]", GI, _status(answer, violated_when="sat"), answer.reason, answer.seconds)
+    if answer.model is None:
+        return ob, []
+    model = answer.model
+    held = {str(i): _number(model.eval(v, model_completion=True)) for i, v in mine.items()}
+    single = _number(model.eval(reference, model_completion=True))
+    if not sharded and reduced:
+        explanation = (
+            f"every {axis.value} rank holds the whole vocabulary"
+            + (f" (the logits were gathered along {axis.value})" if axis in op.gathered else "")
+            + f" and the vocabulary-parallel kernel sums exp over {axis.value}: the softmax normaliser is "
+            f"{d} Z, so the loss is off by log({d}) and every softmax probability, the gradient, is 1/{d} of "
+            "single-device training's"
+        )
+    else:
+        explanation = (
+            f"each {axis.value} rank holds a vocabulary shard and the kernel normalises over its shard only: "
+            f"the softmax normaliser is its shard's sum of exp, not the whole vocabulary's"
+        )
+    witness: dict[str, Any] = {
+        "logits": "vocabulary shards" if sharded else "whole vocabulary",
+        "normaliser_reduced_over_axis": reduced,
+        "degree": d,
+        "exponentials": [_number(model.eval(e, model_completion=True)) for e in exps],
+        "devices": held,
+        "single_device": single,
+    }
+    rule = f"logits_placement[{name}]"
+    return ob, [Violation(rule, GI, "A", LOGITS.name, axis.value, explanation, witness)]
 
 
 # --------------------------------------------------------------------------- the load-balancing loss

@@ -24,7 +24,9 @@ rule the verdict enforces, each committing exactly that violation, changes what 
 training computes: ``token_count`` (the mean of two micro-batches' means), ``loss_compensation``
 (the global count without undoing the mean over two ranks), ``norm_counts_once`` (a tp replica
 added by both ranks), ``norm_covers`` (a stage left out), ``clip_factor`` (a group not clipped),
-``overflow_reduced`` (a rank that does not see the other's overflow steps).
+``overflow_reduced`` (a rank that does not see the other's overflow steps),
+``aux_loss_statistics`` (the load-balancing loss of each cp shard's tokens, averaged, against the
+micro-batch's), ``logits_placement`` (gathered logits in a vocabulary-parallel kernel).
 """
 
 from __future__ import annotations
@@ -230,6 +232,52 @@ def _overflow_necessity() -> Outcome:
     return _replayed(model, replay)
 
 
+def _aux_necessity() -> Outcome:
+    """Two cp shards of one micro-batch, two experts: each shard's own Switch loss, averaged,
+    against the loss of the union of their tokens."""
+    n = [z3.Int(f"n{s}") for s in range(2)]
+    c = [[z3.Int(f"c{s}_{e}") for e in range(2)] for s in range(2)]
+    p = [[z3.Real(f"p{s}_{e}") for e in range(2)] for s in range(2)]
+    facts: dict[str, z3.BoolRef] = {}
+    for s_ in range(2):
+        facts[f"tokens{s_}"] = z3.And(n[s_] >= 1, *[x >= 0 for x in c[s_]], z3.Sum(*c[s_]) == n[s_])
+        facts[f"probabilities{s_}"] = z3.And(*[x >= 0 for x in p[s_]], z3.Sum(*p[s_]) == z3.ToReal(n[s_]))
+
+    def balance(counts: list[z3.ArithRef], probs: list[z3.ArithRef], tokens: z3.ArithRef) -> z3.ArithRef:
+        t = z3.ToReal(tokens)
+        return 2 * z3.Sum(*[(z3.ToReal(counts[e]) / t) * (probs[e] / t) for e in range(2)])
+
+    own = (balance(c[0], p[0], n[0]) + balance(c[1], p[1], n[1])) / 2
+    union = balance([c[0][e] + c[1][e] for e in range(2)], [p[0][e] + p[1][e] for e in range(2)], n[0] + n[1])
+    facts["differs"] = own != union
+    model = _sat(facts)
+
+    def replay(m: z3.ModelRef) -> tuple[bool, str]:
+        def bal(counts: list[Fraction], probs: list[Fraction]) -> Fraction:
+            t = sum(counts, Fraction(0))
+            return 2 * sum(((x / t) * (y / t) for x, y in zip(counts, probs, strict=True)), Fraction(0))
+
+        cs = [[_frac(m, x) for x in row] for row in c]
+        ps = [[_frac(m, x) for x in row] for row in p]
+        mine = (bal(cs[0], ps[0]) + bal(cs[1], ps[1])) / 2
+        single = bal([cs[0][e] + cs[1][e] for e in range(2)], [ps[0][e] + ps[1][e] for e in range(2)])
+        return mine != single, f"per-shard loss {mine}, the micro-batch's {single}"
+
+    return _replayed(model, replay)
+
+
+def _logits_necessity() -> Outcome:
+    z = z3.Real("Z")  # the whole vocabulary's sum of exp, on each of two tp ranks holding it whole
+    model = _sat({"positive": z > 0})
+
+    def replay(m: z3.ModelRef) -> tuple[bool, str]:
+        whole = _frac(m, z)
+        summed = 2 * whole  # the vocabulary-parallel kernel's all-reduce over tp = 2
+        return summed != whole, f"normaliser {summed} where single-device training has {whole} (log 2 apart)"
+
+    return _replayed(model, replay)
+
+
 # --------------------------------------------------------------------------- the list
 
 
@@ -286,6 +334,16 @@ def obligations() -> list[Obligation]:
             "overflow_reduced",
             "a rank that misses another's overflow steps while single-device training skips",
             _overflow_necessity,
+        ),
+        (
+            "aux_loss_statistics",
+            "the load-balancing loss of each cp shard's own tokens, averaged, is not the micro-batch's",
+            _aux_necessity,
+        ),
+        (
+            "logits_placement",
+            "gathered logits fed to a vocabulary-parallel kernel double its normaliser at tp = 2",
+            _logits_necessity,
         ),
     ):
         out.append(Obligation(f"scalars.necessity.{name}", statement, "z3+exact-replay", decide))

@@ -331,3 +331,29 @@ def test_megatron_per_token_loss_is_mapped_and_proved(tmp_path: Path) -> None:
     path = tmp_path / "gpt3.sh"
     path.write_text(script)
     assert "loss_normalisation" in _config_verdict(path, None)
+
+
+@settings(max_examples=max(20, settings().max_examples // 5))
+@given(st.data())
+def test_cross_entropy_kernels_z3_iff_the_reference(data: st.DataObject) -> None:
+    """Random loss kernels (normaliser reduced over some axes, logits gathered along some):
+    z3 proves iff the float reference's loss equals log Z - x_target within RTOL."""
+    text = data.draw(st.sampled_from(["tp2xdp2", "tp4", "tp2xpp2", "dp2xcp2", "tp2xspxcp2"]))
+    program = _program(text)
+    axes = list(program.placement.axes)
+    over = tuple(data.draw(st.lists(st.sampled_from(axes), unique=True)))
+    gathered = tuple(data.draw(st.lists(st.sampled_from(axes), unique=True)))
+    op = ScalarOp(ScalarKind.CROSS_ENTROPY, over=over, gathered=gathered)
+    program = replace(program, scalars=(op,), derived=False)
+    assert _proved(program) == _matches(program), (text, over, gathered)
+
+
+def test_gathered_logits_are_off_by_log_tp() -> None:
+    # Megatron-LM #7452: the witness's normaliser on every rank is tp x the single-device one
+    program = _program("tp4", toml='[[scalars]]\nop = "cross_entropy"\ngathered = ["tp"]\nover = ["tp"]\n')
+    _, violations = decide_scalars(program, 10_000)
+    (v,) = violations
+    assert v.rule == "logits_placement[A.logits, tp]" and "log(4)" in v.explanation
+    assert all(Fraction(str(x)) == 4 * Fraction(str(v.witness["single_device"])) for x in v.witness["devices"].values())
+    assert _proved(_program("tp4", toml='[[scalars]]\nop = "cross_entropy"\nover = ["tp"]\n'))
+    assert _proved(_program("tp4", toml='[[scalars]]\nop = "cross_entropy"\ngathered = ["tp"]\n'))  # a local kernel

@@ -57,6 +57,11 @@ theorem mean_of_means_exact_iff (n0 n1 : Nat) : 2 * n0 = n0 + n1 ↔ n0 = n1 := 
 theorem mean_of_means_differs : 2 * 50 ≠ 50 + 30 := by
   decide
 
+/-- Necessity (`logits_placement`): two tp ranks holding the whole vocabulary (gathered logits)
+and summing their normalisers give `2 Z`, not `Z`: the loss is off by `log 2`. -/
+theorem gathered_logits_double_the_normaliser (z : Nat) (hz : 0 < z) : z + z ≠ z := by
+  omega
+
 /-- An element-wise update after a global scalar (the clip factor) matches single-device training
 when every device's gradient and scalar are the single-device ones. -/
 theorem elementwise_after_scalar (u : Int → Int → Int → Int) (p o g c gi ci : Int)

@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from enum import StrEnum
+from fractions import Fraction
 from typing import Any
 
 from checker._layout import DataSharding, ExportError, Layout, layout_of
 from formal._model import Model, Transformer
 from formal._placement import Placement, Recompute
 from formal._program import Origin, gradient_origins
-from formal._scalars import LossScale, ScalarSettings
+from formal._scalars import GLOBAL, LossScale, ScalarSettings
 from formal._schedules import DEEPSPEED, MEGATRON, TORCHTITAN, PipelineSchedule
 from formal._strategies import Composition
 from formal._vocab import ATTENTION, EMBEDDING, EXPERTS, HEAD, MLP, Axis, Group, Mode, State
@@ -155,6 +156,7 @@ def export_torchtitan(comp: Composition, model: Model) -> Exported:
             layout.data is not DataSharding.NONE and layout.dp * layout.ep == 1
         ),
         per_token_loss_normalisation_in_the_TOML=o.scalars.per_token,
+        a_load_balancing_loss_scope_in_the_TOML=bool(o.scalars.balancing),
     )
     if layout.data is DataSharding.NONE:
         replicate, shard = layout.dp, 1
@@ -282,6 +284,7 @@ def export_deepspeed(comp: Composition, model: Model) -> Exported:
         parameter_offload_below_stage_3=o.offload_parameters and stage != 3,
         selective_recomputation=o.recompute is Recompute.SELECTIVE,
         per_token_loss_normalisation_in_the_JSON=o.scalars.per_token,
+        a_load_balancing_loss_in_the_JSON=bool(o.scalars.balancing),
     )
     assert stage is not None
     micro = _micro(model)
@@ -393,6 +396,10 @@ def export_megatron(comp: Composition, model: Model) -> Exported:
         args.append(("--clip-grad", repr(_max_norm(o.scalars))))
     if o.scalars.per_token:
         args.append(("--calculate-per-token-loss", None))
+    if o.scalars.balancing:
+        kind = "global_aux_loss" if o.scalars.balancing == GLOBAL else "aux_loss"
+        coeff = o.scalars.aux_loss_coeff if o.scalars.aux_loss_coeff is not None else Fraction(1, 100)
+        args += [("--moe-router-load-balancing-type", kind), ("--moe-aux-loss-coeff", repr(float(coeff)))]
     text = " \\\n".join(name if value is None else f"{name} {value}" for name, value in args) + "\n"
     devices = dp_megatron * layout.tp * layout.pp * layout.cp
     return Exported(Target.MEGATRON, text, (f"launch on {devices} devices (torchrun ... pretrain_gpt.py ARGS)",))

@@ -8,7 +8,6 @@ pipeline engine.
 from __future__ import annotations
 
 import json
-from fractions import Fraction
 from typing import Any
 
 from checker._import_common import (
@@ -22,13 +21,13 @@ from checker._import_common import (
     _schema,
     imported,
 )
+from checker._import_scalars import deepspeed_scalars
 from checker._layout import DataSharding, Layout
 from checker._numbers import MAX_BATCH, MAX_DEGREE, MAX_MICRO_BATCH
 from formal._input import OBJECT, TEXT, Expect, Schema, integer, printable
 from formal._model import Model, Transformer
 from formal._placement import Options, Recompute
 from formal._presets import DEFAULT_DEVICES
-from formal._scalars import LossScale, ScalarSettings
 
 # --- DeepSpeed ------------------------------------------------------------------------------
 
@@ -328,7 +327,7 @@ def import_deepspeed(
         recompute=recompute,
         micro_batches=gas,
         uneven_stages=uneven,
-        scalars=_ds_scalars(raw, where),
+        scalars=deepspeed_scalars(raw, where),
     )
     hpz = zero.get("zero_hpz_partition_size")  # DeepSpeed's default 1 (and 0) mean no secondary partition
     node = 1 if hpz is None else max(1, _pos_int(hpz, where, "zero_optimization.zero_hpz_partition_size", allow=(0,)))
@@ -504,22 +503,6 @@ def _ds_solve_batch(
             )
         )
     return dp, micro, gas, None if dp is None else dp * tp * pp
-
-
-def _ds_scalars(raw: dict[str, Any], where: str) -> ScalarSettings:
-    """Global-norm clipping (``gradient_clipping`` > 0; DeepSpeed's default 0 clips nothing) and
-    fp16 loss scaling (``fp16.loss_scale``: 0, the default, is dynamic; a positive value static)."""
-    clip = raw.get("gradient_clipping", 0)
-    if isinstance(clip, bool) or not isinstance(clip, int | float) or clip < 0 or clip != clip or clip > 1e12:
-        raise ConfigError(f"{where}: gradient_clipping={clip!r}: expected a number >= 0")
-    scale = LossScale.NONE
-    fp16 = raw.get("fp16", {})
-    if isinstance(fp16, dict) and fp16.get("enabled", False) in (True, "auto"):
-        value = fp16.get("loss_scale", 0)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or value != value:
-            raise ConfigError(f"{where}: fp16.loss_scale={value!r}: expected 0 (dynamic) or a positive scale")
-        scale = LossScale.DYNAMIC if value == 0 else LossScale.STATIC
-    return ScalarSettings(clip=clip > 0, max_norm=Fraction(str(clip)) if clip > 0 else None, loss_scale=scale)
 
 
 def _ds_precision(raw: dict[str, Any], where: str, notes: list[Unmapped]) -> str:

@@ -13,13 +13,13 @@ from dataclasses import replace
 from fractions import Fraction
 
 from checker._import_common import ConfigError, Framework, Imported, Unmapped, _divide, imported
+from checker._import_scalars import megatron_scalars
 from checker._import_shell import arguments, script_command
 from checker._layout import DataSharding, Layout
 from checker._numbers import MAX_BATCH, MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, parse_int
 from formal._model import Ffn, Model, Norm, Transformer
 from formal._placement import Options, Recompute, Schedule
 from formal._presets import DEFAULT_DEVICES, DEFAULT_MODEL, PRESETS
-from formal._scalars import GLOBAL, MICRO_BATCH, LossScale, ScalarSettings
 from formal.errors import InputError
 
 # --- Megatron-LM ----------------------------------------------------------------------------
@@ -367,7 +367,7 @@ def import_megatron(
         chunks=chunks,
         micro_batches=m,
         uneven_stages=uneven,
-        scalars=_meg_scalars(values, flags, where, notes),
+        scalars=megatron_scalars(values, flags, where, notes),
     )
     distopt = "--use-distributed-optimizer" in flags
     if distopt and ep > 1:
@@ -407,59 +407,6 @@ def import_megatron(
         own = replace(base, dropout=dropout)  # a preset keeps its name (``model``), trained as the arguments say
     out = imported(Framework.MEGATRON, layout, total, micro, seq, precision, preset, notes)
     return out if own is None else replace(out, transformer=own)
-
-
-def _meg_number(values: dict[str, str], name: str, default: str, where: str) -> Fraction:
-    text = values.get(name, default)
-    try:
-        value = Fraction(text)
-    except (ValueError, ZeroDivisionError):
-        raise ConfigError(f"{where}: {name} {text!r}: expected a number") from None
-    if value < 0 or value > 10**12:
-        raise ConfigError(f"{where}: {name} {text}: expected a number from 0 to 1e12")
-    return value
-
-
-_MEG_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
-
-
-def _meg_scalars(values: dict[str, str], flags: set[str], where: str, notes: list[Unmapped]) -> ScalarSettings:
-    """Megatron-LM's scalars (``megatron/training/arguments.py``): ``--clip-grad`` (mapped when
-    given; 0 clips nothing, and Megatron's default, 1.0, clips too), ``--calculate-per-token-loss``
-    (the loss divided by the token count all-reduced over dp x cp and the micro-batches), fp16
-    loss scaling (dynamic unless
-    ``--loss-scale`` fixes it), the MoE load-balancing loss (``--moe-aux-loss-coeff``, default 0,
-    of ``--moe-router-load-balancing-type``, default ``aux_loss``)."""
-    clip = _meg_number(values, "--clip-grad", "0", where)  # the default (1.0) is mapped when stated
-    scale = LossScale.NONE
-    if "--fp16" in flags:
-        scale = LossScale.STATIC if "--loss-scale" in values else LossScale.DYNAMIC
-    elif "--loss-scale" in values:
-        notes.append(Unmapped("--loss-scale", "a loss scale without --fp16: Megatron scales bf16 losses by none"))
-    balancing = values.get("--moe-router-load-balancing-type", "aux_loss")
-    if balancing not in _MEG_BALANCING:
-        raise ConfigError(
-            f"{where}: --moe-router-load-balancing-type {balancing!r}: expected one of {', '.join(_MEG_BALANCING)}"
-        )
-    coeff = _meg_number(values, "--moe-aux-loss-coeff", "0", where)
-    scope = ""
-    if coeff and balancing in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
-        scope = GLOBAL if balancing == "global_aux_loss" else MICRO_BATCH
-        if balancing == "seq_aux_loss":
-            notes.append(
-                Unmapped(
-                    "--moe-router-load-balancing-type seq_aux_loss",
-                    "statistics per sequence: checked as per micro-batch (the same axes split both)",
-                )
-            )
-    return ScalarSettings(
-        clip=clip > 0,
-        max_norm=clip if clip > 0 else None,
-        per_token="--calculate-per-token-loss" in flags,
-        loss_scale=scale,
-        aux_loss_coeff=coeff or None,
-        balancing=scope,
-    )
 
 
 # Megatron-LM's defaults (``megatron/training/arguments.py``): --attention-dropout 0.1 on the

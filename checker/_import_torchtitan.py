@@ -7,7 +7,6 @@ checkpointing and CPU offload.
 
 from __future__ import annotations
 
-from fractions import Fraction
 from typing import Any
 
 from checker._import_common import (
@@ -22,13 +21,13 @@ from checker._import_common import (
     _schema,
     imported,
 )
+from checker._import_scalars import torchtitan_scalars
 from checker._layout import DataSharding, Layout
 from checker._numbers import MAX_BATCH, MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ
 from formal._input import BOOL, TEXT, TEXT_LIST, Expect, Schema, integer
 from formal._model import Model, Transformer
 from formal._placement import Options, Recompute, Schedule
 from formal._presets import DEFAULT_DEVICES, PRESETS
-from formal._scalars import ScalarSettings
 from formal._schedules import for_torchtitan, schedule_of, torchtitan_names
 
 # --- torchtitan -----------------------------------------------------------------------------
@@ -235,7 +234,7 @@ def import_torchtitan(
         chunks=chunks,
         micro_batches=m,
         uneven_stages=uneven,
-        scalars=_tt_scalars(training, where),
+        scalars=torchtitan_scalars(training, where),
     )
     if tp > 1:
         notes.append(
@@ -249,18 +248,6 @@ def import_torchtitan(
         Unmapped("precision", "torchtitan keeps fp32 sharded parameters, gradients and AdamW state ('fp32' recipe)")
     )
     return imported(Framework.TORCHTITAN, layout, world, micro, seq, "fp32", preset, notes)
-
-
-def _tt_scalars(training: dict[str, Any], where: str) -> ScalarSettings:
-    """``training.max_norm``: torchtitan clips by the global norm of every parameter's gradient
-    (``dist_utils.clip_grad_norm_``, with the pp all-reduce of torchtitan PR #649). Mapped when
-    the config states it (torchtitan's default, 1.0, clips too: write it to have it checked)."""
-    if "max_norm" not in training:
-        return ScalarSettings()
-    value = training["max_norm"]
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1e12:
-        raise ConfigError(f"{where}: training.max_norm={value!r}: expected a number > 0")
-    return ScalarSettings(clip=True, max_norm=Fraction(str(value)))
 
 
 def _tt_schedule(par: dict[str, Any], pp: int, model: Model | None, where: str) -> tuple[Schedule, int]:

@@ -278,6 +278,13 @@ def _cli(*args: str) -> Ran:
     return Ran(result.exit_code, result.stdout, result.stderr)
 
 
+def test_megatron_export_says_the_load_balancing_loss() -> None:
+    moe = PRESETS["mixtral-8x7b"]
+    for term, kind in (("balance-loss", "aux_loss"), ("global-balance-loss", "global_aux_loss")):
+        text = export(parse(f"dp2xpp4xep8x{term}"), moe, Target.MEGATRON).text
+        assert f"--moe-router-load-balancing-type {kind}" in text and "--moe-aux-loss-coeff" in text
+
+
 def test_cli_export_and_convert() -> None:
     out = _cli("export", "tp2xfsdp8xpp4xsp", "--to", "torchtitan")
     assert out.returncode == 0, out.stderr
@@ -371,6 +378,8 @@ REFUSED = [  # (target, composition, what the one-line refusal names)
     (D, "zero31xhpz-dpr2", "hierarchical partitioning over nodes of one device"),
     (T, "fsdp4xper-token", "per token loss normalisation"),
     (D, "zero14xper-token", "per token loss normalisation"),
+    (T, "fsdp4xbalance-loss", "load balancing loss"),
+    (D, "zero14xglobal-balance-loss", "load balancing loss"),
 ]
 
 

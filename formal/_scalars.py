@@ -114,6 +114,27 @@ def scalar_terms(settings: ScalarSettings) -> list[str]:
     return out
 
 
+# The rules of the scalar obligations (the training simulator does not run the scalars: the
+# scalar reference, formal/_sim_scalars.py, answers for them).
+SCALAR_RULES = (
+    "token_count[",
+    "loss_compensation[",
+    "norm_counts_once[",
+    "norm_covers[",
+    "clip_factor[",
+    "overflow_reduced[",
+    "overflow_covers[",
+    "aux_loss_statistics[",
+    "aux_loss_scope[",
+    "logits_placement[",
+)
+
+
+def is_scalar_rule(rule: str) -> bool:
+    """Whether a violation's rule is one of the scalars' (``decide_scalars``)."""
+    return rule.startswith(SCALAR_RULES)
+
+
 class ScalarKind(StrEnum):
     """The ops of a scalar program."""
 
@@ -193,4 +214,6 @@ __all__ = [
     "ScalarSettings",
     "scalar_modifier",
     "scalar_terms",
+    "SCALAR_RULES",
+    "is_scalar_rule",
 ]

@@ -39,7 +39,7 @@ import z3
 
 from formal._program import StepProgram
 from formal._scalar_program import Holding, aux_scope, aux_split_axes, holders, holding, pieces, token_axes
-from formal._scalars import GLOBAL, LossScale, ScalarKind, ScalarOp
+from formal._scalars import GLOBAL, SCALAR_RULES, LossScale, ScalarKind, ScalarOp, is_scalar_rule
 from formal._smt_common import _int_degree, _number, _status
 from formal._solver import Solver
 from formal._verdict import Condition, Obligation, Violation
@@ -47,6 +47,7 @@ from formal._vocab import LOGITS, ROUTER, Axis, Group, State
 from formal.errors import InputError
 
 GI = Condition.GRADIENT_INTEGRITY
+
 MAX_EXPLICIT = 8  # devices modelled one by one along an axis; the others are one aggregate
 MB = "micro-batches"  # the micro-batch loop, as a coordinate of the token grid
 
@@ -591,4 +592,4 @@ def _overflow(
     return ob, [Violation(rule, GI, State.GRADIENTS.value, group.name, axis.value, explanation, witness)]
 
 
-__all__ = ["MAX_EXPLICIT", "decide_scalars"]
+__all__ = ["MAX_EXPLICIT", "SCALAR_RULES", "decide_scalars", "is_scalar_rule"]

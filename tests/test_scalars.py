@@ -24,7 +24,7 @@ from strategies import compositions, models
 
 from checker._importers import load_config
 from checker._parse import parse
-from checker._toml import loads
+from checker._toml import load, loads
 from formal._model import Transformer
 from formal._presets import PRESETS
 from formal._program import StepProgram, derive_program
@@ -357,3 +357,19 @@ def test_gathered_logits_are_off_by_log_tp() -> None:
     assert all(Fraction(str(x)) == 4 * Fraction(str(v.witness["single_device"])) for x in v.witness["devices"].values())
     assert _proved(_program("tp4", toml='[[scalars]]\nop = "cross_entropy"\nover = ["tp"]\n'))
     assert _proved(_program("tp4", toml='[[scalars]]\nop = "cross_entropy"\ngathered = ["tp"]\n'))  # a local kernel
+
+
+def test_simulate_answers_for_the_scalars_so_a_refuted_clip_is_no_disagreement() -> None:
+    # Regression: the training simulator does not clip, so a refuted scalar program matched
+    # there and --simulate reported "z3 and the executable reference disagree" (exit 5).
+    from checker._simulate import disagreement, run_simulation
+
+    model = PRESETS["gpt3-1.3b"]
+    for name, refuted in (("broken_clip_tp_duplicates", True), ("valid_clip_tp", False)):
+        file = load(Path(__file__).resolve().parent.parent / "examples" / f"{name}.toml")
+        c = parse("tp2xdp2xclip", file.factories())
+        verdict = decide(c, file.program_for(c.placement(model), model), model)
+        assert (verdict.status is Status.REFUTED) is refuted
+        doc, line = run_simulation(c, file, model, verdict)
+        assert doc["scalars"]["matches"] is not refuted and "scalars:" in line
+        assert disagreement(verdict, doc) is None

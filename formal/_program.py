@@ -212,6 +212,10 @@ def derive_program(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr] |
     4. the optimizer step on the optimizer's shards;
     5. refresh: all-gather replicated parameters updated from sharded optimizer state, copy
        host-updated parameters back (offloaded replicas: to the device, gathered, to the host).
+
+    Beside the ops, the scalar program the composition's scalar settings ask for (the loss
+    normaliser, the global norm and clip, the fp16 overflow check, the load-balancing loss:
+    ``formal._scalar_program.derive_scalars``).
     """
     sizes = dict(sizes) if sizes is not None else group_sizes(model)
     m = sp.sympify(pl.options.micro_batches)  # a symbol in the planner's derivations

@@ -26,7 +26,7 @@ from typing import Any
 
 from formal._placement import Placement
 from formal._scalars import ScalarKind, ScalarOp
-from formal._vocab import Axis, Group, State
+from formal._vocab import LOGITS, ROUTER, Axis, Group, State
 from formal.errors import StrategyFileError
 
 MAX_SCALARS = 100
@@ -144,6 +144,10 @@ def scalar_program(path: str, specs: tuple[ScalarSpec, ...], pl: Placement) -> t
                     f"{path}: {spec.where}: group {name!r} is not a parameter group of this model "
                     f"({', '.join(g.name for g in sorted(groups))})"
                 )
+        if spec.op.kind is ScalarKind.AUX_LOSS and ROUTER not in groups:
+            raise StrategyFileError(f"{path}: {spec.where}: the model has no experts (no router to balance)")
+        if spec.op.kind is ScalarKind.CROSS_ENTROPY and (State.ACTIVATIONS, LOGITS) not in set(pl.keys()):
+            raise StrategyFileError(f"{path}: {spec.where}: the model has no logits (give a transformer)")
     return tuple(spec.op for spec in specs)
 
 

@@ -9,7 +9,8 @@ from enum import StrEnum
 
 from formal._placement import Placement
 from formal._scalars import GLOBAL, LossScale, ScalarKind, ScalarOp
-from formal._vocab import FIRST_STAGE_GROUPS, LAST_STAGE_GROUPS, LAYER_GROUPS, Axis, Group, State
+from formal._vocab import FIRST_STAGE_GROUPS, LAST_STAGE_GROUPS, LAYER_GROUPS, ROUTER, Axis, Group, State
+from formal.errors import InputError
 
 G, O = State.GRADIENTS, State.OPTIMIZER  # noqa: E741 (the paper's P/O/G)
 
@@ -108,6 +109,11 @@ def derive_scalars(pl: Placement) -> tuple[ScalarOp, ...]:
     if settings.loss_scale is LossScale.DYNAMIC:
         ops.append(ScalarOp(ScalarKind.OVERFLOW_CHECK, over=split, note="skip the step on overflow"))
     if settings.balancing:
+        if ROUTER not in pl.groups(State.PARAMETERS):
+            raise InputError(
+                "a load-balancing loss (balance-loss, --moe-aux-loss-coeff) needs a model with experts: "
+                "this one has no router to balance"
+            )
         scope = aux_scope(pl, settings.balancing == GLOBAL)
         ops.append(
             ScalarOp(

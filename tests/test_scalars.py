@@ -373,3 +373,12 @@ def test_simulate_answers_for_the_scalars_so_a_refuted_clip_is_no_disagreement()
         doc, line = run_simulation(c, file, model, verdict)
         assert doc["scalars"]["matches"] is not refuted and "scalars:" in line
         assert disagreement(verdict, doc) is None
+
+
+def test_a_load_balancing_loss_without_experts_is_refused_in_one_line() -> None:
+    # Regression (found by tests/test_fuzz_cli.py): the Mixtral script with --params 1e9 (a model
+    # given by its count: no router) was an internal error; it is input the model cannot represent.
+    from formal.errors import InputError
+
+    with pytest.raises(InputError, match="needs a model with experts"):
+        _program("dp2xbalance-loss")

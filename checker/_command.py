@@ -273,7 +273,7 @@ def reserve_bytes(reserve: str, device_memory: int | None) -> int:
 def analysis_of(req: Request) -> Analysis:
     """The request's analysis: its placement built once (a user program is derived from it)."""
     program = None
-    if req.strategies is not None and req.strategies.program is not None:
+    if req.strategies is not None and req.strategies.gives_program:
         program = req.strategies.program_for(req.composition.placement(req.model), req.model)
     return analyze(
         req.composition,

@@ -16,12 +16,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from enum import StrEnum
+from fractions import Fraction
 from typing import Any
 
 from checker._layout import DataSharding, ExportError, Layout, layout_of
 from formal._model import Model, Transformer
 from formal._placement import Placement, Recompute
 from formal._program import Origin, gradient_origins
+from formal._scalars import GLOBAL, LossScale, ScalarSettings
 from formal._schedules import DEEPSPEED, MEGATRON, TORCHTITAN, PipelineSchedule
 from formal._strategies import Composition
 from formal._vocab import ATTENTION, EMBEDDING, EXPERTS, HEAD, MLP, Axis, Group, Mode, State
@@ -153,6 +155,8 @@ def export_torchtitan(comp: Composition, model: Model) -> Exported:
         FSDP_over_one_device_as_shard_degree_1_disables_FSDP=(
             layout.data is not DataSharding.NONE and layout.dp * layout.ep == 1
         ),
+        per_token_loss_normalisation_in_the_TOML=o.scalars.per_token,
+        a_load_balancing_loss_scope_in_the_TOML=bool(o.scalars.balancing),
     )
     if layout.data is DataSharding.NONE:
         replicate, shard = layout.dp, 1
@@ -201,6 +205,8 @@ def export_torchtitan(comp: Composition, model: Model) -> Exported:
         training["seq_len"] = model.seq
     if o.offload_optimizer:
         training["enable_cpu_offload"] = True
+    if o.scalars.clip:
+        training["max_norm"] = _max_norm(o.scalars)
     match o.recompute:
         case Recompute.NONE:
             ac: dict[str, Any] = {"mode": "none"}
@@ -210,6 +216,11 @@ def export_torchtitan(comp: Composition, model: Model) -> Exported:
             ac = {"mode": "selective", "selective_ac_option": "op"}
         case _:
             raise AssertionError(o.recompute)
+    if o.scalars.loss_scale is LossScale.DYNAMIC:
+        notes.append(
+            "fp16 dynamic loss scaling: torchtitan trains in bf16 without a loss scale, so there is no "
+            "overflow decision to reduce; the checked composition's fp16 obligations do not apply"
+        )
     text = _toml({"parallelism": par, "training": training, "activation_checkpoint": ac})
     if layout.cp > 1 and layout.data is not DataSharding.NONE:
         notes.append("torchtitan's FSDP also shards parameters over cp; the checked composition replicates them")
@@ -226,11 +237,18 @@ def _toml(sections: dict[str, dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def _max_norm(settings: ScalarSettings) -> float:
+    """The clipping threshold to write: the one read, else the frameworks' common default, 1.0."""
+    return float(settings.max_norm) if settings.max_norm is not None else 1.0
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
         return str(value)
+    if isinstance(value, float):
+        return repr(value)
     if isinstance(value, str):
         return json.dumps(value)  # a JSON string is a valid TOML basic string for plain text
     raise AssertionError(value)
@@ -265,6 +283,8 @@ def export_deepspeed(comp: Composition, model: Model) -> Exported:
         optimizer_offload_at_stage_0=o.offload_optimizer and stage == 0,
         parameter_offload_below_stage_3=o.offload_parameters and stage != 3,
         selective_recomputation=o.recompute is Recompute.SELECTIVE,
+        per_token_loss_normalisation_in_the_JSON=o.scalars.per_token,
+        a_load_balancing_loss_in_the_JSON=bool(o.scalars.balancing),
     )
     assert stage is not None
     micro = _micro(model)
@@ -280,8 +300,13 @@ def export_deepspeed(comp: Composition, model: Model) -> Exported:
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": o.micro_batches,
         "zero_optimization": zero,
-        "bf16": {"enabled": True},
     }
+    if o.scalars.clip:
+        doc["gradient_clipping"] = _max_norm(o.scalars)
+    if o.scalars.loss_scale is LossScale.DYNAMIC:
+        doc["fp16"] = {"enabled": True, "loss_scale": 0}
+    else:
+        doc["bf16"] = {"enabled": True}
     notes: list[str] = []
     if layout.pp > 1:
         doc["pipeline"] = {"stages": layout.pp}
@@ -365,8 +390,16 @@ def export_megatron(comp: Composition, model: Model) -> Exported:
     args += [
         ("--micro-batch-size", str(micro)),
         ("--global-batch-size", str(micro * dp_megatron * o.micro_batches)),
-        ("--bf16", None),
+        ("--fp16" if o.scalars.loss_scale is LossScale.DYNAMIC else "--bf16", None),
     ]
+    if o.scalars.clip:
+        args.append(("--clip-grad", repr(_max_norm(o.scalars))))
+    if o.scalars.per_token:
+        args.append(("--calculate-per-token-loss", None))
+    if o.scalars.balancing:
+        kind = "global_aux_loss" if o.scalars.balancing == GLOBAL else "aux_loss"
+        coeff = o.scalars.aux_loss_coeff if o.scalars.aux_loss_coeff is not None else Fraction(1, 100)
+        args += [("--moe-router-load-balancing-type", kind), ("--moe-aux-loss-coeff", repr(float(coeff)))]
     text = " \\\n".join(name if value is None else f"{name} {value}" for name, value in args) + "\n"
     devices = dp_megatron * layout.tp * layout.pp * layout.cp
     return Exported(Target.MEGATRON, text, (f"launch on {devices} devices (torchrun ... pretrain_gpt.py ARGS)",))

@@ -21,6 +21,7 @@ from checker._import_common import (
     _schema,
     imported,
 )
+from checker._import_scalars import deepspeed_scalars
 from checker._layout import DataSharding, Layout
 from checker._numbers import MAX_BATCH, MAX_DEGREE, MAX_MICRO_BATCH
 from formal._input import OBJECT, TEXT, Expect, Schema, integer, printable
@@ -42,12 +43,12 @@ _DS_MAPPED = (
     "fp16",
     "bf16",
     "activation_checkpointing",
+    "gradient_clipping",
 )
 # Keys with no effect on placements (optimizer hyper-parameters, logging, I/O): accepted, not mapped.
 _DS_IGNORED = (
     "optimizer",
     "scheduler",
-    "gradient_clipping",
     "steps_per_print",
     "wall_clock_breakdown",
     "zero_allow_untested_optimizer",
@@ -326,6 +327,7 @@ def import_deepspeed(
         recompute=recompute,
         micro_batches=gas,
         uneven_stages=uneven,
+        scalars=deepspeed_scalars(raw, where),
     )
     hpz = zero.get("zero_hpz_partition_size")  # DeepSpeed's default 1 (and 0) mean no secondary partition
     node = 1 if hpz is None else max(1, _pos_int(hpz, where, "zero_optimization.zero_hpz_partition_size", allow=(0,)))

@@ -13,6 +13,7 @@ from dataclasses import replace
 from fractions import Fraction
 
 from checker._import_common import ConfigError, Framework, Imported, Unmapped, _divide, imported
+from checker._import_scalars import megatron_scalars
 from checker._import_shell import arguments, script_command
 from checker._layout import DataSharding, Layout
 from checker._numbers import MAX_BATCH, MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ, parse_int
@@ -53,6 +54,10 @@ _MEG_VALUE = (
     "--vocab-size",
     "--tokenizer-type",
     "--max-position-embeddings",
+    "--clip-grad",
+    "--loss-scale",
+    "--moe-aux-loss-coeff",
+    "--moe-router-load-balancing-type",
 )
 # Bounds of the Megatron arguments read as numbers that are not degrees (MAX_DEGREE otherwise).
 _MEG_BOUNDS = {
@@ -73,6 +78,7 @@ _MEG_FLAGS = (
     "--disable-bias-linear",
     "--use-rotary-position-embeddings",
     "--no-position-embedding",
+    "--calculate-per-token-loss",
 )
 # Arguments that take several values (``nargs``): how many.
 _MEG_MULTI = {"--rampup-batch-size": 3}
@@ -80,8 +86,6 @@ _MEG_MULTI = {"--rampup-batch-size": 3}
 _MEG_IGNORED = (
     "--rotary-base",
     "--rotary-percent",
-    "--moe-router-load-balancing-type",
-    "--moe-aux-loss-coeff",
     "--moe-grouped-gemm",
     "--moe-token-dispatcher-type",
     "--lr",
@@ -93,7 +97,6 @@ _MEG_IGNORED = (
     "--train-iters",
     "--train-samples",
     "--weight-decay",
-    "--clip-grad",
     "--adam-beta1",
     "--adam-beta2",
     "--adam-eps",
@@ -144,7 +147,6 @@ _MEG_IGNORED = (
     "--manual-gc-interval",
     "--no-async-tensor-model-parallel-allreduce",
     "--optimizer",
-    "--loss-scale",
     "--initial-loss-scale",
     "--min-loss-scale",
     "--loss-scale-window",
@@ -365,6 +367,7 @@ def import_megatron(
         chunks=chunks,
         micro_batches=m,
         uneven_stages=uneven,
+        scalars=megatron_scalars(values, flags, where, notes),
     )
     distopt = "--use-distributed-optimizer" in flags
     if distopt and ep > 1:

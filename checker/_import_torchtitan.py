@@ -21,6 +21,7 @@ from checker._import_common import (
     _schema,
     imported,
 )
+from checker._import_scalars import torchtitan_scalars
 from checker._layout import DataSharding, Layout
 from checker._numbers import MAX_BATCH, MAX_DEGREE, MAX_MICRO_BATCH, MAX_SEQ
 from formal._input import BOOL, TEXT, TEXT_LIST, Expect, Schema, integer
@@ -233,6 +234,7 @@ def import_torchtitan(
         chunks=chunks,
         micro_batches=m,
         uneven_stages=uneven,
+        scalars=torchtitan_scalars(training, where),
     )
     if tp > 1:
         notes.append(

@@ -16,6 +16,7 @@ from checker._parse import _default_micro_batches
 from formal._axes import DATA, data_axes
 from formal._model import Model
 from formal._placement import Options, Recompute, Strategy
+from formal._scalars import scalar_terms
 from formal._strategies import LIBRARY, Composition
 from formal._strategies import pp as pipeline
 from formal._vocab import Axis, Mode, State
@@ -85,7 +86,7 @@ class Layout:
                 out.append("selective")
             case _:
                 raise AssertionError(o.recompute)
-        return out
+        return out + scalar_terms(o.scalars)
 
     def text(self) -> str:
         return "x".join(self.strategy_terms() + self.modifier_terms())

@@ -16,6 +16,7 @@ from dataclasses import replace
 from checker._numbers import MAX_DEGREE, parse_int
 from formal._axes import DATA_REPLICATE
 from formal._placement import Options, Recompute, Schedule, Strategy
+from formal._scalars import SCALAR_MODIFIERS, scalar_modifier
 from formal._schedules import for_term, modifier_help
 from formal._strategies import LIBRARY, Composition, hpz_dpr
 from formal.errors import CompositionError, InputError
@@ -33,6 +34,11 @@ MODIFIERS: dict[str, str] = {
     "recompute": "full activation recomputation (keep each layer's input only)",
     "selective": "selective recomputation of the attention core (Korthikanti et al. 2022)",
     "flash": "attention scores never stored (FlashAttention): the same placement as selective",
+    "clip": "global gradient-norm clipping (torchtitan max_norm, DeepSpeed gradient_clipping)",
+    "per-token": "loss averaged over the global batch's valid tokens, whose counts differ per rank",
+    "fp16": "fp16 dynamic loss scaling: an overflow anywhere skips the step on every rank",
+    "balance-loss": "MoE load-balancing loss from each replica's micro-batch routing statistics",
+    "global-balance-loss": "MoE load-balancing loss from the global batch's routing statistics",
     "hpz": "ZeRO++ hpZ on the zero3/fsdp term: zero3<k>xhpz-dpr<N/k>, k = --node-size (Wang et al. 2023)",
 }
 
@@ -235,6 +241,8 @@ def _modifier(term: str, options: Options, seen: list[str]) -> Options | None:
             return replace(options, offload_optimizer=True)
         case "offload-params":
             return replace(options, offload_parameters=True)
+        case "clip" | "per-token" | "fp16" | "balance-loss" | "global-balance-loss":
+            return replace(options, scalars=scalar_modifier(term, options.scalars))
         case "recompute":
             full = term in ("recompute", "full-recompute")
             return replace(options, recompute=Recompute.FULL if full else Recompute.SELECTIVE)
@@ -257,6 +265,8 @@ def _modifier_kind(term: str) -> str | None:
         return "offload"
     if term == "offload-params":
         return "offload-params"
+    if term in SCALAR_MODIFIERS:
+        return term
     if term in ("recompute", "full-recompute", "selective", "selective-recompute", "flash"):
         return "recompute"
     return None

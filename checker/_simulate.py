@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from checker._toml import StrategyFile
 from formal._model import Model, Transformer
+from formal._scalars import is_scalar_rule
 from formal._strategies import Composition
 from formal._verdict import Condition, Status, Verdict
 from formal.errors import InputError, SimulationError
@@ -112,7 +113,6 @@ def run_simulation(
     """
     start = time.perf_counter()
     result = try_simulate(composition, user, model)
-    seconds = time.perf_counter() - start
     from formal._simulator import NotSimulated
 
     if isinstance(result, NotSimulated):
@@ -135,8 +135,46 @@ def run_simulation(
         doc["fresh_seeds_match"] = all(
             getattr(try_simulate(composition, user, model, seed), "matches", False) for seed in RERUN_SEEDS
         )
-    doc["seconds"] = round(seconds, 3)
-    return doc, simulation_line(result)
+    line = simulation_line(result)
+    scalars = _scalar_run(composition, user, model)
+    if scalars is not None:
+        doc["scalars"] = scalars
+        line += "\n" + _scalar_line(scalars)
+    doc["seconds"] = round(time.perf_counter() - start, 3)
+    return doc, line
+
+
+def _scalar_run(composition: Composition, user: StrategyFile | None, model: Model | None) -> dict[str, Any] | None:
+    """The scalar reference (``formal/_sim_scalars.py``) on the program's scalars, three seeds;
+    None when the program computes none. The training simulator does not run them."""
+    from formal._program import derive_program
+    from formal._sim_scalars import simulate_scalars
+
+    transformer = reference_model(composition, model).transformer()
+    placement = composition.placement(transformer)
+    try:
+        program = (
+            user.program_for(placement, transformer) if user is not None else derive_program(placement, transformer)
+        )
+    except InputError:
+        return None
+    if not program.scalars and not placement.options.scalars.any:
+        return None
+    for seed in (0, *RERUN_SEEDS):
+        found = simulate_scalars(program, seed)
+        if found is not None:
+            return {"matches": False, "seed": seed, "mismatch": found.__dict__}
+    return {"matches": True, "seeds": 1 + len(RERUN_SEEDS)}
+
+
+def _scalar_line(scalars: Mapping[str, Any]) -> str:
+    if scalars["matches"]:
+        return f"scalars: the scalar reference matches single-device training ({scalars['seeds']} seeds)"
+    m = scalars["mismatch"]
+    return (
+        f"scalars: {m['scalar']} differs on device {m['device']}: {m['value']} where single-device "
+        f"training has {m['single_device']}"
+    )
 
 
 def simulation_line(result: SimulationResult) -> str:
@@ -160,7 +198,10 @@ def simulation_line(result: SimulationResult) -> str:
 
 
 def _refuted_on_simulated_conditions(verdict: Verdict) -> bool:
-    return verdict.status is Status.REFUTED and any(v.condition in SIMULATED_CONDITIONS for v in verdict.violations)
+    """Refuted by a rule the training simulator runs (the scalars' rules have their own reference)."""
+    return verdict.status is Status.REFUTED and any(
+        v.condition in SIMULATED_CONDITIONS and not is_scalar_rule(v.rule) for v in verdict.violations
+    )
 
 
 def disagreement(verdict: Verdict, simulation: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -174,8 +215,14 @@ def disagreement(verdict: Verdict, simulation: Mapping[str, Any]) -> dict[str, A
     if matches is None:
         return None
     z3 = verdict.status
+    scalars = simulation.get("scalars")
+    scalar_refuted = any(is_scalar_rule(v.rule) for v in verdict.violations)
     if z3 is Status.PROVED and matches is False:
         kind = "soundness"
+    elif isinstance(scalars, Mapping) and z3 is Status.PROVED and scalars.get("matches") is False:
+        kind = "soundness"
+    elif isinstance(scalars, Mapping) and scalar_refuted and scalars.get("matches") is True:
+        kind = "completeness"
     elif (
         z3 is Status.REFUTED
         and matches is True

@@ -34,6 +34,9 @@ schedule rather than the derived one. ``examples/`` holds complete files; the fo
                                        #   the backward, accumulated elsewhere (docs/semantics.md,
                                        #   "Gradient buffers")
 
+An optional ``[[scalars]]`` list replaces the derived scalar program (the loss normaliser, the
+global gradient norm, the clip, the fp16 overflow check): ``checker/_toml_scalars.py``.
+
 Program order: phases run in the order above; within a phase the file's ops come first (in
 file order), then the derived local steps of that phase (the forward and backward reads, the
 optimizer step) unless the file lists ``compute`` or ``optimizer_step`` ops itself, then the
@@ -52,6 +55,7 @@ from typing import Any, TypeVar
 import sympy as sp
 
 from checker._parse import MODIFIERS
+from checker._toml_scalars import ScalarSpec, scalar_program, scalar_specs
 from formal._input import TEXT, Schema, check_schema, load_toml, printable, read_text
 from formal._model import Model
 from formal._placement import Entry, Placement, Strategy
@@ -133,6 +137,12 @@ class StrategyFile:
     path: str
     strategies: tuple[Strategy, ...]
     program: tuple[OpSpec, ...] | None
+    scalars: tuple[ScalarSpec, ...] | None = None
+
+    @property
+    def gives_program(self) -> bool:
+        """The file replaces part of the derived step program (``[[program]]`` or ``[[scalars]]``)."""
+        return self.program is not None or self.scalars is not None
 
     def factories(self) -> dict[str, Callable[[], Strategy]]:
         """Name to factory, the shape ``checker._parse.parse`` accepts as ``strategies``."""
@@ -141,9 +151,11 @@ class StrategyFile:
     def program_for(self, placement: Placement, model: Model) -> StepProgram:
         """The step program of a placement: the file's, or the derived one when it has none."""
         derived = derive_program(placement, model)
-        if self.program is None:
-            return derived
-        return build_program(self, self.program, placement, model, derived)
+        program = derived if self.program is None else build_program(self, self.program, placement, model, derived)
+        if self.scalars is None:
+            return program
+        ops = scalar_program(self.path, self.scalars, placement)
+        return replace(program, placement=replace(program.placement, user_program=True), scalars=ops, derived=False)
 
 
 def _constant(strategy: Strategy) -> Callable[[], Strategy]:
@@ -170,11 +182,11 @@ def loads(text: str, where: str = "<strategies>") -> StrategyFile:
         check_schema(doc, SCHEMA, where)
     except InputError as err:
         raise StrategyFileError(str(err)) from None
-    unknown = set(doc) - {"strategies", "program", "description"}
+    unknown = set(doc) - {"strategies", "program", "scalars", "description"}
     if unknown:
         raise StrategyFileError(
             f"{where}: unknown top-level key {_show(sorted(unknown)[0])} "
-            "(expected [strategies.NAME] tables and [[program]] entries)"
+            "(expected [strategies.NAME] tables, [[program]] and [[scalars]] entries)"
         )
     tables = doc.get("strategies", {})
     if not isinstance(tables, dict):
@@ -190,9 +202,10 @@ def loads(text: str, where: str = "<strategies>") -> StrategyFile:
         if len(ops) > MAX_OPS:
             raise StrategyFileError(f"{where}: {len(ops)} program entries; at most {MAX_OPS}")
         program = tuple(_op(where, i, body) for i, body in enumerate(ops, start=1))
-    if not strategies and program is None:
-        raise StrategyFileError(f"{where}: defines no [strategies.NAME] and no [[program]]")
-    return StrategyFile(where, strategies, program)
+    scalars = scalar_specs(where, doc["scalars"]) if "scalars" in doc else None
+    if not strategies and program is None and scalars is None:
+        raise StrategyFileError(f"{where}: defines no [strategies.NAME], no [[program]] and no [[scalars]]")
+    return StrategyFile(where, strategies, program, scalars)
 
 
 def _strategy(where: str, name: object, body: object) -> Strategy:

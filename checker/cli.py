@@ -444,7 +444,7 @@ def check(
             conflict = CrossCheck(found, disagreement_text(found))
             code = EXIT_DISAGREEMENT
     hints = what_ifs(analysis) if not (as_json or as_csv) else ()
-    if req.strategies is not None and req.strategies.program is not None:
+    if req.strategies is not None and req.strategies.gives_program:
         hints = ()  # a user's step program is not re-derived for another composition
     result = Report(
         analysis,

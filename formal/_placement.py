@@ -14,6 +14,7 @@ from enum import StrEnum
 
 import sympy as sp
 
+from formal._scalars import ScalarSettings
 from formal._schedules import DEFAULT_SCHEDULE, PipelineSchedule, Schedule, schedule_of
 from formal._vocab import (
     LAYER_GROUPS,
@@ -142,6 +143,7 @@ class Options:
     chunks: int = 1  # virtual stages per device (interleaved schedule)
     micro_batches: int = 1  # per step per data-parallel replica (pipeline or accumulation)
     uneven_stages: bool = False  # declared uneven pipeline stages: layers need not divide by pp
+    scalars: ScalarSettings = ScalarSettings()  # noqa: RUF009 (frozen) clipping, per-token loss, loss scaling
 
     @property
     def pipeline_schedule(self) -> PipelineSchedule:

@@ -15,6 +15,8 @@ from formal._exact import exact
 from formal._exchanges import exchanged_group, program_exchanges
 from formal._model import Model, Transformer
 from formal._placement import Entry, Placement, Recompute
+from formal._scalar_program import derive_scalars
+from formal._scalars import ScalarOp
 from formal._vocab import (
     EMBEDDING,
     EXPERTS,
@@ -92,6 +94,7 @@ class StepProgram:
     ops: tuple[Op, ...]
     origins: tuple[tuple[tuple[Group, Axis], Origin], ...]
     derived: bool = True  # False when given by the user (TOML) or mutated
+    scalars: tuple[ScalarOp, ...] = ()  # the loss normaliser, norm, clip, overflow (formal._scalars)
 
     def origin(self, group: Group, axis: Axis) -> Origin:
         return dict(self.origins).get((group, axis), Origin.COMPLETE)
@@ -209,6 +212,10 @@ def derive_program(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr] |
     4. the optimizer step on the optimizer's shards;
     5. refresh: all-gather replicated parameters updated from sharded optimizer state, copy
        host-updated parameters back (offloaded replicas: to the device, gathered, to the host).
+
+    Beside the ops, the scalar program the composition's scalar settings ask for (the loss
+    normaliser, the global norm and clip, the fp16 overflow check, the load-balancing loss:
+    ``formal._scalar_program.derive_scalars``).
     """
     sizes = dict(sizes) if sizes is not None else group_sizes(model)
     m = sp.sympify(pl.options.micro_batches)  # a symbol in the planner's derivations
@@ -245,7 +252,7 @@ def derive_program(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr] |
     # 5. refresh
     for g in groups:
         ops += _refresh_parameters(pl, g, sizes[g])
-    return StepProgram(pl, tuple(ops), tuple(origins.items()))
+    return StepProgram(pl, tuple(ops), tuple(origins.items()), scalars=derive_scalars(pl))
 
 
 def _fetch_parameters(pl: Placement, g: Group, size: sp.Expr, m: sp.Expr, phase: Phase) -> list[Op]:

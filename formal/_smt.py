@@ -86,6 +86,7 @@ from formal._smt_consistency import _decide_consistency
 from formal._smt_holdings import _AxisRun, _consistency_case, _ConsistencyCase
 from formal._smt_integrity import _decide_integrity, _integrity_case, _IntegrityCase
 from formal._smt_rules import _decide_composition
+from formal._smt_scalars import decide_scalars
 from formal._solver import (
     DEFAULT_QUERY_RLIMIT,
     DEFAULT_RUN_RLIMIT,
@@ -304,6 +305,9 @@ def _decide(
                 if v.rule not in labels:
                     labels.add(v.rule)
                     violations.append(v)
+    scalar_obligations, found = decide_scalars(program, timeout_ms)  # formal/_smt_scalars.py
+    obligations += scalar_obligations
+    violations += found
     notes = [
         *_notes(composition, program),
         *framework_notes(setting_for(composition, model, devices), composition.mesh()),

@@ -5,3 +5,4 @@ import PlacementSemantics.Composition
 import PlacementSemantics.Costs
 import PlacementSemantics.Activations
 import PlacementSemantics.Programs
+import PlacementSemantics.Scalars

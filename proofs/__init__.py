@@ -1,7 +1,7 @@
 """Machine-checked obligations for placement semantics: run ``python -m proofs``.
 
 ``all_obligations()`` lists every obligation (sufficiency, necessity, composition, costs,
-refinement, programs) in a stable order; ``proofs/README.md`` maps each paper claim to its written proof,
+refinement, programs, scalars) in a stable order; ``proofs/README.md`` maps each paper claim to its written proof,
 its obligation and its Lean theorem.
 """
 
@@ -11,7 +11,7 @@ from proofs._obligation import Obligation, Result, discharge
 
 
 def all_obligations() -> list[Obligation]:
-    from proofs import activations, composition, costs, necessity, programs, refinement, sufficiency
+    from proofs import activations, composition, costs, necessity, programs, refinement, scalars, sufficiency
 
     return (
         sufficiency.obligations()
@@ -21,6 +21,7 @@ def all_obligations() -> list[Obligation]:
         + costs.obligations()
         + refinement.obligations()
         + programs.obligations()
+        + scalars.obligations()
     )
 
 

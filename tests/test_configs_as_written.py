@@ -159,7 +159,8 @@ def test_a_gpt3_175b_launch_script_imports_with_its_own_model() -> None:
     assert model.parameter_count() == _gpt_count(96, 12288, 51200, 2048)
     assert round(model.parameter_count() / 1e8) == 1746  # Narayanan et al. 2021, Table 2: 174.6B
     assert req.imported is not None
-    assert req.imported.text == "tp8xdp1xpp16xm1536"  # 1536 = micro 1 x dp 1 x 1536 micro-batches
+    # 1536 = micro 1 x dp 1 x 1536 micro-batches; --clip-grad 1.0 and --fp16 (dynamic loss scaling)
+    assert req.imported.text == "tp8xdp1xpp16xm1536xclipxfp16"
     assert req.imported.precision == "megatron-fp16"  # --fp16
     settings = {u.setting for u in req.imported.unmapped}
     assert "launcher" in settings  # NUM_NODES=1: 8 processes, --devices 128 used

@@ -278,16 +278,27 @@ def _cli(*args: str) -> Ran:
     return Ran(result.exit_code, result.stdout, result.stderr)
 
 
+def test_megatron_export_says_the_load_balancing_loss() -> None:
+    moe = PRESETS["mixtral-8x7b"]
+    for term, kind in (("balance-loss", "aux_loss"), ("global-balance-loss", "global_aux_loss")):
+        text = export(parse(f"dp2xpp4xep8x{term}"), moe, Target.MEGATRON).text
+        assert f"--moe-router-load-balancing-type {kind}" in text and "--moe-aux-loss-coeff" in text
+
+
 def test_cli_export_and_convert() -> None:
     out = _cli("export", "tp2xfsdp8xpp4xsp", "--to", "torchtitan")
     assert out.returncode == 0, out.stderr
     assert tomllib.loads(out.stdout)["parallelism"]["tensor_parallel_degree"] == 2
+    out = _cli("export", "tp2xdp2xpp2xspxclipxfp16", "--to", "megatron")
+    assert out.returncode == 0, out.stderr
+    assert "--clip-grad 1.0" in out.stdout and "--fp16" in out.stdout  # the scalars carried over
+    # fp16 dynamic loss scaling has no torchtitan spelling (bf16, no loss scale): said, not dropped
     out = _cli(
         "export", "--from", "examples/configs/deepspeed_zero3_offload.json", "--devices", "16", "--to", "torchtitan"
     )
     assert out.returncode == 0, out.stderr
-    parallelism = tomllib.loads(out.stdout)["parallelism"]
-    assert parallelism["data_parallel_shard_degree"] == 16
+    assert tomllib.loads(out.stdout)["parallelism"]["data_parallel_shard_degree"] == 16
+    assert "fp16 dynamic loss scaling" in out.stdout + out.stderr
     out = _cli("export", "zero28", "--to", "torchtitan")
     assert out.returncode == 2 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     out = _cli("export", "tp2xzero34", "--to", "dtensor", "--json")
@@ -336,6 +347,12 @@ CARRIED = [  # (target, composition): each modifier on a base the target accepts
     (M, "dp2xpp2xrecompute"),
     (M, "dp2xpp2xselective"),
     (M, "dp2xpp2xflash"),
+    (T, "fsdp4xpp2xclip"),
+    (D, "zero14xpp2xclip"),
+    (D, "zero14xfp16"),
+    (M, "tp2xdp2xpp2xspxclip"),
+    (M, "dp2xpp2xper-token"),
+    (M, "dp2xpp2xfp16"),
 ]
 REFUSED = [  # (target, composition, what the one-line refusal names)
     (T, "fsdp4xoffload", "offload of only some states"),
@@ -359,6 +376,10 @@ REFUSED = [  # (target, composition, what the one-line refusal names)
     (D, "zero216xhpz-dpr2", "hierarchical partitioning without ZeRO 3"),
     # DeepSpeed reads zero_hpz_partition_size 1 as no secondary partition: it came back as zero32
     (D, "zero31xhpz-dpr2", "hierarchical partitioning over nodes of one device"),
+    (T, "fsdp4xper-token", "per token loss normalisation"),
+    (D, "zero14xper-token", "per token loss normalisation"),
+    (T, "fsdp4xbalance-loss", "load balancing loss"),
+    (D, "zero14xglobal-balance-loss", "load balancing loss"),
 ]
 
 

@@ -77,7 +77,7 @@ def test_check_from_a_config_builds_each_object_once(monkeypatch: pytest.MonkeyP
     out = invoke("--from", str(CONFIGS / "deepspeed_zero2.json"), "--model", str(hf), "--json")
     assert out.exit_code == 0, out.output
     doc = json.loads(out.stdout)
-    assert doc["composition"] == "zero232xm2"  # 256 = micro 4 x gas 2 x dp 32
+    assert doc["composition"] == "zero232xm2xclip"  # 256 = micro 4 x gas 2 x dp 32
     assert counts == {"placement": 1, "hf": 1, "parse": 0}  # the importer's Composition, not its text
 
 

@@ -37,14 +37,28 @@ CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
 @pytest.mark.parametrize(
     ("name", "devices", "composition", "world", "micro", "model"),
     [
-        ("deepspeed_zero2.json", 32, "zero232xm2", 32, 4, None),  # 256 = 4 x 2 x 32
-        ("deepspeed_zero3_offload.json", 16, "zero316xm8xoffloadxoffload-params", 16, 1, None),
-        ("deepspeed_pipeline.json", None, "zero116xpp4xrecompute", 64, 2, None),  # 512 = 2 x 16 x 16; m16 = 4p
-        ("torchtitan_llama3_8b.toml", 8, "fsdp8xselective", 8, 1, "llama3-8b"),
-        ("torchtitan_llama3_70b.toml", 64, "tp8xfsdp8xspxrecompute", 64, 8, "llama3-70b"),
-        ("torchtitan_llama3_405b_3d.toml", 384, "tp8xfsdp-sgo4xdpr2xpp6xspxm16xv3xrecompute", 384, 1, "llama3-405b"),
-        ("megatron_gpt3_175b.sh", None, "tp8xdistopt8xpp16xspxm192xv2xselective", 1024, 1, "gpt3-175b"),
-        ("megatron_mixtral_8x7b.sh", None, "distopt2xpp4xep8xrecompute", 64, 1, "mixtral-8x7b"),
+        ("deepspeed_zero2.json", 32, "zero232xm2xclip", 32, 4, None),  # 256 = 4 x 2 x 32
+        ("deepspeed_zero3_offload.json", 16, "zero316xm8xoffloadxoffload-paramsxclipxfp16", 16, 1, None),
+        (
+            "deepspeed_pipeline.json",
+            None,
+            "zero116xpp4xrecomputexclipxfp16",
+            64,
+            2,
+            None,
+        ),  # 512 = 2 x 16 x 16; m16 = 4p
+        ("torchtitan_llama3_8b.toml", 8, "fsdp8xselectivexclip", 8, 1, "llama3-8b"),
+        ("torchtitan_llama3_70b.toml", 64, "tp8xfsdp8xspxrecomputexclip", 64, 8, "llama3-70b"),
+        (
+            "torchtitan_llama3_405b_3d.toml",
+            384,
+            "tp8xfsdp-sgo4xdpr2xpp6xspxm16xv3xrecomputexclip",
+            384,
+            1,
+            "llama3-405b",
+        ),
+        ("megatron_gpt3_175b.sh", None, "tp8xdistopt8xpp16xspxm192xv2xselectivexclip", 1024, 1, "gpt3-175b"),
+        ("megatron_mixtral_8x7b.sh", None, "distopt2xpp4xep8xrecomputexbalance-loss", 64, 1, "mixtral-8x7b"),
     ],
 )
 def test_example_configs_import(
@@ -76,7 +90,7 @@ def test_torchtitan_notes_what_it_could_not_map() -> None:
     raw = tomllib.loads((CONFIGS / "torchtitan_llama3_8b.toml").read_text())
     del raw["activation_checkpoint"]
     imported = import_torchtitan(raw, devices=8)
-    assert imported.composition == parse("fsdp8")  # torchtitan's default (every 2nd layer) has no spelling
+    assert imported.composition == parse("fsdp8xclip")  # torchtitan's default (every 2nd layer) has no spelling
     assert any(u.setting == "[activation_checkpoint]" and "upper bound" in u.why for u in imported.unmapped)
 
 
@@ -124,7 +138,7 @@ def _set(doc: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 )
 def test_deepspeed_bad_configs(doc: dict[str, Any], devices: int, message: str) -> None:
     if message == "tensor_parallel":  # ...but contradicts stage 3
-        assert import_deepspeed(doc, devices=64).composition == parse("tp2xzero232xm2")  # 256 = 4 x 2 x 32
+        assert import_deepspeed(doc, devices=64).composition == parse("tp2xzero232xm2xclip")  # 256 = 4 x 2 x 32
         doc = _set(doc, "zero_optimization.stage", 3)
         message = "AutoTP training supports stages 0, 1 and 2"
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

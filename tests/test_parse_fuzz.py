@@ -86,7 +86,7 @@ def test_cli_on_arbitrary_strategy_files(text: str) -> None:
         ("[[program]]\nop='all_reduce'\n", "program[1]: a all_reduce needs axis"),
         ("[[program]]\nop='scale'\naxis='dp'\nscale='zero'\n", "program[1].scale"),
         ("a = [\n", "not valid TOML"),
-        ("", "defines no [strategies.NAME] and no [[program]]"),
+        ("", "defines no [strategies.NAME], no [[program]] and no [[scalars]]"),
     ],
 )
 def test_loader_names_what_is_wrong(text: str, fragment: str) -> None:

@@ -51,7 +51,7 @@ def test_every_condition_kind_is_exercised() -> None:
 
 def test_python_m_proofs_exits_zero_and_reports_rows() -> None:
     # The fast families here (the full run is CI's ``python -m proofs`` step).
-    for family in ("necessity.", "costs.", "sufficiency.normalisation", "programs."):
+    for family in ("necessity.", "costs.", "sufficiency.normalisation", "programs.", "scalars."):
         done = subprocess.run(
             [sys.executable, "-m", "proofs", "--json", "--jobs", "1", "--only", family],
             capture_output=True,

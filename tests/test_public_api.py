@@ -178,13 +178,13 @@ def test_a_config_in_a_report_out_through_the_public_api() -> None:
     could not map; ``Report`` of its analysis and verdict is the CLI's JSON document."""
     root = Path(__file__).resolve().parents[1]
     imported = checker.load_config(root / "examples" / "configs" / "deepspeed_zero2.json", devices=None)
-    assert imported.composition == checker.parse("zero232xm2")  # 256 = micro 4 x gas 2 x dp 32
+    assert imported.composition == checker.parse("zero232xm2xclip")  # 256 = micro 4 x gas 2 x dp 32
     assert all(isinstance(u, checker.Unmapped) and u.setting and u.why for u in imported.unmapped)
     model = checker.PRESETS["gpt3-1.3b"]
     analysis = checker.analyze(imported.composition, model)
     verdict = checker.decide(imported.composition, analysis.program, model)
     doc = checker.Report(analysis, verdict, imported=imported).as_json()
-    assert doc["composition"] == "zero232xm2" and doc["verdict"]["status"] == "proved"
+    assert doc["composition"] == "zero232xm2xclip" and doc["verdict"]["status"] == "proved"
     assert doc["imported_from"]["unmapped"] == [u.as_json() for u in imported.unmapped]
 
 

@@ -187,4 +187,28 @@ def splitGrad (i : Nat) : Nat → List Int → List Int
   | _, [] => []
   | e, x :: xs => (if e == i then x else 0) :: splitGrad i (e + 1) xs
 
+/-! ## The scalars around the gradients (docs/semantics.md, "Global scalars") -/
+
+/-- A piece of a group's gradient in the global norm: how many devices add its square (after the
+all-reduce over the axis), and its square. -/
+structure NormPiece where
+  adders : Nat
+  square : Nat
+  deriving DecidableEq, Repr
+
+/-- The squared norm the devices compute: each piece's square times the devices that add it. -/
+def countedNorm : List NormPiece → Nat
+  | [] => 0
+  | p :: ps => p.adders * p.square + countedNorm ps
+
+/-- The single-device squared norm: each piece's square once. -/
+def wholeNorm : List NormPiece → Nat
+  | [] => 0
+  | p :: ps => p.square + wholeNorm ps
+
+/-- The or of the overflow flags a device sees. -/
+def anyFlag : List Bool → Bool
+  | [] => false
+  | b :: bs => b || anyFlag bs
+
 end PlacementSemantics

@@ -201,10 +201,11 @@ class _StateOps:
                     total = n.sum_of([arrays[d][..., union] for d in members])
                     if op.reduce is Reduce.MEAN:
                         total = n.scale(total, Fraction(1, k))
-                    if op.state is G:
-                        # Where a member's buffer holds no current value (freed outside its shard
-                        # after the synchronisation, never produced), the sum has none either:
-                        # z3's junk. Zeros there would pass a sum off as a gather.
+                    if op.state is G and not per_mb and op.phase is not Phase.FORWARD:
+                        # After the backward, where a member's ``.grad`` holds no current value
+                        # (freed outside its shard by the synchronisation), the sum has none either:
+                        # z3's junk. Zeros there would pass a sum off as a gather. (Before it, in
+                        # the forward, ``.grad`` is zeroed memory: zeros are its value.)
                         dead = ~np.logical_and.reduce([live[d][op.group][union] for d in members])
                         if dead.any():
                             total = total.copy()

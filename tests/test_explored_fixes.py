@@ -225,3 +225,18 @@ def test_a_pipeline_strategy_as_the_library_places_it_is_accepted() -> None:
     toml = '[strategies.stages]\naxis = "pp"\nP = "S"\nO = "S"\nG = "S"\n[strategies.stages.groups.head]\nP = "R"\n'
     loads(toml)
     assert _judged("stages2xdp2xm2", toml.replace('P = "R"', 'P = "S"')) == _judged("pp2xdp2xm2")
+
+
+def test_a_gradient_reduction_over_freed_shards_is_refuted_and_diverges() -> None:
+    """ZeRO-3 keeps each device's gradient shard after the reduce-scatter; a sum all-reduce before
+    the update adds the other devices' freed memory (the simulator's zeros made it a gather)."""
+
+    def before_update(program: StepProgram, model: Model) -> StepProgram:
+        at = next(i for i, op in enumerate(program.ops) if op.kind is OpKind.OPTIMIZER_STEP)
+        return _inserted(OpKind.ALL_REDUCE, State.GRADIENTS, "mlp", Axis.DP, Phase.OPTIMIZER, Reduce.SUM, at)(
+            program, model
+        )
+
+    assert _judged("zero32xm2", change=before_update, tied=True) == (Status.REFUTED, False)
+    after = _after_step(OpKind.ALL_REDUCE, State.GRADIENTS, "mlp", Axis.DP, Reduce.SUM)
+    assert _judged("zero32xm2", change=after, tied=True) == (Status.PROVED, True)  # nothing reads it

@@ -264,7 +264,7 @@ def _strategy(where: str, name: object, body: object) -> Strategy:
         str(body.get("description", "user strategy")),
         str(body.get("source", where)),
     )
-    problem = strategy.pipeline_problem()
+    problem = strategy.problem()
     if problem is not None:
         raise StrategyFileError(f"{at}: {problem}")
     return strategy

@@ -92,6 +92,17 @@ class Strategy:
     def computes_sharded(self, group: Group) -> bool:
         return self.compute_sharded is None or group in self.compute_sharded
 
+    def problem(self) -> str | None:
+        """Why the model cannot represent this strategy, or None: a gradient materialized (``M``)
+        along the axis (the backward produces every gradient and the update reads it: nothing
+        could recompute it, and no framework drops it), or a pipeline whose stages do not own their
+        layers (``pipeline_problem``)."""
+        for (state, group), entry in self.entries:
+            if state is State.GRADIENTS and entry.mode is Mode.MATERIALIZED:
+                where = "" if group is None else f" ({group.name})"
+                return f"G = 'M'{where}: a gradient cannot be materialized along an axis (hold it R or S)"
+        return self.pipeline_problem()
+
     def pipeline_problem(self) -> str | None:
         """Why this strategy, along a pipeline axis, is not a pipeline the model represents, or
         None. Pipeline stages own their layers (GPipe, Huang et al. 2019; Megatron-LM's and

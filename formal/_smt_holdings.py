@@ -197,15 +197,6 @@ class _AxisRun:
             case _:
                 raise AssertionError(entry.mode)
 
-    def copied_entry(self, state: State) -> Entry:
-        """The partition a device-to-host copy of ``state`` covers: the state's own, except that a
-        materialized gradient is the backward's whole gradient, consumed within the step (as the
-        simulator holds it)."""
-        entry = self.entry[state]
-        if state is G and entry.mode is Mode.MATERIALIZED:
-            return Entry(Mode.REPLICATED)
-        return entry
-
     def on_host(self, state: State) -> bool:
         return self.local[state] is Mode.OFFLOADED or self.entry[state].mode is Mode.OFFLOADED
 
@@ -298,7 +289,7 @@ class _AxisRun:
                             # the state is sharded along the axis: ZeRO-Offload copies each rank's
                             # gradient partition, as the simulator does): where the device holds
                             # nothing of it (freed, never fetched) the host gets junk.
-                            for k in self.partition(self.copied_entry(op.state), i):
+                            for k in self.partition(self.entry[op.state], i):
                                 host[k] = device[k] if k in device else self.fresh_junk()
                     case OpKind.COMPUTE if op.state is P:
                         self.compute(op, gradient, where)

@@ -179,6 +179,14 @@ def _apply(
             factor = _real(_fraction(op.scale))
             return [v * factor for v in values], rest_v * factor
         case OpKind.BROADCAST:  # from the axis's first device (rank 0 of the group)
+            if case.sharded and k > 1:
+                # The element's one holder is device 0 by symmetry, but rank 0 is not symmetric:
+                # for most elements the source is another device. One constant for every
+                # broadcast of the case (z3 names are global): the solver picks the holder or a
+                # non-holder as rank 0, and an element wrong for either is a counterexample.
+                source = z3.Int("broadcast_source")
+                value = z3.If(source == 0, values[0], values[1])
+                return [value] * k, rest * value
             return [values[0]] * k, rest * values[0]
         case OpKind.ALL_GATHER:
             # Every device gets the element from the device whose piece holds it in the gather's

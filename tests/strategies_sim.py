@@ -453,7 +453,7 @@ LIBRARY_ON: dict[Axis, tuple[str, ...]] = {
 }
 P_MODES = ("R", "R", "S", "S*", "S*", "S*+hold", "M", "O")
 O_MODES = ("R", "R", "S", "S", "O", "M")
-G_MODES = ("R", "R", "S", "S", "M")
+G_MODES = ("R", "R", "S", "S")  # a materialized gradient is refused (``Strategy.problem``)
 
 
 @dataclass(frozen=True)

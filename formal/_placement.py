@@ -115,13 +115,19 @@ class Strategy:
             return None
         if self.compute_sharded is not None:
             return 'along a pipeline axis every group is computed split by stage (compute_sharded = "all")'
-        for (state, group), entry in self.entries:
-            if state is State.ACTIVATIONS:
-                continue
+        # Every state's effective entry for every layer group (a state the strategy does not
+        # name is replicated), and the entries it names for the other groups.
+        checked: list[tuple[tuple[State, Group | None], Entry]] = [
+            ((state, g), self.entry(state, g))
+            for state in (State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS)
+            for g in sorted(LAYER_GROUPS)
+        ]
+        checked += [((state, g), e) for (state, g), e in self.entries if state is not State.ACTIVATIONS]
+        for (state, group), entry in checked:
             layers = group is None or group in LAYER_GROUPS
             allowed = (Mode.SHARDED,) if layers else (Mode.SHARDED, Mode.REPLICATED)
             if entry.mode not in allowed or entry.offset or entry.keep_gathered:
-                what = "the layers'" if group is None else f"{group.name}'s"
+                what = "the layers'" if layers or group is None else f"{group.name}'s"
                 return (
                     f"{state.value} = {str(entry)!r} along a pipeline axis: {what} {state.long_name} must be "
                     f"{' or '.join(repr(m.value) for m in allowed)} (each stage holds its own layers)"

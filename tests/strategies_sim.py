@@ -478,8 +478,7 @@ def _pipeline_table(draw: st.DrawFn, name: str, axis: Axis) -> str:
     """A pipeline strategy as the model represents one (``Strategy.pipeline_problem``): every
     group computed split by stage, the layers' P, O and G sharded by stage, the groups outside
     the layers ``S`` or ``R``."""
-    lines = [f"[strategies.{name}]", f'axis = "{axis.value}"', 'P = "S"']
-    lines += [f'{key} = "S"' for key in ("O", "G") if draw(st.booleans())]
+    lines = [f"[strategies.{name}]", f'axis = "{axis.value}"', 'P = "S"', 'O = "S"', 'G = "S"']
     if draw(st.integers(0, 3)) == 0:
         lines.append(f'A = "{draw(st.sampled_from(["R", "S"]))}"')
     for group in draw(st.lists(st.sampled_from(("embedding", "head", "final_norm")), max_size=2, unique=True)):

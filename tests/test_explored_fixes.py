@@ -211,9 +211,9 @@ def test_a_materialized_gradient_is_refused() -> None:
     ("table", "why"),
     [
         ('P = "R"\nO = "S"\n', "the layers' parameters must be 'S'"),
-        ('P = "S"\nG = "S@1"\n', "the layers' gradients must be 'S'"),
+        ('P = "S"\nO = "S"\nG = "S@1"\n', "the layers' gradients must be 'S'"),
         ('P = "S"\ncompute_sharded = ["attention"]\n', 'compute_sharded = "all"'),
-        ('P = "S"\n[strategies.stages.groups.mlp]\nO = "M"\n', "mlp's optimizer must be 'S'"),
+        ('P = "S"\nO = "S"\nG = "S"\n[strategies.stages.groups.mlp]\nO = "M"\n', "the layers' optimizer must be 'S'"),
     ],
 )
 def test_a_pipeline_whose_stages_do_not_own_their_layers_is_refused(table: str, why: str) -> None:
@@ -259,3 +259,10 @@ def test_a_forward_broadcast_of_a_sharded_gradient_is_judged_for_every_holder(m:
 
     expected = (Status.PROVED, True) if right else (Status.REFUTED, False)
     assert _judged(f"zero32xm{m}", change=broadcast) == expected
+
+
+def test_a_pipeline_strategy_that_leaves_the_gradients_unnamed_is_refused() -> None:
+    """A state the strategy does not name is replicated: along pp that is every stage's copy of
+    every layer's gradient, of which each stage computes its own layers only."""
+    with pytest.raises(InputError, match="the layers' gradients must be 'S'"):
+        loads('[strategies.stages]\naxis = "pp"\nP = "S"\nO = "S"\n')

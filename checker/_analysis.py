@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
-import sympy as sp
-
+from formal import _num as num
 from formal._costs import (
     Memory,
     Traffic,
@@ -26,6 +26,7 @@ from formal._costs import (
 from formal._engine_effects import Engine, EnginePrediction, engine_prediction
 from formal._exact import exact
 from formal._model import DEFAULT_PRECISION, Model, Precision
+from formal._num import Num
 from formal._placement import Placement
 from formal._program import StepProgram, derive_program, group_sizes
 from formal._strategies import Composition
@@ -41,9 +42,8 @@ class Analysis:
     program: StepProgram
     memory: Memory
     traffic: tuple[Traffic, ...]
-    transfers: tuple[tuple[str, object, object, str, sp.Expr], ...]
+    transfers: tuple[tuple[str, object, object, str, Num], ...]
     device_memory: int | None
-    symbolic_memory: Memory
     traffic_stage: Stage = Stage.FIRST  # the pipeline stage whose device sends the most (``traffic``'s)
     reserve: int = 0  # bytes of device memory kept back for the runtime (``--reserve``)
     engine: EnginePrediction | None = None  # the declared engine's terms on its most-loaded device
@@ -54,16 +54,16 @@ class Analysis:
         engine is declared, else the placement's own figure (the paper's number)."""
         if self.engine is not None:
             return self.engine.total
-        return int(sp.ceiling(exact(self.memory.total)))
+        return int(num.ceiling(exact(self.memory.total)))
 
     @property
-    def communication_bytes(self) -> sp.Expr:
+    def communication_bytes(self) -> Num:
         return total_bytes(self.traffic)
 
     @property
-    def model_state_psi(self) -> sp.Expr:
+    def model_state_psi(self) -> Num:
         """Model-state traffic in units of the parameter count (ZeRO paper, section 7)."""
-        return exact(model_state_paper_units(self.traffic) / self.model.parameter_count())
+        return exact(num.ratio(model_state_paper_units(self.traffic), self.model.parameter_count()))
 
     @property
     def fits(self) -> bool | None:
@@ -73,11 +73,19 @@ class Analysis:
         return bool(self.peak + self.reserve <= self.device_memory)
 
     @property
-    def bubble(self) -> sp.Expr:
+    def bubble(self) -> Num:
         return bubble_fraction(self.placement)
 
+    @cached_property
+    def symbolic_memory(self) -> Memory:
+        """The most-loaded device's memory as expressions in the degrees (``d_dp``, ...): the
+        composition's placement with every degree a symbol. Derived when first read (the JSON's
+        ``expressions``), never for the terminal report, which shows numbers only."""
+        symbolic = self.composition.placement(self.model, symbolic=True)
+        return most_loaded(symbolic, self.model, self.precision, group_sizes(self.model))
+
     @property
-    def in_flight(self) -> sp.Expr:
+    def in_flight(self) -> Num:
         return in_flight_micro_batches(self.placement, self.memory.stage)  # of the most-loaded stage
 
 
@@ -97,7 +105,8 @@ def analyze(
     ``device_memory`` (bytes) and ``reserve`` (bytes kept back for the
     runtime) set ``Analysis.fits``; ``program`` replaces the derived step
     program (a user's, of this composition's placement, which is then read from it). The placement
-    is built once; the symbolic one (degrees as symbols) gives the memory expressions.
+    is built once; the symbolic one (degrees as symbols) is derived only when the memory
+    expressions are read (``Analysis.symbolic_memory``).
     ``engine``: the training engine whose effects are added (``formal._engine_effects``), on the
     pipeline stage where placement and effects together are largest; None: the placement only.
     """
@@ -108,8 +117,6 @@ def analyze(
         placement = program.placement
     sizes = group_sizes(model)
     mem = most_loaded(placement, model, precision, sizes)
-    symbolic_pl = composition.placement(model, symbolic=True)
-    sym = most_loaded(symbolic_pl, model, precision, sizes)
     traffic_stage, traffic = busiest_stage_traffic(program, precision)
     engine_pred = None if engine is None else engine_peak(placement, model, precision, sizes, engine)
     return Analysis(
@@ -122,7 +129,6 @@ def analyze(
         traffic=traffic,
         transfers=transfers(program, precision),
         device_memory=device_memory,
-        symbolic_memory=sym,
         traffic_stage=traffic_stage,
         reserve=reserve,
         engine=engine_pred,
@@ -130,7 +136,7 @@ def analyze(
 
 
 def engine_peak(
-    placement: Placement, model: Model, precision: Precision, sizes: Mapping[Group, sp.Expr], engine: Engine
+    placement: Placement, model: Model, precision: Precision, sizes: Mapping[Group, Num], engine: Engine
 ) -> EnginePrediction:
     """The engine's prediction on the device with the largest peak (first or last pipeline
     stage; without a pipeline the one kind of device)."""

@@ -46,7 +46,8 @@ def _stack(
             label=f"device memory {device_memory / GB:.0f} GB",
         )
     ax.set_ylabel("GB per device (1e9 bytes)")  # type: ignore[attr-defined]
-    ax.legend(fontsize="small")  # type: ignore[attr-defined]
+    # beside the bars, never over them (a bar of activations reaches the top of the axes)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # type: ignore[attr-defined]
     ax.tick_params(axis="x", labelrotation=20)  # type: ignore[attr-defined]
 
 
@@ -62,6 +63,21 @@ def memory_chart(
         fig = Figure(figsize=(max(7.0, 1.2 * len(labels) + 3), 4.5), layout="constrained")
         ax = fig.add_subplot()
         _stack(ax, labels, rows, device_memory)
+        ax.set_title(title)
+        return _render(fig, fmt)
+
+
+def stage_chart(
+    rows: Sequence[Mapping[str, int | None]], device_memory: int | None, title: str, fmt: str = "png"
+) -> bytes:
+    """A stacked bar per pipeline stage (``memory.per_stage`` rows, stage 0 first): what a device
+    of each stage holds, by state."""
+    labels = [f"stage {row['stage']}" for row in rows]
+    with rc_context({"text.parse_math": False, "text.usetex": False}):
+        fig = Figure(figsize=(min(16.0, max(7.0, 0.6 * len(labels) + 4)), 4.5), layout="constrained")
+        ax = fig.add_subplot()
+        _stack(ax, labels, rows, device_memory)
+        ax.set_xlabel("pipeline stage")
         ax.set_title(title)
         return _render(fig, fmt)
 

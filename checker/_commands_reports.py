@@ -331,7 +331,7 @@ def compare(compositions: tuple[str, ...], chart: str | None, as_csv: bool, as_j
             raise InputError(f"compare: {len(compositions)} compositions (at most {MAX_COMPARED})")
         destination = _chart_path(chart)
         analyses = [_analyze(c, kw) for c in compositions]
-        docs = [to_json(a) for a in analyses]
+        docs = [to_json(a, document=False) for a in analyses]  # the rows read the numbers alone
         rows = [{**summary(d), "composition": typed} for d, typed in zip(docs, compositions, strict=True)]
         shown = [{**r, "composition": readable(a.composition)} for r, a in zip(rows, analyses, strict=True)]
         if destination is not None:
@@ -393,7 +393,7 @@ def sweep(template: str, values: str, chart: str | None, as_csv: bool, as_json: 
                 rows.append({"value": n, "composition": text, "error": str(err)})
                 shown.append(rows[-1])
                 continue
-            doc = to_json(analysis)
+            doc = to_json(analysis, document=False)
             docs.append((v, doc))
             rows.append({"value": n, **summary(doc), "error": None})
             shown.append({**rows[-1], "composition": readable(analysis.composition)})

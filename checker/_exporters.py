@@ -20,7 +20,7 @@ from fractions import Fraction
 from typing import Any
 
 from checker._layout import DataSharding, ExportError, Layout, layout_of
-from formal._model import Model, Transformer
+from formal._model import Ffn, Model, Norm, Transformer
 from formal._placement import Placement, Recompute
 from formal._program import Origin, gradient_origins
 from formal._scalars import GLOBAL, LossScale, ScalarSettings
@@ -346,13 +346,11 @@ def export_megatron(comp: Composition, model: Model) -> Exported:
     )
     micro = _micro(model)
     args: list[tuple[str, str | None]] = []
+    notes: list[str] = []
     if isinstance(model, Transformer):
-        args += [
-            ("--num-layers", str(model.layers)),
-            ("--hidden-size", str(model.hidden)),
-            ("--num-attention-heads", str(model.heads)),
-            ("--seq-length", str(model.seq)),
-        ]
+        args += megatron_model_arguments(model, layout.tp)
+        if not model.final_norm:
+            notes.append(f"{model.name}: Megatron-LM always adds a final norm ({model.hidden:,} or more parameters)")
     args += [("--tensor-model-parallel-size", str(layout.tp)), ("--pipeline-model-parallel-size", str(layout.pp))]
     uneven = _uneven_layers(layout, model)
     if uneven is not None:
@@ -402,7 +400,64 @@ def export_megatron(comp: Composition, model: Model) -> Exported:
         args += [("--moe-router-load-balancing-type", kind), ("--moe-aux-loss-coeff", repr(float(coeff)))]
     text = " \\\n".join(name if value is None else f"{name} {value}" for name, value in args) + "\n"
     devices = dp_megatron * layout.tp * layout.pp * layout.cp
-    return Exported(Target.MEGATRON, text, (f"launch on {devices} devices (torchrun ... pretrain_gpt.py ARGS)",))
+    notes.append(f"launch on {devices} devices (torchrun ... pretrain_gpt.py ARGS)")
+    return Exported(Target.MEGATRON, text, tuple(notes))
+
+
+def megatron_model_arguments(model: Transformer, tp: int) -> list[tuple[str, str | None]]:
+    """The model's architecture as Megatron-LM's arguments (``megatron/training/arguments.py``),
+    every one stated rather than left to a default: sizes, the FFN width and kind (``--swiglu``),
+    the norm (``--normalization RMSNorm``), grouped-query attention (``--group-query-attention
+    --num-query-groups``), a decoupled head width (``--kv-channels``), rotary instead of learned
+    positions, untied embeddings, linear biases (``--disable-bias-linear``; ``--add-qkv-bias`` for
+    Qwen2's biases on Q, K and V only), QK norms (``--qk-layernorm``), experts, and dropout (both
+    rates 0 for a model that trains without it; Megatron-LM's default is 0.1). The vocabulary:
+    Megatron-LM pads the tokenizer's size to a multiple of ``--make-vocab-size-divisible-by``
+    (128) x tp, so the multiple is lowered to tp when that keeps the model's vocabulary whole;
+    the tokenizer itself is the user's to give."""
+    args: list[tuple[str, str | None]] = [
+        ("--num-layers", str(model.layers)),
+        ("--hidden-size", str(model.hidden)),
+        ("--num-attention-heads", str(model.heads)),
+        ("--seq-length", str(model.seq)),
+        ("--max-position-embeddings", str(model.seq)),
+        ("--ffn-hidden-size", str(model.ffn_)),
+    ]
+    if model.kv_heads_ != model.heads:
+        args += [("--group-query-attention", None), ("--num-query-groups", str(model.kv_heads_))]
+    if model.head_dim * model.heads != model.hidden:
+        args.append(("--kv-channels", str(model.head_dim)))
+    if model.ffn_kind is Ffn.SWIGLU:
+        args.append(("--swiglu", None))
+    if model.norm is Norm.RMSNORM:
+        args.append(("--normalization", "RMSNorm"))
+    if not model.learned_positions:
+        args.append(("--position-embedding-type", "rope"))
+    if not model.tied_embeddings:
+        args.append(("--untie-embeddings-and-output-weights", None))
+    if not model.bias:
+        args.append(("--disable-bias-linear", None))
+        if model.qkv_bias:
+            args.append(("--add-qkv-bias", None))
+    if model.qk_norm:
+        args.append(("--qk-layernorm", None))
+    if model.is_moe:
+        args += [
+            ("--num-experts", str(model.experts)),
+            ("--moe-router-topk", str(model.top_k)),
+            ("--moe-ffn-hidden-size", str(model.ffn_)),
+        ]
+    if not model.dropout:
+        args += [("--attention-dropout", "0"), ("--hidden-dropout", "0")]
+    args.append(("--vocab-size", str(model.vocab)))
+    if model.vocab % (128 * tp):
+        if model.vocab % tp:
+            raise ExportError(
+                f"{model.name}: a vocabulary of {model.vocab:,} tokens does not split over tp({tp}); "
+                "Megatron-LM would pad it (a larger model than the one checked)"
+            )
+        args.append(("--make-vocab-size-divisible-by", "1"))
+    return args
 
 
 # --- DTensor --------------------------------------------------------------------------------

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import sympy as sp
-
 from checker._exporters import Target, export
 from checker._layout import ExportError
 from checker._parse import parse
 from formal._costs import memory
-from formal._model import DEFAULT_PRECISION, PSI, Model, ParameterCount
+from formal._model import DEFAULT_PRECISION, Model, ParameterCount
 from formal._presets import PRESETS
 from formal._strategies import LIBRARY, Composition
 from formal._vocab import WEIGHTS, State
@@ -133,6 +131,10 @@ def _modes(name: str, degree: int) -> dict[str, str]:
 
 def model_state_formula(name: str) -> str:
     """Model-state bytes per device for a bare count Psi, degree d, mixed-precision Adam (2+2+12)."""
+    import sympy as sp  # a symbolic formula: the one use of sympy here
+
+    from formal._model import PSI
+
     comp = _composition(name, 8)
     pl = comp.placement(ParameterCount(1), symbolic=True)
     mem = memory(pl, ParameterCount(1), DEFAULT_PRECISION, {WEIGHTS: PSI})

@@ -212,6 +212,28 @@ def _timeline_section(doc: dict[str, Any]) -> str:
     )
 
 
+_STAGE_PARTS = ("parameters", "gradients", "optimizer", "activations", "buffers", "total")
+
+
+def _stages_section(doc: dict[str, Any]) -> str:
+    """Memory per pipeline stage (``memory.per_stage``): a stacked bar per stage and its table;
+    nothing without a pipeline (one stage is the memory section itself)."""
+    stages = doc["memory"].get("per_stage") or []
+    if len(stages) < 2:
+        return ""
+    from checker._charts import stage_chart
+
+    png = stage_chart(stages, doc["memory"].get("device_memory"), "memory per device on each pipeline stage")
+    rows = [(s["stage"], *(_gb(s[k]) for k in _STAGE_PARTS)) for s in stages]
+    return (
+        '<section id="stages"><h2>Memory per pipeline stage (GB)</h2>'
+        '<img id="stage-chart" alt="stacked bar chart of memory per device on each pipeline stage"'
+        f' src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
+        + _table(["stage", *_STAGE_PARTS], rows, numeric=range(1, len(_STAGE_PARTS) + 1))
+        + "</section>"
+    )
+
+
 def render_html(doc: dict[str, Any]) -> str:
     """The HTML page for a JSON report (schema ``placement-semantics/report/1``)."""
     if "memory" not in doc or "communication" not in doc:
@@ -225,6 +247,7 @@ def render_html(doc: dict[str, Any]) -> str:
         doc["memory"].get("device_memory"),
         f"memory per device ({doc['memory']['most_loaded_rank']['pipeline_stage']} pipeline stage)",
     )
+    stages_html = _stages_section(doc)
     model = doc["model"]
     prec = doc["precision"]
     mem_rows = [
@@ -282,6 +305,7 @@ model <b>{_e(model["name"])}</b> ({model["parameters"]:,} parameters); precision
  src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">
 {_table(["state", "bytes", "GB"], mem_rows, numeric=(1, 2))}
 <p>host (offloaded): {doc["memory"]["host"]:,} bytes</p></section>
+{stages_html}
 <section id="collectives"><h2>Collectives per step ({doc["communication"]["per_device_per_step"]:,} bytes per device;
 model states {_e(_decimal(doc["communication"]["model_state_psi_units"]))} Psi)</h2>
 {

@@ -79,6 +79,8 @@ _MEG_FLAGS = (
     "--use-rotary-position-embeddings",
     "--no-position-embedding",
     "--calculate-per-token-loss",
+    "--add-qkv-bias",
+    "--qk-layernorm",
 )
 # Arguments that take several values (``nargs``): how many.
 _MEG_MULTI = {"--rampup-batch-size": 3}
@@ -521,6 +523,8 @@ def _meg_model(
             ffn_kind=Ffn.SWIGLU if swiglu else Ffn.GELU,
             norm=Norm.RMSNORM if norm == "RMSNorm" else Norm.LAYERNORM,
             bias="--disable-bias-linear" not in flags,
+            qkv_bias="--add-qkv-bias" in flags,  # biases on Q, K and V only (Qwen2)
+            qk_norm="--qk-layernorm" in flags,  # a norm over head_dim on queries and keys (Qwen3)
             learned_positions=learned,
             tied_embeddings="--untie-embeddings-and-output-weights" not in flags,
             experts=experts,

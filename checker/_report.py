@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
-import sympy as sp
 from rich.console import Console
 from rich.markup import escape
 
@@ -22,12 +21,14 @@ from checker._import_common import Imported, Unmapped
 from checker._numbers import gb
 from checker._output import Column, fitted_table
 from checker._parse import readable
-from formal._costs import activation_breakdown, ceil_int, deferred_layer_activations
+from formal._costs import activation_breakdown, ceil_int, deferred_layer_activations, stage_memory
 from formal._engine_effects import modelled
 from formal._exact import exact
 from formal._input import printable
 from formal._model import ParameterCount, Transformer
+from formal._num import Num, ratio
 from formal._placement import Recompute
+from formal._program import group_sizes
 from formal._steptime import StepTime
 from formal._verdict import Condition, Status, Verdict
 from formal._vocab import Axis, Stage
@@ -36,11 +37,11 @@ from formal.errors import PlacementError
 SCHEMA = "placement-semantics/report/1"
 
 
-def _num(x: sp.Expr) -> int:
+def _num(x: Num) -> int:
     return ceil_int(x)
 
 
-def _exact(x: sp.Expr) -> str:
+def _exact(x: Num) -> str:
     return str(exact(x))
 
 
@@ -78,23 +79,39 @@ def activations_by_group(analysis: Analysis) -> dict[str, Any] | None:
     parts = activation_breakdown(pl, model, precision, stage)
     if parts is None or not isinstance(model, Transformer):
         return None
-    sbh = sp.Integer(model.seq * model.micro_batch * model.hidden)
+    sbh = model.seq * model.micro_batch * model.hidden
     deferred = deferred_layer_activations(pl, sbh, precision) * pl.stage_layers(model.layers)
     return {**parts, "deferred": _num(deferred), "in_flight_micro_batches": _exact(analysis.in_flight)}
 
 
-def to_json(analysis: Analysis) -> dict[str, Any]:
-    pl = analysis.placement
-    mem = analysis.memory
-    per_device = mem.as_ints()
+def expressions_json(analysis: Analysis) -> dict[str, str | None]:
+    """The most-loaded device's memory as expressions in the degrees (``Analysis.symbolic_memory``)."""
     sym = analysis.symbolic_memory
-    expressions = {
+    return {
         "parameters": str(sym.parameters.total),
         "gradients": str(sym.gradients.total),
         "optimizer": str(sym.optimizer.total),
         "model_states": str(sym.model_states),
         "activations": None if sym.activations is None else str(sym.activations),
     }
+
+
+def stages_json(analysis: Analysis) -> list[dict[str, Any]]:
+    """Memory of a device on every pipeline stage, 0 .. p-1 (``formal._costs.stage_memory``):
+    whole bytes by part, as ``per_device``; one entry without a pipeline."""
+    pl, model, precision = analysis.placement, analysis.model, analysis.precision
+    p = int(pl.pipeline_degree) if pl.pipelined else 1
+    sizes = group_sizes(model)
+    return [{"stage": i, **stage_memory(pl, model, precision, sizes, i).as_ints()} for i in range(p)]
+
+
+def to_json(analysis: Analysis, *, document: bool = True) -> dict[str, Any]:
+    """The analysis part of the JSON document; ``document=False`` leaves out what only the
+    document shows (``None``): the symbolic memory expressions and the memory of every pipeline
+    stage. The terminal view reads the most-loaded device's numbers alone and is spared both."""
+    pl = analysis.placement
+    mem = analysis.memory
+    per_device = mem.as_ints()
     collectives = [
         {
             "op": t.kind.value,
@@ -107,7 +124,7 @@ def to_json(analysis: Analysis) -> dict[str, Any]:
             "participants": _num(t.participants),
             "bytes": _num(t.bytes),
             "paper_elements": _num(t.paper_elements),
-            "psi_units": _exact(t.paper_elements / analysis.model.parameter_count()),
+            "psi_units": _exact(ratio(t.paper_elements, analysis.model.parameter_count())),
         }
         for t in analysis.traffic
     ]
@@ -144,7 +161,8 @@ def to_json(analysis: Analysis) -> dict[str, Any]:
             "activations_by_group": activations_by_group(analysis),
             "peak": analysis.peak,
             "engine": None if analysis.engine is None else analysis.engine.as_json(),
-            "expressions": expressions,
+            "expressions": expressions_json(analysis) if document else None,
+            "per_stage": stages_json(analysis) if document else None,
             "device_memory": analysis.device_memory,
             "reserve": analysis.reserve,
             "fits": analysis.fits,
@@ -173,7 +191,7 @@ def aggregate_collectives(collectives: list[dict[str, Any]]) -> dict[tuple[str, 
     return out
 
 
-def decimal(value: sp.Expr | Fraction | str, digits: int = 4) -> str:
+def decimal(value: Num | Fraction | str, digits: int = 4) -> str:
     """An exact ratio (a bubble fraction, Psi units) as a decimal for people: ``3/16`` -> ``0.1875``
     (the JSON keeps the exact string)."""
     return f"{float(Fraction(str(value))):.{digits}g}"
@@ -361,7 +379,7 @@ def summary_lines(analysis: Analysis, verdict: Verdict) -> list[str]:
 
 def print_human(analysis: Analysis, console: Console) -> None:
     """The detail tables: memory per device, communication per step, totals."""
-    doc = to_json(analysis)
+    doc = to_json(analysis, document=False)
     m = doc["model"]
     per = doc["memory"]["per_device"]
     stage = doc["memory"]["most_loaded_rank"]["pipeline_stage"]

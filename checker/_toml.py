@@ -52,12 +52,12 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, TypeVar
 
-import sympy as sp
-
 from checker._parse import MODIFIERS
 from checker._toml_scalars import ScalarSpec, scalar_program, scalar_specs
+from formal import _num as num
 from formal._input import TEXT, Schema, check_schema, load_toml, printable, read_text
 from formal._model import Model
+from formal._num import Num
 from formal._placement import Entry, Placement, Strategy
 from formal._program import Op, StepProgram, derive_program, group_sizes, shard_elements
 from formal._strategies import LIBRARY, TP_SHARDED
@@ -411,17 +411,17 @@ def _scale_text(at: str, value: object) -> str:
     return str(frac)
 
 
-def _scale_value(spec: OpSpec, degree: sp.Expr) -> sp.Expr:
+def _scale_value(spec: OpSpec, degree: Num) -> Num:
     match spec.scale:
         case "1/d":
-            return sp.Integer(1) / degree
+            return num.ratio(1, degree)
         case "d":
             return degree
         case None:
-            return sp.Integer(1)
+            return 1
         case text:
             frac = Fraction(text)
-            return sp.Rational(frac.numerator, frac.denominator)
+            return num.canonical(frac)
 
 
 def build_program(
@@ -431,7 +431,7 @@ def build_program(
     pl = replace(placement, user_program=True)
     sizes = group_sizes(model)
     groups = pl.groups(State.PARAMETERS)
-    m = sp.sympify(pl.options.micro_batches)
+    m = num.canonical(pl.options.micro_batches)
     user: list[Op] = []
     for spec in specs:
         if spec.axis is not None and spec.axis not in pl.axes:
@@ -459,8 +459,8 @@ def build_program(
     return StepProgram(pl, tuple(ops), derived.origins, derived=False)
 
 
-def _spec_op(spec: OpSpec, g: Group, pl: Placement, size: sp.Expr, m: sp.Expr) -> Op:
-    count = m if spec.phase in (Phase.FORWARD, Phase.BACKWARD) else sp.Integer(1)
+def _spec_op(spec: OpSpec, g: Group, pl: Placement, size: Num, m: Num) -> Op:
+    count = m if spec.phase in (Phase.FORWARD, Phase.BACKWARD) else 1
     note = "from the strategy file"
     match spec.kind:
         case OpKind.COMPUTE:
@@ -478,7 +478,7 @@ def _spec_op(spec: OpSpec, g: Group, pl: Placement, size: sp.Expr, m: sp.Expr) -
                 note=note,
             )
         case OpKind.SCALE:
-            degree = pl.degree(spec.axis) if spec.axis is not None else sp.Integer(1)
+            degree = pl.degree(spec.axis) if spec.axis is not None else 1
             scale = _scale_value(spec, degree)
             return Op(OpKind.SCALE, spec.state, g, spec.axis, spec.phase, scale=scale, note=note, buffer=spec.buffer)
         case OpKind.HOST_TO_DEVICE | OpKind.DEVICE_TO_HOST:
@@ -495,7 +495,7 @@ def _spec_op(spec: OpSpec, g: Group, pl: Placement, size: sp.Expr, m: sp.Expr) -
             )
         case OpKind.ALL_REDUCE | OpKind.REDUCE_SCATTER | OpKind.ALL_GATHER | OpKind.BROADCAST:
             assert spec.axis is not None  # validated when the file was read
-            participants = sp.Integer(2) if spec.axis.kind.is_pipeline and g in pl.tied else None
+            participants = 2 if spec.axis.kind.is_pipeline and g in pl.tied else None
             return Op(
                 spec.kind,
                 spec.state,

@@ -37,9 +37,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import sympy as sp
 import z3
 
+from formal import _num as num
+from formal._exact import exact_int
 from formal._exchanges import exchanges
 from formal._model import Model
 from formal._program import Op, StepProgram
@@ -83,8 +84,8 @@ def required_sites(program: StepProgram, model: Model) -> list[Site]:
 
 
 def _degree(d: object) -> int:
-    if isinstance(d, int | sp.Integer):
-        return int(d)
+    if num.is_number(d):
+        return exact_int(d)
     return 2  # a symbolic degree: any split at all
 
 

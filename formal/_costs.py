@@ -2,19 +2,20 @@
 
 Memory: for every state and group, size x bytes/element x the product over axes of the mode's
 factor (``pipeline_factor`` / ``axis_factor``), plus transient buffers implied by the modes.
-Communication: every collective of the step program with the ring volumes. Everything is an
-exact sympy expression; ``int`` values are bytes (GB = 1e9 bytes only when printed).
+Communication: every collective of the step program with the ring volumes. Everything is exact:
+``int`` and ``Fraction`` for a concrete placement, a sympy expression where degrees or sizes are
+symbols (``formal._num``); ``int`` values are bytes (GB = 1e9 bytes only when printed).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-import sympy as sp
-
+from formal import _num as num
 from formal._exact import exact
 from formal._model import Model, Precision, Transformer
+from formal._num import Num
 from formal._placement import Entry, Placement, Recompute
 from formal._program import Op, StepProgram, axis_factor, pipeline_factor, shard_elements
 from formal._vocab import (
@@ -38,9 +39,9 @@ from formal._vocab import (
 STAGES: tuple[Stage, ...] = tuple(Stage)  # first, middle, last
 
 
-def ceil_int(x: sp.Expr) -> int:
+def ceil_int(x: Num) -> int:
     """Bytes are whole: a fractional shard rounds up (shards are padded to equal size)."""
-    return int(sp.ceiling(exact(x)))
+    return int(num.ceiling(exact(x)))
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,11 @@ class StateMemory:
     """Bytes one device holds of one state, by group (persistent, between steps)."""
 
     state: State
-    by_group: tuple[tuple[Group, sp.Expr], ...]
+    by_group: tuple[tuple[Group, Num], ...]
 
     @property
-    def total(self) -> sp.Expr:
-        return exact(sum((v for _, v in self.by_group), sp.Integer(0)))
+    def total(self) -> Num:
+        return exact(sum((v for _, v in self.by_group), 0))
 
 
 @dataclass(frozen=True)
@@ -63,16 +64,16 @@ class Memory:
     parameters: StateMemory
     gradients: StateMemory
     optimizer: StateMemory
-    activations: sp.Expr | None
-    buffers: sp.Expr | None
-    host: sp.Expr
+    activations: Num | None
+    buffers: Num | None
+    host: Num
 
     @property
-    def model_states(self) -> sp.Expr:
+    def model_states(self) -> Num:
         return exact(self.parameters.total + self.gradients.total + self.optimizer.total)
 
     @property
-    def total(self) -> sp.Expr:
+    def total(self) -> Num:
         return exact(self.model_states + (self.activations or 0) + (self.buffers or 0))
 
     def as_ints(self) -> dict[str, int | None]:
@@ -87,15 +88,15 @@ class Memory:
         }
 
 
-def _device_factor(pl: Placement, state: State, group: Group, stage: Stage) -> sp.Expr:
+def _device_factor(pl: Placement, state: State, group: Group, stage: Stage) -> Num:
     """Product over axes of the persistent factor, times the axis-free (local) mode."""
     if pl.local_mode(state, group) in (Mode.OFFLOADED, Mode.MATERIALIZED):
-        return sp.Integer(0)
+        return 0
     return _axes_factor(pl, state, group, stage)
 
 
-def _axes_factor(pl: Placement, state: State, group: Group, stage: Stage) -> sp.Expr:
-    out: sp.Expr = sp.Integer(1)
+def _axes_factor(pl: Placement, state: State, group: Group, stage: Stage) -> Num:
+    out: Num = 1
     for axis, d in pl.mesh:
         entry = pl.entry(state, group, axis)
         out = out * (
@@ -105,17 +106,15 @@ def _axes_factor(pl: Placement, state: State, group: Group, stage: Stage) -> sp.
 
 
 def state_memory(
-    pl: Placement, state: State, sizes: Mapping[Group, sp.Expr], precision: Precision, stage: Stage = Stage.FIRST
+    pl: Placement, state: State, sizes: Mapping[Group, Num], precision: Precision, stage: Stage = Stage.FIRST
 ) -> StateMemory:
     nbytes = precision.bytes_of(state)
     rows = tuple((g, exact(sizes[g] * nbytes * _device_factor(pl, state, g, stage))) for g in pl.groups(state))
     return StateMemory(state, rows)
 
 
-def host_memory(
-    pl: Placement, sizes: Mapping[Group, sp.Expr], precision: Precision, stage: Stage = Stage.FIRST
-) -> sp.Expr:
-    total: sp.Expr = sp.Integer(0)
+def host_memory(pl: Placement, sizes: Mapping[Group, Num], precision: Precision, stage: Stage = Stage.FIRST) -> Num:
+    total: Num = 0
     for state in MODEL_STATES:
         for g in pl.groups(state):
             if pl.local_mode(state, g) is Mode.OFFLOADED:
@@ -123,55 +122,55 @@ def host_memory(
     return exact(total)
 
 
-def in_flight_micro_batches(pl: Placement, stage: Stage = Stage.FIRST) -> sp.Expr:
+def in_flight_micro_batches(pl: Placement, stage: Stage = Stage.FIRST) -> Num:
     """Micro-batches whose activations a pipeline stage holds at its peak (in whole-stage units):
     the schedule's count for the first or last stage (``PipelineSchedule.in_flight``; a middle
     stage gets the first stage's, an upper bound). No pipeline: 1."""
     p = pl.pipeline_degree
-    m = sp.sympify(pl.options.micro_batches)  # a symbol in the planner's derivations
+    m = num.canonical(pl.options.micro_batches)  # a symbol in the planner's derivations
     if not pl.pipelined or p == 1:
-        return sp.Integer(1)
-    v = sp.Integer(pl.options.virtual_stages)
+        return 1
+    v = pl.options.virtual_stages
     return pl.options.pipeline_schedule.in_flight(p, m, v, stage)
 
 
-def stage_in_flight(pl: Placement, index: int) -> sp.Expr:
+def stage_in_flight(pl: Placement, index: int) -> Num:
     """Micro-batches pipeline stage ``index`` (0 .. p-1) holds at its peak, in whole-stage units
     (``PipelineSchedule.stage_in_flight``). At i = 0 and i = p - 1 these are
     ``in_flight_micro_batches``' first and last stage."""
     p = pl.pipeline_degree
-    m = sp.sympify(pl.options.micro_batches)
+    m = num.canonical(pl.options.micro_batches)
     if not pl.pipelined or p == 1:
-        return sp.Integer(1)
+        return 1
     if not 0 <= index < p:
         raise ValueError(f"stage {index} of a {p}-stage pipeline")
-    v = sp.Integer(pl.options.virtual_stages)
+    v = pl.options.virtual_stages
     return pl.options.pipeline_schedule.stage_in_flight(p, m, v, index)
 
 
 def peak_activations(
-    pl: Placement, whole: sp.Expr, deferred: sp.Expr, stage: Stage = Stage.FIRST, index: int | None = None
-) -> sp.Expr:
+    pl: Placement, whole: Num, deferred: Num, stage: Stage = Stage.FIRST, index: int | None = None
+) -> Num:
     """Activation bytes a device holds at its peak, on ``stage`` or on pipeline stage ``index``:
     the schedule's (``PipelineSchedule.peak_activations``) from ``whole``, the bytes one
     micro-batch holds until its backward, and ``deferred``, what it keeps after it for work the
     schedule defers. No pipeline: one micro-batch at a time."""
     p = pl.pipeline_degree
-    m = sp.sympify(pl.options.micro_batches)
+    m = num.canonical(pl.options.micro_batches)
     if not pl.pipelined or p == 1:
         return whole
     if index is not None and not 0 <= index < p:
         raise ValueError(f"stage {index} of a {p}-stage pipeline")
-    v = sp.Integer(pl.options.virtual_stages)
+    v = pl.options.virtual_stages
     return pl.options.pipeline_schedule.peak_activations(p, m, v, whole, deferred, stage, index)
 
 
-def deferred_layer_activations(pl: Placement, sbh: sp.Expr, precision: Precision) -> sp.Expr:
+def deferred_layer_activations(pl: Placement, sbh: Num, precision: Precision) -> Num:
     """Bytes one device keeps of one layer and one micro-batch for work its schedule defers past
     the backward (``PipelineSchedule.deferred_activations``), through the placement: each
     group's elements split along tp and cp as that activation group is, at the activation width.
     Recomputation does not shrink them: what the deferred work reads is kept until it runs."""
-    total: sp.Expr = sp.Integer(0)
+    total: Num = 0
     for group, per_sbh in pl.options.pipeline_schedule.deferred_activations:
         total += per_sbh * sbh * precision.activations * _tensor_factor(pl, group)
     return total
@@ -179,7 +178,7 @@ def deferred_layer_activations(pl: Placement, sbh: sp.Expr, precision: Precision
 
 def activation_memory(
     pl: Placement, model: Model, precision: Precision, stage: Stage = Stage.FIRST, index: int | None = None
-) -> sp.Expr | None:
+) -> Num | None:
     """Activation bytes on a device: the per-layer bytes the layer's ops save (Korthikanti et al.
     2022, section 4.1, for the model's structure: ``formal._saved``) for the stage's layers,
     plus the input and output layers' bytes (section 4.3) where the stage holds them, both
@@ -192,7 +191,7 @@ def activation_memory(
         return None
     per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
     layers = pl.stage_layers(model.layers)
-    sbh = sp.Integer(model.seq * model.micro_batch * model.hidden)
+    sbh = model.seq * model.micro_batch * model.hidden
     total = layer_activations(pl, per_layer, sbh, precision) * layers
     io = model.io_activation_bytes(precision.activations, precision.mask_bytes, precision.logits_bytes)
     total += io_activations(pl, io, stage)
@@ -205,7 +204,7 @@ def holds_io_activations(pl: Placement, group: Group, stage: Stage) -> bool:
     embeddings' on the first stage, the output layer's and the loss's on the last, all of them
     without a pipeline. A symbolic pp degree (the planner) means a pipeline of two or more."""
     p = pl.pipeline_degree
-    if not pl.pipelined or (p.is_number and p == 1):
+    if not pl.pipelined or (num.is_number(p) and p == 1):
         return True
     if group in FIRST_STAGE_ACTIVATIONS:
         return stage == Stage.FIRST
@@ -214,10 +213,10 @@ def holds_io_activations(pl: Placement, group: Group, stage: Stage) -> bool:
     raise AssertionError(group)
 
 
-def io_activations(pl: Placement, io_bytes: Mapping[Group, sp.Expr], stage: Stage = Stage.FIRST) -> sp.Expr:
+def io_activations(pl: Placement, io_bytes: Mapping[Group, Num], stage: Stage = Stage.FIRST) -> Num:
     """Input/output-layer activation bytes one device keeps for one micro-batch on ``stage``
     (Korthikanti et al. 2022, section 4.3), through the placement. Works on symbolic sizes."""
-    total: sp.Expr = sp.Integer(0)
+    total: Num = 0
     for g in IO_ACTIVATION_GROUPS:
         if (State.ACTIVATIONS, g) not in set(pl.keys()) or not holds_io_activations(pl, g, stage):
             continue
@@ -225,12 +224,12 @@ def io_activations(pl: Placement, io_bytes: Mapping[Group, sp.Expr], stage: Stag
     return total
 
 
-def layer_activations(pl: Placement, per_layer: Mapping[Group, sp.Expr], sbh: sp.Expr, precision: Precision) -> sp.Expr:
+def layer_activations(pl: Placement, per_layer: Mapping[Group, Num], sbh: Num, precision: Precision) -> Num:
     """Activation bytes one device keeps for one layer and one micro-batch, through the placement.
 
     Works on symbolic sizes too (``per_layer`` from ``formal._model.layer_activation_bytes``).
     """
-    total: sp.Expr = sp.Integer(0)
+    total: Num = 0
     for g in ACTIVATION_GROUPS:
         if pl.local_mode(State.ACTIVATIONS, g) is Mode.MATERIALIZED:
             continue  # recomputed in backward, freed after use
@@ -241,7 +240,7 @@ def layer_activations(pl: Placement, per_layer: Mapping[Group, sp.Expr], sbh: sp
     return total
 
 
-def _sp_factor(pl: Placement) -> sp.Expr:
+def _sp_factor(pl: Placement) -> Num:
     """The share of a layer's input sequence parallelism leaves to a device, for its
     full-recomputation checkpoint (context parallelism's share is ``_cp_factor``).
 
@@ -254,10 +253,10 @@ def _sp_factor(pl: Placement) -> sp.Expr:
     ZeRO-R's partitioned activation checkpointing (Rajbhandari et al. 2020, section 6.1, "Pa")
     splits across the model-parallel ranks the same way.
     """
-    out: sp.Expr = sp.Integer(1)
+    out: Num = 1
     for axis, d in pl.mesh:
         if axis.kind.sequence_parallel and pl.entry(State.ACTIVATIONS, LAYER_IO, axis).mode.is_sharded:
-            out = out / d
+            out = num.ratio(out, d)
     return out
 
 
@@ -272,11 +271,11 @@ def activation_breakdown(
     if not isinstance(model, Transformer):
         return None
     per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
-    sbh = sp.Integer(model.seq * model.micro_batch * model.hidden)
-    layer: dict[str, sp.Expr] = {}
+    sbh = model.seq * model.micro_batch * model.hidden
+    layer: dict[str, Num] = {}
     for g in ACTIVATION_GROUPS:
         kept = pl.local_mode(State.ACTIVATIONS, g) is not Mode.MATERIALIZED
-        layer[g.name] = per_layer[g] * _tensor_factor(pl, g) if kept else sp.Integer(0)
+        layer[g.name] = per_layer[g] * _tensor_factor(pl, g) if kept else 0
     if pl.options.recompute is Recompute.FULL:
         layer["checkpoint"] = precision.activations * sbh * _cp_factor(pl) * _sp_factor(pl)
     count = pl.stage_layers(model.layers)
@@ -284,7 +283,7 @@ def activation_breakdown(
     io = {
         g.name: io_bytes[g] * _tensor_factor(pl, g)
         if (State.ACTIVATIONS, g) in set(pl.keys()) and holds_io_activations(pl, g, stage)
-        else sp.Integer(0)
+        else 0
         for g in IO_ACTIVATION_GROUPS
     }
     return {
@@ -294,8 +293,8 @@ def activation_breakdown(
     }
 
 
-def _tensor_factor(pl: Placement, group: Group) -> sp.Expr:
-    out: sp.Expr = sp.Integer(1)
+def _tensor_factor(pl: Placement, group: Group) -> Num:
+    out: Num = 1
     for axis, d in pl.mesh:
         if axis.kind.is_pipeline or axis.kind.splits_batch:
             continue  # b is one replica's micro-batch already; pp splits layers (counted above)
@@ -303,13 +302,13 @@ def _tensor_factor(pl: Placement, group: Group) -> sp.Expr:
     return out
 
 
-def _cp_factor(pl: Placement) -> sp.Expr:
-    return 1 / pl.degree_where(lambda kind: kind.splits_sequence)
+def _cp_factor(pl: Placement) -> Num:
+    return num.ratio(1, pl.degree_where(lambda kind: kind.splits_sequence))
 
 
 def buffer_memory(
-    pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr], precision: Precision, stage: Stage = Stage.FIRST
-) -> sp.Expr | None:
+    pl: Placement, model: Model, sizes: Mapping[Group, Num], precision: Precision, stage: Stage = Stage.FIRST
+) -> Num | None:
     """Transient buffers implied by the modes, at their peak.
 
     ``S*`` gathered per use: the largest gather unit (one transformer layer's parameters, or
@@ -322,8 +321,8 @@ def buffer_memory(
     Unknown (None) for a model given only by its parameter count, whose layers are unknown.
     """
     layer_count = model.layers if isinstance(model, Transformer) else None
-    held: sp.Expr = sp.Integer(0)
-    units: dict[str, sp.Expr] = {}
+    held: Num = 0
+    units: dict[str, Num] = {}
     for state in (State.PARAMETERS, State.GRADIENTS):
         nbytes = precision.wire_bytes_of(state)  # the gradient bucket holds the reduced width
         for g in pl.groups(state):
@@ -340,7 +339,7 @@ def buffer_memory(
                 # which the parameters' memory already counts unless it lives on the host (offload-params).
                 copy = shard_elements(pl, state, g, sizes[g], held_axes, stage) * nbytes
                 own = (
-                    sp.Integer(0)
+                    0
                     if pl.local_mode(state, g) is Mode.OFFLOADED
                     else shard_elements(pl, state, g, sizes[g], None, stage) * nbytes
                 )
@@ -349,15 +348,15 @@ def buffer_memory(
                     continue
             full = shard_elements(pl, state, g, sizes[g], axes, stage) * nbytes
             unit = f"{state.value}:{'layer' if g in LAYER_GROUPS else g.name}"
-            piece = full / pl.stage_layers(layer_count) if g in LAYER_GROUPS else full
-            units[unit] = units.get(unit, sp.Integer(0)) + piece
-    # sp.Max, not max(): with symbolic degrees the units may not be comparable (the planner derives
+            piece = num.ratio(full, pl.stage_layers(layer_count)) if g in LAYER_GROUPS else full
+            units[unit] = units.get(unit, 0) + piece
+    # num.maximum, not max(): with symbolic degrees the units may not be comparable (the planner derives
     # costs with symbolic degrees).
     largest = {
-        st: sp.Max(sp.Integer(0), *(v for k, v in units.items() if k.startswith(st.value)))
+        st: num.maximum(0, *(v for k, v in units.items() if k.startswith(st.value)))
         for st in (State.PARAMETERS, State.GRADIENTS)
     }
-    return exact(held + sum(largest.values(), sp.Integer(0)))
+    return exact(held + sum(largest.values(), 0))
 
 
 def _needs_buffer(pl: Placement, state: State, group: Group, axis: Axis, entry: Entry) -> bool:
@@ -373,7 +372,7 @@ def _needs_buffer(pl: Placement, state: State, group: Group, axis: Axis, entry: 
 
 
 def memory(
-    pl: Placement, model: Model, precision: Precision, sizes: Mapping[Group, sp.Expr], stage: Stage = Stage.FIRST
+    pl: Placement, model: Model, precision: Precision, sizes: Mapping[Group, Num], stage: Stage = Stage.FIRST
 ) -> Memory:
     return Memory(
         stage=stage,
@@ -386,13 +385,28 @@ def memory(
     )
 
 
-def most_loaded(pl: Placement, model: Model, precision: Precision, sizes: Mapping[Group, sp.Expr]) -> Memory:
+def stage_memory(pl: Placement, model: Model, precision: Precision, sizes: Mapping[Group, Num], index: int) -> Memory:
+    """Memory of a device on pipeline stage ``index`` (0 .. p-1): the model states and buffers of
+    its kind of stage (the first holds the embedding, the last the head, a middle one neither) and
+    the activations that stage itself holds at its peak (``activation_memory`` with ``index``:
+    under 1F1B stage i keeps min(p - i, m) micro-batches). Without a pipeline, stage 0 is every device."""
+    p = pl.pipeline_degree if pl.pipelined else 1
+    if not num.is_number(p) or not 0 <= index < p:
+        raise ValueError(f"stage {index} of a {p}-stage pipeline")
+    kind = Stage.of(index, int(p))
+    whole = memory(pl, model, precision, sizes, kind)
+    if p == 1:
+        return whole
+    return replace(whole, activations=activation_memory(pl, model, precision, kind, index))
+
+
+def most_loaded(pl: Placement, model: Model, precision: Precision, sizes: Mapping[Group, Num]) -> Memory:
     """The device with the largest total: pipeline stage 0 (embedding, most in-flight
     activations) unless the last stage's head outweighs it. Without pp there is one kind."""
     if not pl.pipelined or pl.pipeline_degree == 1:
         return memory(pl, model, precision, sizes, Stage.FIRST)
     candidates = [memory(pl, model, precision, sizes, st) for st in (Stage.FIRST, Stage.LAST)]
-    if any(not m.total.is_number for m in candidates):
+    if any(not num.is_number(m.total) for m in candidates):
         return candidates[0]
     return max(candidates, key=lambda m: exact(m.total))
 
@@ -400,22 +414,22 @@ def most_loaded(pl: Placement, model: Model, precision: Precision, sizes: Mappin
 # --- communication -------------------------------------------------------------------------
 
 
-def ring_factor(kind: OpKind, n: sp.Expr) -> sp.Expr:
+def ring_factor(kind: OpKind, n: Num) -> Num:
     """Bytes one device sends per byte of the full tensor, ring algorithms (docs/semantics.md, "Costs")."""
     match kind:
         case OpKind.ALL_REDUCE:
-            return 2 * (n - 1) / n
+            return num.ratio(2 * (n - 1), n)
         case OpKind.REDUCE_SCATTER | OpKind.ALL_GATHER | OpKind.ALL_TO_ALL | OpKind.BROADCAST:
-            return (n - 1) / n
+            return num.ratio(n - 1, n)
         case OpKind.SEND_RECV:
-            return sp.Integer(1)
+            return 1
         case _:
             raise AssertionError(kind)
 
 
-def paper_factor(kind: OpKind) -> sp.Expr:
+def paper_factor(kind: OpKind) -> Num:
     """The ZeRO paper's convention: (d-1)/d dropped; an all-reduce moves 2x, the others 1x."""
-    return sp.Integer(2) if kind is OpKind.ALL_REDUCE else sp.Integer(1)
+    return 2 if kind is OpKind.ALL_REDUCE else 1
 
 
 @dataclass(frozen=True)
@@ -427,25 +441,25 @@ class Traffic:
     state: State
     group: Group
     phase: str
-    elements: sp.Expr  # per call: elements of the full tensor along the axis
-    count: sp.Expr  # calls per step
-    participants: sp.Expr
-    bytes: sp.Expr  # per device per step, ring algorithm
-    paper_elements: sp.Expr  # ZeRO-paper units: elements x (2 for all-reduce, else 1) x count
+    elements: Num  # per call: elements of the full tensor along the axis
+    count: Num  # calls per step
+    participants: Num
+    bytes: Num  # per device per step, ring algorithm
+    paper_elements: Num  # ZeRO-paper units: elements x (2 for all-reduce, else 1) x count
 
 
 def pipeline_stages(pl: Placement) -> tuple[Stage, ...]:
     """The kinds of pipeline stage a placement has: one without a pipeline, first and last with
     two stages, and a middle one beyond (a symbolic degree: all three)."""
     p = pl.pipeline_degree
-    if not pl.pipelined or (p.is_number and p == 1):
+    if not pl.pipelined or (num.is_number(p) and p == 1):
         return (Stage.FIRST,)
-    if p.is_number and p == 2:
+    if num.is_number(p) and p == 2:
         return (Stage.FIRST, Stage.LAST)
     return STAGES
 
 
-def op_stage_factor(op: Op, pl: Placement, stage: Stage) -> sp.Expr:
+def op_stage_factor(op: Op, pl: Placement, stage: Stage) -> Num:
     """How often a device of pipeline ``stage`` runs ``op``, relative to the op's ``count``.
 
     The step program is a union over stages: the first stage's groups (embedding, its
@@ -456,19 +470,19 @@ def op_stage_factor(op: Op, pl: Placement, stage: Stage) -> sp.Expr:
     its boundaries (a middle stage sends and receives both ways). Without a pipeline: 1.
     """
     if len(pipeline_stages(pl)) == 1:
-        return sp.Integer(1)
+        return 1
     if op.kind is OpKind.SEND_RECV and op.axis is not None and op.axis.kind.is_pipeline:
         sends = pl.options.pipeline_schedule.boundary_sends(pl.options.chunks)
         ends = int(stage == Stage.FIRST) + int(stage == Stage.LAST)
-        return sp.Rational(2 * sends - ends, sends)
+        return num.ratio(2 * sends - ends, sends)
     group = op.group
     if group in pl.tied:
-        return sp.Integer(int(stage in (Stage.FIRST, Stage.LAST)))
+        return int(stage in (Stage.FIRST, Stage.LAST))
     if group in FIRST_STAGE_GROUPS or group in FIRST_STAGE_ACTIVATIONS:
-        return sp.Integer(int(stage == Stage.FIRST))
+        return int(stage == Stage.FIRST)
     if group in LAST_STAGE_GROUPS or group in LAST_STAGE_ACTIVATIONS:
-        return sp.Integer(int(stage == Stage.LAST))
-    return sp.Integer(1)
+        return int(stage == Stage.LAST)
+    return 1
 
 
 def communication(program: StepProgram, precision: Precision, stage: Stage | None = None) -> tuple[Traffic, ...]:
@@ -479,7 +493,7 @@ def communication(program: StepProgram, precision: Precision, stage: Stage | Non
     for op in program.ops:
         if not op.kind.is_collective or op.axis is None:
             continue
-        factor = sp.Integer(1) if stage is None else op_stage_factor(op, pl, stage)
+        factor = 1 if stage is None else op_stage_factor(op, pl, stage)
         if factor == 0:
             continue
         count = exact(op.count * factor)
@@ -496,12 +510,12 @@ def busiest_stage_traffic(program: StepProgram, precision: Precision) -> tuple[S
     stage on a tie; without a pipeline, the one kind of device)."""
     stages = pipeline_stages(program.placement)
     per_stage = [(st, communication(program, precision, st)) for st in stages]
-    if len(per_stage) == 1 or any(not total_bytes(t).is_number for _, t in per_stage):
+    if len(per_stage) == 1 or any(not num.is_number(total_bytes(t)) for _, t in per_stage):
         return per_stage[0]
     return max(per_stage, key=lambda item: exact(total_bytes(item[1])))
 
 
-def transfers(program: StepProgram, precision: Precision) -> tuple[tuple[str, State, Group, str, sp.Expr], ...]:
+def transfers(program: StepProgram, precision: Precision) -> tuple[tuple[str, State, Group, str, Num], ...]:
     """Host-device (PCIe) transfers, counted apart from network collectives: bytes per step."""
     out = []
     for op in program.ops:
@@ -518,21 +532,21 @@ def transfers(program: StepProgram, precision: Precision) -> tuple[tuple[str, St
     return tuple(out)
 
 
-def total_bytes(traffic: tuple[Traffic, ...]) -> sp.Expr:
-    return exact(sum((t.bytes for t in traffic), sp.Integer(0)))
+def total_bytes(traffic: tuple[Traffic, ...]) -> Num:
+    return exact(sum((t.bytes for t in traffic), 0))
 
 
-def model_state_paper_units(traffic: tuple[Traffic, ...]) -> sp.Expr:
+def model_state_paper_units(traffic: tuple[Traffic, ...]) -> Num:
     """Elements of model-state collectives in the ZeRO paper's units (divide by Psi for Psi)."""
-    return exact(sum((t.paper_elements for t in traffic if t.state is not State.ACTIVATIONS), sp.Integer(0)))
+    return exact(sum((t.paper_elements for t in traffic if t.state is not State.ACTIVATIONS), 0))
 
 
-def bubble_fraction(pl: Placement) -> sp.Expr:
+def bubble_fraction(pl: Placement) -> Num:
     """Pipeline bubble: a stage's idle time over its compute time in one step, the schedule's
     (``PipelineSchedule.bubble_fraction``; (p-1)/m for 1F1B and GPipe, (p-1)/(v m) interleaved,
     Narayanan et al. 2021, section 2.2). No pipeline: 0."""
     p = pl.pipeline_degree
-    m = sp.sympify(pl.options.micro_batches)  # a symbol in the planner's derivations
+    m = num.canonical(pl.options.micro_batches)  # a symbol in the planner's derivations
     if not pl.pipelined:
-        return sp.Integer(0)
-    return pl.options.pipeline_schedule.bubble_fraction(p, m, sp.Integer(pl.options.virtual_stages))
+        return 0
+    return pl.options.pipeline_schedule.bubble_fraction(p, m, pl.options.virtual_stages)

@@ -1,16 +1,17 @@
 """Model and precision descriptions, and the exact size of every tensor group.
 
-Sizes are sympy expressions in the model's symbols so the same formula serves symbolic proofs
-(``sizes(symbolic=True)``) and exact integers for a concrete model.
+Sizes are exact integers for a concrete model; the same formulas take the model's sympy
+symbols (``L h a s b V``, made on first use) for the symbolic proofs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import Any
 
-import sympy as sp
-
+from formal import _num as num
+from formal._num import Num
 from formal._saved import GPT, LayerShape, SavedTensor, by_group, layer_saved_tensors
 from formal._vocab import (
     ATTENTION,
@@ -32,9 +33,22 @@ from formal._vocab import (
 )
 from formal.errors import ModelError
 
-# Symbols of the model (Megatron / Korthikanti notation).
-L, h, a, s, b, V = sp.symbols("L h a s b V", positive=True, integer=True)
-PSI = sp.Symbol("Psi", positive=True, integer=True)  # a bare parameter count (ZeRO notation)
+# Symbols of the model (Megatron / Korthikanti notation): ``L h a s b V`` and ``PSI``, a bare
+# parameter count (ZeRO notation), made when first asked for (``__getattr__``), so that a
+# concrete check does not import sympy.
+_SYMBOLS = {"L": "L", "h": "h", "a": "a", "s": "s", "b": "b", "V": "V", "PSI": "Psi"}
+
+
+def __getattr__(name: str) -> Any:
+    """The model's sympy symbols, on first use (PEP 562)."""
+    if name in _SYMBOLS:
+        import sympy as sp
+
+        symbol = sp.Symbol(_SYMBOLS[name], positive=True, integer=True)
+        globals()[name] = symbol
+        return symbol
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 MAX_PARAMETERS = 10**15  # a quadrillion parameters: beyond this a count is a typo, not a model
 MAX_SEQ = 100_000_000  # tokens per sequence: a hundred million is beyond any context window
@@ -158,7 +172,7 @@ class Transformer:
     def parameter_count(self) -> int:
         return sum(self.group_elements().values())
 
-    def activation_bytes_per_layer(self, element_bytes: int = 2, mask_bytes: int = 1) -> dict[Group, sp.Expr]:
+    def activation_bytes_per_layer(self, element_bytes: int = 2, mask_bytes: int = 1) -> dict[Group, Num]:
         """Activation bytes of one layer for one micro-batch, by group, before any parallelism:
         the tensors its ops save (``formal._saved.layer_saved_tensors``) for this model's FFN
         width and kind, K/V heads and dropout. For GPT (``f = 4h``, dropout,
@@ -171,10 +185,10 @@ class Transformer:
     def saved_tensors(self, element_bytes: int = 2, mask_bytes: int = 1) -> tuple[SavedTensor, ...]:
         """The tensors one layer keeps for one micro-batch, op by op (``formal._saved``)."""
         return layer_saved_tensors(
-            sp.Integer(self.seq),
-            sp.Integer(self.micro_batch),
-            sp.Integer(self.hidden),
-            sp.Integer(self.heads),
+            self.seq,
+            self.micro_batch,
+            self.hidden,
+            self.heads,
             element_bytes,
             mask_bytes,
             self.layer_shape,
@@ -183,22 +197,22 @@ class Transformer:
     @property
     def layer_shape(self) -> LayerShape:
         return LayerShape(
-            ffn=sp.Integer(self.ffn_),
-            kv_heads=sp.Integer(self.kv_heads_),
+            ffn=self.ffn_,
+            kv_heads=self.kv_heads_,
             gated=self.ffn_kind is Ffn.SWIGLU,
             dropout=self.dropout,
         )
 
     def io_activation_bytes(
         self, element_bytes: int = 2, mask_bytes: int = 1, logits_bytes: int = 4
-    ) -> dict[Group, sp.Expr]:
+    ) -> dict[Group, Num]:
         """Activation bytes of the input and output layers for one micro-batch, before any
         parallelism: ``io_activation_bytes`` for this model's sizes."""
         return io_activation_bytes(
-            sp.Integer(self.seq),
-            sp.Integer(self.micro_batch),
-            sp.Integer(self.hidden),
-            sp.Integer(self.vocab),
+            self.seq,
+            self.micro_batch,
+            self.hidden,
+            self.vocab,
             element_bytes,
             mask_bytes,
             logits_bytes,
@@ -210,30 +224,30 @@ class Transformer:
 
 
 def layer_activation_bytes(
-    seq: sp.Expr,
-    micro_batch: sp.Expr,
-    hidden: sp.Expr,
-    heads: sp.Expr,
+    seq: Num,
+    micro_batch: Num,
+    hidden: Num,
+    heads: Num,
     element_bytes: int = 2,
     mask_bytes: int = 1,
     shape: LayerShape = GPT,
-) -> dict[Group, sp.Expr]:
+) -> dict[Group, Num]:
     """``Transformer.activation_bytes_per_layer`` for any sizes, symbols included (the proofs
     derive Korthikanti's expressions with ``s, b, h, a`` symbolic); GPT's layer by default."""
     return by_group(layer_saved_tensors(seq, micro_batch, hidden, heads, element_bytes, mask_bytes, shape))
 
 
 def io_activation_bytes(
-    seq: sp.Expr,
-    micro_batch: sp.Expr,
-    hidden: sp.Expr,
-    vocab: sp.Expr,
+    seq: Num,
+    micro_batch: Num,
+    hidden: Num,
+    vocab: Num,
     element_bytes: int = 2,
     mask_bytes: int = 1,
     logits_bytes: int = 4,
     *,
     dropout: bool = True,
-) -> dict[Group, sp.Expr]:
+) -> dict[Group, Num]:
     """The input and output layers' activations (Korthikanti et al. 2022, section 4.3).
 
     Input: the dropout on the input embeddings keeps a mask, ``sbh`` 1-byte elements
@@ -246,7 +260,7 @@ def io_activation_bytes(
     """
     sbh = seq * micro_batch * hidden
     return {
-        EMBEDDING_IO: mask_bytes * sbh if dropout else sp.Integer(0),
+        EMBEDDING_IO: mask_bytes * sbh if dropout else 0,
         OUTPUT_IO: 2 * element_bytes * sbh,
         LOGITS: logits_bytes * seq * micro_batch * vocab,
     }
@@ -290,11 +304,10 @@ class ParameterCount:
 Model = Transformer | ParameterCount
 
 
-def megatron_parameter_count(layers: int, hidden: int, vocab: int, seq: int) -> sp.Expr:
+def megatron_parameter_count(layers: int, hidden: int, vocab: int, seq: int) -> Num:
     """Narayanan et al. 2021 (PTD-P), section 5.1: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12lh))."""
-    lh = sp.Integer(layers), sp.Integer(hidden)
-    l_, h_ = lh
-    return 12 * l_ * h_**2 * (1 + sp.Rational(13, 12) / h_ + sp.Integer(vocab + seq) / (12 * l_ * h_))
+    l_, h_ = layers, hidden
+    return num.canonical(12 * l_ * h_**2 * (1 + num.ratio(13, 12 * h_) + num.ratio(vocab + seq, 12 * l_ * h_)))
 
 
 @dataclass(frozen=True)

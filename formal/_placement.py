@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 
-import sympy as sp
-
+from formal import _num as num
+from formal._num import Num
 from formal._scalars import ScalarSettings
 from formal._schedules import DEFAULT_SCHEDULE, PipelineSchedule, Schedule, schedule_of
 from formal._vocab import (
@@ -187,20 +188,20 @@ class Placement:
     means the layers split evenly (1/p).
     """
 
-    mesh: tuple[tuple[Axis, sp.Expr], ...]
+    mesh: tuple[tuple[Axis, Num], ...]
     modes: tuple[tuple[Key, tuple[tuple[Axis, Entry], ...]], ...]
     local: tuple[tuple[Key, Mode], ...]
     compute_sharded: tuple[tuple[Axis, frozenset[Group]], ...]
     options: Options
     tied: frozenset[Group] = frozenset()
     user_program: bool = False  # the step program is given, not derived (user TOML)
-    layer_share: sp.Expr | None = None
+    layer_share: Num | None = None
 
-    def stage_layers(self, layers: int) -> sp.Expr:
+    def stage_layers(self, layers: int) -> Num:
         """Transformer layers on the fullest pipeline stage: L/p, or ceil(L/p) when uneven."""
         if self.layer_share is None:
-            return sp.Integer(layers) / self.pipeline_degree
-        return sp.Integer(layers) * self.layer_share
+            return num.ratio(layers, self.pipeline_degree)
+        return num.canonical(layers * self.layer_share)
 
     @property
     def pipelined(self) -> bool:
@@ -208,13 +209,13 @@ class Placement:
         return any(a.kind.is_pipeline for a in self.axes)
 
     @property
-    def pipeline_degree(self) -> sp.Expr:
+    def pipeline_degree(self) -> Num:
         """Pipeline stages (the pipeline axis' degree; 1 without one)."""
         return self.degree_where(lambda kind: kind.is_pipeline)
 
-    def degree_where(self, test: Callable[[AxisKind], bool]) -> sp.Expr:
+    def degree_where(self, test: Callable[[AxisKind], bool]) -> Num:
         """The product of the degrees of the axes whose kind passes ``test`` (1 if none does)."""
-        out: sp.Expr = sp.Integer(1)
+        out: Num = 1
         for axis, d in self.mesh:
             if test(axis.kind):
                 out = out * d
@@ -228,8 +229,8 @@ class Placement:
     def axes(self) -> tuple[Axis, ...]:
         return tuple(a for a, _ in self.mesh)
 
-    def degree(self, axis: Axis) -> sp.Expr:
-        return dict(self.mesh).get(axis, sp.Integer(1))
+    def degree(self, axis: Axis) -> Num:
+        return dict(self.mesh).get(axis, 1)
 
     def keys(self) -> Iterator[Key]:
         for key, _ in self.modes:
@@ -238,18 +239,31 @@ class Placement:
     def groups(self, state: State) -> tuple[Group, ...]:
         return tuple(g for (st, g) in self.keys() if st is state)
 
+    @cached_property
+    def _rows(self) -> dict[Key, dict[Axis, Entry]]:
+        """``modes`` as nested dicts, built once per placement (the costs and the z3 encoding
+        read entries thousands of times per check)."""
+        return {key: dict(row) for key, row in self.modes}
+
+    @cached_property
+    def _local(self) -> dict[Key, Mode]:
+        return dict(self.local)
+
+    @cached_property
+    def _compute(self) -> dict[Axis, frozenset[Group]]:
+        return dict(self.compute_sharded)
+
     def entry(self, state: State, group: Group, axis: Axis) -> Entry:
-        row = dict(dict(self.modes)[(state, group)])
-        return row.get(axis, R)
+        return self._rows[(state, group)].get(axis, R)
 
     def mode(self, state: State, group: Group, axis: Axis) -> Mode:
         return self.entry(state, group, axis).mode
 
     def local_mode(self, state: State, group: Group) -> Mode | None:
-        return dict(self.local).get((state, group))
+        return self._local.get((state, group))
 
     def computes_sharded(self, axis: Axis, group: Group) -> bool:
-        return group in dict(self.compute_sharded).get(axis, frozenset())
+        return group in self._compute.get(axis, frozenset())
 
     def table(self) -> dict[str, dict[str, str]]:
         """``{"P.attention": {"dp": "S*", "tp": "S"}, ...}`` for reports and JSON."""

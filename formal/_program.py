@@ -8,12 +8,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-import sympy as sp
-
+from formal import _num as num
 from formal._axes import Exchange, Origin, Width
 from formal._exact import exact
 from formal._exchanges import exchanged_group, program_exchanges
 from formal._model import Model, Transformer
+from formal._num import Num
 from formal._placement import Entry, Placement, Recompute
 from formal._scalar_program import derive_scalars
 from formal._scalars import ScalarOp
@@ -64,12 +64,12 @@ class Op:
     group: Group
     axis: Axis | None
     phase: Phase
-    elements: sp.Expr = sp.Integer(0)  # noqa: RUF009 (sympy integers are immutable)
-    count: sp.Expr = sp.Integer(1)  # noqa: RUF009
+    elements: Num = 0
+    count: Num = 1
     reduce: Reduce | None = None
-    participants: sp.Expr | None = None
+    participants: Num | None = None
     offset: int = 0
-    scale: sp.Expr | None = None
+    scale: Num | None = None
     full: frozenset[Axis] = frozenset()
     note: str = field(default="", compare=False)
     buffer: Buffer | None = None
@@ -106,13 +106,11 @@ class StepProgram:
         return tuple(op for op in self.ops if op.kind.is_collective)
 
 
-def group_sizes(model: Model) -> dict[Group, sp.Expr]:
-    return {g: sp.Integer(n) for g, n in model.group_elements().items()}
+def group_sizes(model: Model) -> dict[Group, Num]:
+    return dict(model.group_elements())
 
 
-def pipeline_factor(
-    group: Group, entry: Entry, p: sp.Expr, stage: Stage, layer_share: sp.Expr | None = None
-) -> sp.Expr:
+def pipeline_factor(group: Group, entry: Entry, p: Num, stage: Stage, layer_share: Num | None = None) -> Num:
     """Memory factor along pp on a stage (``first``, ``last`` or ``middle``).
 
     Layers are split evenly (1/p), or, with declared uneven stages, ``layer_share`` of them (ceil(L/p)/L: every stage
@@ -120,27 +118,27 @@ def pipeline_factor(
     only; a tied embedding (``R`` along pp) on both.
     """
     if entry.mode is Mode.REPLICATED and group not in LAYER_GROUPS:
-        return sp.Integer(1) if stage in (Stage.FIRST, Stage.LAST) or p == 1 else sp.Integer(0)
+        return 1 if stage in (Stage.FIRST, Stage.LAST) or p == 1 else 0
     if entry.mode in (Mode.OFFLOADED, Mode.MATERIALIZED):
-        return sp.Integer(0)
+        return 0
     if entry.mode is Mode.REPLICATED:
-        return sp.Integer(1)
+        return 1
     if group in FIRST_STAGE_GROUPS:
-        return sp.Integer(1) if stage == Stage.FIRST or p == 1 else sp.Integer(0)
+        return 1 if stage == Stage.FIRST or p == 1 else 0
     if group in LAST_STAGE_GROUPS:
-        return sp.Integer(1) if stage == Stage.LAST or p == 1 else sp.Integer(0)
-    return 1 / p if layer_share is None else layer_share
+        return 1 if stage == Stage.LAST or p == 1 else 0
+    return num.ratio(1, p) if layer_share is None else layer_share
 
 
-def axis_factor(entry: Entry, d: sp.Expr) -> sp.Expr:
+def axis_factor(entry: Entry, d: Num) -> Num:
     """Persistent memory factor of one mode along one (non-pipeline) axis (docs/semantics.md, "Modes")."""
     match entry.mode:
         case Mode.REPLICATED:
-            return sp.Integer(1)
+            return 1
         case Mode.SHARDED | Mode.SHARDED_GATHER:
-            return 1 / d
+            return num.ratio(1, d)
         case Mode.MATERIALIZED | Mode.OFFLOADED:
-            return sp.Integer(0)
+            return 0
         case _:
             raise AssertionError(entry)
 
@@ -157,10 +155,10 @@ def shard_elements(
     pl: Placement,
     state: State,
     group: Group,
-    size: sp.Expr,
+    size: Num,
     skip: Axis | Iterable[Axis] | None,
     stage: Stage | None = None,
-) -> sp.Expr:
+) -> Num:
     """Elements one device holds of (state, group), ignoring the axis (or axes) ``skip`` and axis-free modes: the
     tensor a collective along ``skip`` acts on, whole along it. Offloaded/materialized along an axis count as their
     shard (what would be held).
@@ -200,7 +198,7 @@ def _origin(pl: Placement, group: Group, axis: Axis) -> Origin:
     )
 
 
-def derive_program(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr] | None = None) -> StepProgram:
+def derive_program(pl: Placement, model: Model, sizes: Mapping[Group, Num] | None = None) -> StepProgram:
     """Derive the step program of a placement, in order:
 
     1. forward, per micro-batch: gather ``S*`` parameters, fetch offloaded ones, read them, activation collectives
@@ -218,7 +216,7 @@ def derive_program(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr] |
     ``formal._scalar_program.derive_scalars``).
     """
     sizes = dict(sizes) if sizes is not None else group_sizes(model)
-    m = sp.sympify(pl.options.micro_batches)  # a symbol in the planner's derivations
+    m = num.canonical(pl.options.micro_batches)  # a symbol in the planner's derivations
     origins = gradient_origins(pl)
     ops: list[Op] = []
     groups = pl.groups(P)
@@ -255,7 +253,7 @@ def derive_program(pl: Placement, model: Model, sizes: Mapping[Group, sp.Expr] |
     return StepProgram(pl, tuple(ops), tuple(origins.items()), scalars=derive_scalars(pl))
 
 
-def _fetch_parameters(pl: Placement, g: Group, size: sp.Expr, m: sp.Expr, phase: Phase) -> list[Op]:
+def _fetch_parameters(pl: Placement, g: Group, size: Num, m: Num, phase: Phase) -> list[Op]:
     # An offloaded shard comes to the device before it can be gathered (ZeRO-Infinity); the
     # other order gathers shards that are not there yet (found by the simulator).
     fetch = Op(
@@ -289,7 +287,7 @@ def _fetch_parameters(pl: Placement, g: Group, size: sp.Expr, m: sp.Expr, phase:
 
 
 def _sync_gradients(
-    pl: Placement, g: Group, size: sp.Expr, m: sp.Expr, origins: Mapping[tuple[Group, Axis], Origin]
+    pl: Placement, g: Group, size: Num, m: Num, origins: Mapping[tuple[Group, Axis], Origin]
 ) -> list[Op]:
     scatter: list[Op] = []
     reduce: list[Op] = []
@@ -298,7 +296,7 @@ def _sync_gradients(
     per_micro_batch = any(
         pl.mode(G, g, axis) is Mode.SHARDED and origins[(g, axis)] is Origin.PARTIAL for axis in pl.axes
     )
-    count = m if per_micro_batch else sp.Integer(1)
+    count = m if per_micro_batch else 1
     for axis in pl.axes:
         origin = origins[(g, axis)]
         d = pl.degree(axis)
@@ -310,7 +308,7 @@ def _sync_gradients(
                     g,
                     axis,
                     Phase.GRAD_SYNC,
-                    scale=1 / d,
+                    scale=num.ratio(1, d),
                     note="normalise a gradient summed over the axis",
                 )
             )
@@ -321,7 +319,7 @@ def _sync_gradients(
         entry = pl.entry(G, g, axis)
         elements = shard_elements(pl, G, g, size, axis)
         # the first and the last stage (a tied embedding); one stage when pp has degree 1
-        participants = sp.Integer(2) if axis.kind.is_pipeline and d != 1 else None
+        participants = 2 if axis.kind.is_pipeline and d != 1 else None
         o_entry = pl.entry(O, g, axis)
         if entry.mode.is_sharded:
             scatter.append(
@@ -372,7 +370,7 @@ def _sync_gradients(
     return ops
 
 
-def _refresh_parameters(pl: Placement, g: Group, size: sp.Expr) -> list[Op]:
+def _refresh_parameters(pl: Placement, g: Group, size: Num) -> list[Op]:
     def transfer(kind: OpKind, state: State, note: str) -> Op:
         return Op(kind, P, g, None, Phase.REFRESH, shard_elements(pl, state, g, size, None), note=note)
 
@@ -420,36 +418,36 @@ class _ActivationOps:
     it sums the union, as the simulator's per-op cost check reads it.
     """
 
-    def __init__(self, pl: Placement, model: Model, m: sp.Expr) -> None:
+    def __init__(self, pl: Placement, model: Model, m: Num) -> None:
         self.pl, self.model, self.m = pl, model, m
 
-    def _tensor(self, group: Group, skip: Axis, per_token: sp.Expr) -> sp.Expr:
+    def _tensor(self, group: Group, skip: Axis, per_token: Num) -> Num:
         """Elements of one activation tensor of one micro-batch on one device (bsh-sized)."""
         assert isinstance(self.model, Transformer)
-        out: sp.Expr = sp.Integer(self.model.seq * self.model.micro_batch) * per_token
+        out: Num = self.model.seq * self.model.micro_batch * per_token
         for axis, d in self.pl.mesh:
             if axis == skip or axis.kind.is_pipeline or axis.kind.splits_batch:
                 continue  # b is already one replica's micro-batch; pp splits layers, not tensors
             out = out * axis_factor(self.pl.entry(A, group, axis), d)
         return exact(out)
 
-    def _width(self, width: Width) -> sp.Expr:
+    def _width(self, width: Width) -> Num:
         assert isinstance(self.model, Transformer)
         match width:
             case Width.HIDDEN:
-                return sp.Integer(self.model.hidden)
+                return self.model.hidden
             case Width.KEYS_VALUES:
-                return sp.Integer(2 * self.model.kv_heads_ * self.model.head_dim)
+                return 2 * self.model.kv_heads_ * self.model.head_dim
             case Width.ROUTED:
-                return sp.Integer(self.model.hidden * max(self.model.top_k, 1))
+                return self.model.hidden * max(self.model.top_k, 1)
             case _:
                 raise AssertionError(width)
 
-    def _count(self, exchange: Exchange) -> sp.Expr:
+    def _count(self, exchange: Exchange) -> Num:
         assert isinstance(self.model, Transformer)
         if exchange.per_boundary:
             options = self.pl.options
-            return self.m * sp.Integer(options.pipeline_schedule.boundary_sends(options.chunks))
+            return self.m * options.pipeline_schedule.boundary_sends(options.chunks)
         if not exchange.per_layer:
             return self.m
         count = exchange.per_layer * self.pl.stage_layers(self.model.layers) * self.m

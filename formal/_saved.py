@@ -42,8 +42,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import sympy as sp
-
+from formal import _num as num
+from formal._num import Num
 from formal._vocab import ATTN_SCORES, LAYER_IO, LINEAR_INNER, Group
 
 
@@ -54,7 +54,7 @@ class SavedTensor:
 
     op: str
     group: Group
-    bytes: sp.Expr
+    bytes: Num
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,8 @@ class LayerShape:
     """What of a layer's structure decides its saved tensors. ``ffn`` is the FFN width ``f``
     (``None``: ``4h``), ``kv_heads`` the heads of K and V (``None``: all of them)."""
 
-    ffn: sp.Expr | None = None
-    kv_heads: sp.Expr | None = None
+    ffn: Num | None = None
+    kv_heads: Num | None = None
     gated: bool = False
     dropout: bool = True
 
@@ -72,26 +72,26 @@ GPT = LayerShape()
 
 
 def layer_saved_tensors(
-    seq: sp.Expr,
-    micro_batch: sp.Expr,
-    hidden: sp.Expr,
-    heads: sp.Expr,
+    seq: Num,
+    micro_batch: Num,
+    hidden: Num,
+    heads: Num,
     element_bytes: int = 2,
     mask_bytes: int = 1,
     shape: LayerShape = GPT,
 ) -> tuple[SavedTensor, ...]:
     """Every tensor one layer keeps for one micro-batch, op by op (the module's walk)."""
-    s, b, h, a = (sp.sympify(x) for x in (seq, micro_batch, hidden, heads))
-    f = 4 * h if shape.ffn is None else sp.sympify(shape.ffn)
-    kv = a if shape.kv_heads is None else sp.sympify(shape.kv_heads)
-    e, m = sp.Integer(element_bytes), sp.Integer(mask_bytes)
+    s, b, h, a = (num.canonical(x) for x in (seq, micro_batch, hidden, heads))
+    f = 4 * h if shape.ffn is None else num.canonical(shape.ffn)
+    kv = a if shape.kv_heads is None else num.canonical(shape.kv_heads)
+    e, m = num.canonical(element_bytes), num.canonical(mask_bytes)
     sbh, sbf, as2b = s * b * h, s * b * f, a * s**2 * b
     out = [
         SavedTensor("attention norm: input", LAYER_IO, e * sbh),
         SavedTensor("QKV linear: input", LAYER_IO, e * sbh),
         SavedTensor("QK^T: Q", LINEAR_INNER, e * sbh),
-        SavedTensor("QK^T: K", LINEAR_INNER, e * sbh * kv / a),
-        SavedTensor("attention over V: V", LINEAR_INNER, e * sbh * kv / a),
+        SavedTensor("QK^T: K", LINEAR_INNER, num.ratio(e * sbh * kv, a)),
+        SavedTensor("attention over V: V", LINEAR_INNER, num.ratio(e * sbh * kv, a)),
     ]
     out.append(SavedTensor("softmax: output", ATTN_SCORES, e * as2b))
     if shape.dropout:
@@ -114,9 +114,9 @@ def layer_saved_tensors(
     return tuple(out)
 
 
-def by_group(tensors: tuple[SavedTensor, ...]) -> dict[Group, sp.Expr]:
+def by_group(tensors: tuple[SavedTensor, ...]) -> dict[Group, Num]:
     """The saved bytes summed by activation group (every per-layer group present, 0 if none)."""
-    out: dict[Group, sp.Expr] = {LAYER_IO: sp.Integer(0), LINEAR_INNER: sp.Integer(0), ATTN_SCORES: sp.Integer(0)}
+    out: dict[Group, Num] = {LAYER_IO: 0, LINEAR_INNER: 0, ATTN_SCORES: 0}
     for t in tensors:
-        out[t.group] = sp.expand(out[t.group] + t.bytes)
+        out[t.group] = num.expand(out[t.group] + t.bytes)
     return out

@@ -22,8 +22,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from enum import StrEnum
 
-import sympy as sp
-
+from formal import _num as num
+from formal._num import Num
 from formal._vocab import LAYER_IO, LINEAR_INNER, Group, Stage
 
 
@@ -99,24 +99,24 @@ class PipelineSchedule(ABC):
         return dict(self.refusals).get(framework)
 
     @abstractmethod
-    def in_flight(self, p: sp.Expr, m: sp.Expr, v: sp.Expr, stage: Stage) -> sp.Expr:
+    def in_flight(self, p: Num, m: Num, v: Num, stage: Stage) -> Num:
         """Micro-batches whose activations a device of ``stage`` holds at its peak; for a middle
         stage, an upper bound (the first stage's)."""
 
     @abstractmethod
-    def stage_in_flight(self, p: sp.Expr, m: sp.Expr, v: sp.Expr, index: int) -> sp.Expr:
+    def stage_in_flight(self, p: Num, m: Num, v: Num, index: int) -> Num:
         """Micro-batches whose activations pipeline stage ``index`` (0 .. p-1) holds at its peak."""
 
     def peak_activations(
         self,
-        p: sp.Expr,
-        m: sp.Expr,
-        v: sp.Expr,
-        whole: sp.Expr,
-        deferred: sp.Expr,
+        p: Num,
+        m: Num,
+        v: Num,
+        whole: Num,
+        deferred: Num,
         stage: Stage,
         index: int | None = None,
-    ) -> sp.Expr:
+    ) -> Num:
         """Activation bytes a device holds at its peak: on pipeline stage ``index`` (0 .. p-1),
         or, without one, on a device of ``stage`` (a middle stage: an upper bound). ``whole``:
         the bytes one micro-batch holds on the device from its forward until its backward;
@@ -126,7 +126,7 @@ class PipelineSchedule(ABC):
         return whole * live
 
     @abstractmethod
-    def bubble_fraction(self, p: sp.Expr, m: sp.Expr, v: sp.Expr) -> sp.Expr:
+    def bubble_fraction(self, p: Num, m: Num, v: Num) -> Num:
         """Idle time of a stage over its compute time in one step (the pipeline bubble)."""
 
 
@@ -144,14 +144,14 @@ class OneFOneB(PipelineSchedule):
     torchtitan: str | None = "1F1B"
     pytorch: str | None = "Schedule1F1B"
 
-    def in_flight(self, p: sp.Expr, m: sp.Expr, v: sp.Expr, stage: Stage) -> sp.Expr:
-        return sp.Integer(1) if stage == Stage.LAST else sp.Min(p, m)
+    def in_flight(self, p: Num, m: Num, v: Num, stage: Stage) -> Num:
+        return 1 if stage == Stage.LAST else num.minimum(p, m)
 
-    def stage_in_flight(self, p: sp.Expr, m: sp.Expr, v: sp.Expr, index: int) -> sp.Expr:
-        return sp.Min(p - index, m)
+    def stage_in_flight(self, p: Num, m: Num, v: Num, index: int) -> Num:
+        return num.minimum(p - index, m)
 
-    def bubble_fraction(self, p: sp.Expr, m: sp.Expr, v: sp.Expr) -> sp.Expr:
-        return (p - 1) / m
+    def bubble_fraction(self, p: Num, m: Num, v: Num) -> Num:
+        return num.ratio(p - 1, m)
 
 
 class GPipe(PipelineSchedule):
@@ -167,14 +167,14 @@ class GPipe(PipelineSchedule):
     # DeepSpeed's PipelineEngine runs only its 1F1B TrainSchedule; Megatron-LM has no GPipe.
     refusals = ((DEEPSPEED, "an interleaved or GPipe schedule"), (MEGATRON, "a GPipe schedule"))
 
-    def in_flight(self, p: sp.Expr, m: sp.Expr, v: sp.Expr, stage: Stage) -> sp.Expr:
+    def in_flight(self, p: Num, m: Num, v: Num, stage: Stage) -> Num:
         return m
 
-    def stage_in_flight(self, p: sp.Expr, m: sp.Expr, v: sp.Expr, index: int) -> sp.Expr:
+    def stage_in_flight(self, p: Num, m: Num, v: Num, index: int) -> Num:
         return m
 
-    def bubble_fraction(self, p: sp.Expr, m: sp.Expr, v: sp.Expr) -> sp.Expr:
-        return (p - 1) / m
+    def bubble_fraction(self, p: Num, m: Num, v: Num) -> Num:
+        return num.ratio(p - 1, m)
 
 
 class Interleaved(PipelineSchedule):
@@ -196,16 +196,16 @@ class Interleaved(PipelineSchedule):
     megatron_flag = "--num-layers-per-virtual-pipeline-stage"
     refusals = ((DEEPSPEED, "an interleaved or GPipe schedule"),)
 
-    def in_flight(self, p: sp.Expr, m: sp.Expr, v: sp.Expr, stage: Stage) -> sp.Expr:
+    def in_flight(self, p: Num, m: Num, v: Num, stage: Stage) -> Num:
         if stage == Stage.LAST:
-            return sp.Min(m * v, (v - 1) * p + 1) / v
-        return sp.Min(p, m) * (1 + (p - 1) / (p * v))
+            return num.ratio(num.minimum(m * v, (v - 1) * p + 1), v)
+        return num.canonical(num.minimum(p, m) * (1 + num.ratio(p - 1, p * v)))
 
-    def stage_in_flight(self, p: sp.Expr, m: sp.Expr, v: sp.Expr, index: int) -> sp.Expr:
-        return sp.Min(m * v, 2 * (p - index - 1) + (v - 1) * p + 1) / v
+    def stage_in_flight(self, p: Num, m: Num, v: Num, index: int) -> Num:
+        return num.ratio(num.minimum(m * v, 2 * (p - index - 1) + (v - 1) * p + 1), v)
 
-    def bubble_fraction(self, p: sp.Expr, m: sp.Expr, v: sp.Expr) -> sp.Expr:
-        return (p - 1) / (v * m)
+    def bubble_fraction(self, p: Num, m: Num, v: Num) -> Num:
+        return num.ratio(p - 1, v * m)
 
 
 class ZeroBubbleH1(OneFOneB):
@@ -275,17 +275,17 @@ class ZeroBubbleH1(OneFOneB):
 
     def peak_activations(
         self,
-        p: sp.Expr,
-        m: sp.Expr,
-        v: sp.Expr,
-        whole: sp.Expr,
-        deferred: sp.Expr,
+        p: Num,
+        m: Num,
+        v: Num,
+        whole: Num,
+        deferred: Num,
         stage: Stage,
         index: int | None = None,
-    ) -> sp.Expr:
-        n = sp.Min(p, m)
+    ) -> Num:
+        n = num.minimum(p, m)
         if index is not None:  # whole after a forward, deferred after a backward (docstring)
-            whole_f, deferred_b = sp.Min(p - index, m), sp.Min(index + 1, m)
+            whole_f, deferred_b = num.minimum(p - index, m), num.minimum(index + 1, m)
             after_f = whole_f * whole + (n - whole_f) * deferred
             after_b = (n - deferred_b) * whole + deferred_b * deferred
         elif stage == Stage.FIRST:  # index 0
@@ -293,12 +293,12 @@ class ZeroBubbleH1(OneFOneB):
         elif stage == Stage.LAST:  # index p - 1
             after_f, after_b = whole + (n - 1) * deferred, n * deferred
         else:  # every middle stage, 1 .. p - 2: each count at its largest
-            most, least = sp.Min(p - 1, m), sp.Min(2, m)
+            most, least = num.minimum(p - 1, m), num.minimum(2, m)
             after_f, after_b = most * whole + (n - least) * deferred, (n - least) * whole + most * deferred
-        return sp.Max(after_f, after_b)
+        return num.maximum(after_f, after_b)
 
-    def bubble_fraction(self, p: sp.Expr, m: sp.Expr, v: sp.Expr) -> sp.Expr:
-        return (p - 1 + sp.Max(0, p - m)) / (3 * m)
+    def bubble_fraction(self, p: Num, m: Num, v: Num) -> Num:
+        return num.ratio(p - 1 + num.maximum(0, p - m), 3 * m)
 
 
 # In the order the composition language lists their modifiers.

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from fractions import Fraction
 
-import sympy as sp
 import z3
 
 from formal._exact import exact_fraction, exact_int
+from formal._num import Num
 from formal._placement import Entry
 from formal._program import Op, StepProgram
 from formal._solver import Answer as _Answer
@@ -51,7 +51,7 @@ def _real(x: Fraction | int) -> z3.ArithRef:
     return z3.RealVal(f"{f.numerator}/{f.denominator}")
 
 
-def _fraction(x: sp.Expr | None) -> Fraction:
+def _fraction(x: Num | None) -> Fraction:
     if x is None:
         return Fraction(1)
     try:
@@ -60,7 +60,7 @@ def _fraction(x: sp.Expr | None) -> Fraction:
         raise SolverError(f"scale {x}: z3 needs a rational constant") from err
 
 
-def _int_degree(pl_degree: sp.Expr) -> int:
+def _int_degree(pl_degree: Num) -> int:
     try:
         return exact_int(pl_degree)
     except InexactError as err:
@@ -130,4 +130,4 @@ class _Index:
 
 def _erased(op: Op) -> Op:
     """The op with its group erased and its size dropped (neither matters to a verdict)."""
-    return replace(op, group=PLACEHOLDER, elements=sp.Integer(0), note="")
+    return replace(op, group=PLACEHOLDER, elements=0, note="")

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-import sympy as sp
 import z3
 
 from formal._program import StepProgram
@@ -107,7 +106,7 @@ def decide_scalars(program: StepProgram, timeout_ms: int) -> tuple[list[Obligati
         aux = auxes[0] if auxes else ScalarOp(ScalarKind.AUX_LOSS)
         whole = settings.balancing == GLOBAL
         scope = set(aux_scope(pl, whole))
-        m = _int_degree(sp.sympify(pl.options.micro_batches))
+        m = _int_degree(pl.options.micro_batches)
         coords: list[tuple[str, int, bool, bool, bool]] = [
             (a.value, _int_degree(pl.degree(a)), a in scope, a in aux.over, a.splits_data) for a in aux_split_axes(pl)
         ]
@@ -319,7 +318,7 @@ class _Cell:
 
 def _loss_normalisation(program: StepProgram, op: ScalarOp, timeout_ms: int) -> tuple[Obligation, list[Violation]]:
     pl = program.placement
-    m = _int_degree(sp.sympify(pl.options.micro_batches))
+    m = _int_degree(pl.options.micro_batches)
     coords: list[tuple[str, int]] = [(a.value, _int_degree(pl.degree(a))) for a in token_axes(pl)]
     coords = [(name, d) for name, d in coords if d > 1]
     if m > 1:

@@ -44,8 +44,6 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import sympy as sp
-
 from formal._costs import bubble_fraction, communication, pipeline_stages
 from formal._hardware import Hardware
 from formal._model import Model, Precision, Transformer
@@ -69,6 +67,7 @@ from formal.errors import InputError
 if TYPE_CHECKING:  # numpy is imported where arrays are built: a check without --hardware never loads it
     import numpy as np
     import numpy.typing as npt
+    import sympy as sp
 
     Floats = npt.NDArray[np.float64]
     Bools = npt.NDArray[np.bool_]
@@ -247,6 +246,8 @@ def training_flops_per_token(model: Transformer, recompute: Recompute, causal: b
 
 def _stage_layers(model: Transformer, pl: Placement) -> sp.Expr:
     """Layers on the fullest stage: ceil(L / p) (every layer on one stage without a pipeline)."""
+    import sympy as sp  # the step-time terms are sympy expressions (symbolic for the planner)
+
     p = pl.pipeline_degree if pl.pipelined else sp.Integer(1)
     return sp.ceiling(sp.Integer(model.layers) / p)
 
@@ -313,6 +314,7 @@ class Terms:
     def numeric(self) -> Bound:
         """The terms of a numeric placement as one-row arrays."""
         import numpy as np
+        import sympy as sp  # the step-time terms are sympy expressions (symbolic for the planner)
 
         return self.bind([np.array([float(sp.sympify(e))]) for e in self.expressions()])
 
@@ -332,6 +334,8 @@ def _layer_activation_bytes(pl: Placement, model: Transformer, precision: Precis
     section 4.1 by group, each split along the axes that split it), the attention scores left
     out: their element-wise work is fused into the attention kernels (Megatron-LM's fused
     scaled-masked softmax; FlashAttention never writes them), so only the 34 sbh remain."""
+    import sympy as sp  # the step-time terms are sympy expressions (symbolic for the planner)
+
     per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
     total: sp.Expr = sp.Integer(0)
     for group, nbytes in per_layer.items():
@@ -366,6 +370,8 @@ def _comms(
     """The collectives of ``program`` (its activation ones, or the others), their bytes summed
     per class (stage, axis, overlap rule, scaling, count): time is linear in the bytes, and
     fewer expressions are fewer to evaluate."""
+    import sympy as sp  # the step-time terms are sympy expressions (symbolic for the planner)
+
     pl = program.placement
     scatter = runtime.pipeline_scatter_gather and not pl.options.sequence_parallel
     summed: dict[tuple[CommTerm, sp.Expr], sp.Expr] = {}
@@ -385,6 +391,8 @@ def _comms(
 def compute_terms(program: StepProgram, model: Model, precision: Precision, runtime: Runtime = Runtime()) -> Terms:
     """FLOPs and element-wise bytes per device per step of each pipeline stage, the bubble
     fraction, the GEMM size's pieces and the activation collectives of ``program``."""
+    import sympy as sp  # the step-time terms are sympy expressions (symbolic for the planner)
+
     if not isinstance(model, Transformer):
         raise InputError("--hardware: step time needs a model with layers and a sequence (a preset or config.json)")
     pl = program.placement
@@ -437,6 +445,8 @@ def compute_terms(program: StepProgram, model: Model, precision: Precision, runt
 def state_terms(program: StepProgram, precision: Precision, runtime: Runtime = Runtime()) -> Terms:
     """The model-state collectives of each pipeline stage, the optimizer update's bytes (and
     whether it runs on the host) and the host transfers of ``program``."""
+    import sympy as sp  # the step-time terms are sympy expressions (symbolic for the planner)
+
     pl = program.placement
     update: sp.Expr = sp.Integer(0)
     host: sp.Expr = sp.Integer(0)
@@ -601,6 +611,7 @@ def prepare(
 ) -> StepInputs:
     """The hardware-dependent, constant-free part of the step time of ``program`` (one row)."""
     import numpy as np
+    import sympy as sp  # the step-time terms are sympy expressions (symbolic for the planner)
 
     if not isinstance(model, Transformer):
         raise InputError("--hardware: step time needs a model with layers and a sequence (a preset or config.json)")

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import sympy as sp
-
+from formal import _num as num
 from formal._model import Model, Transformer
+from formal._num import Num
 from formal._placement import (
     SG,
     Entry,
@@ -293,10 +293,11 @@ class Composition:
         5. offload: optimizer state / parameters offloaded (``O``), axis-free.
         """
         mesh = self.mesh()
-        degrees: dict[Axis, sp.Expr] = {
-            axis: (sp.Symbol(f"d_{axis.value}", positive=True, integer=True) if symbolic else sp.Integer(d))
-            for axis, d in mesh.items()
-        }
+        degrees: dict[Axis, Num] = dict(mesh)
+        if symbolic:  # the planner's and the JSON's expressions: one symbol per degree
+            import sympy as sp
+
+            degrees = {axis: sp.Symbol(f"d_{axis.value}", positive=True, integer=True) for axis in mesh}
         param_groups = tuple(model.group_elements())
         act_groups = ACTIVATION_GROUPS if isinstance(model, Transformer) else ()
         io_groups = IO_ACTIVATION_GROUPS if isinstance(model, Transformer) else ()
@@ -331,14 +332,14 @@ class Composition:
         )
 
 
-def _layer_share(model: Model, options: Options, degrees: dict[Axis, sp.Expr]) -> sp.Expr | None:
+def _layer_share(model: Model, options: Options, degrees: dict[Axis, Num]) -> Num | None:
     """Declared uneven stages: the fullest stage holds ceil(L/p) of the L layers (Megatron-LM's
     layout; Llama 3 405B puts 126 layers on 16 stages, 8 on the fullest). None: even split."""
     pipeline = next((a for a in degrees if a.kind.is_pipeline), None)
     if not options.uneven_stages or not isinstance(model, Transformer) or pipeline is None:
         return None
-    layers = sp.Integer(model.layers)
-    return sp.ceiling(layers / degrees[pipeline]) / layers
+    layers = model.layers
+    return num.ratio(num.ceiling(num.ratio(layers, degrees[pipeline])), layers)
 
 
 def _apply_strategy(rows: dict[Key, dict[Axis, Entry]], strategy: Strategy) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from fractions import Fraction
 
 import sympy as sp
 from hypothesis import assume
@@ -194,7 +195,7 @@ def mutations(draw: st.DrawFn, program: StepProgram) -> tuple[StepProgram, str]:
                     op.group,
                     op.axis,
                     op.phase,
-                    scale=1 / d,
+                    scale=Fraction(1, d),
                     note="normalise (again) before the mean",
                 ),
             )
@@ -319,7 +320,7 @@ def _normalise_later(
     ops[i] = replace(op, reduce=Reduce.SUM)
     axis = draw(st.sampled_from([op.axis, *[a for a in _split_axes(program) if a is not op.axis], None]))
     phase = draw(st.sampled_from([op.phase, op.phase, Phase.OPTIMIZER, Phase.BACKWARD, Phase.FORWARD]))
-    scale = Op(OpKind.SCALE, op.state, op.group, axis, phase, scale=1 / program.placement.degree(op.axis))
+    scale = Op(OpKind.SCALE, op.state, op.group, axis, phase, scale=Fraction(1, program.placement.degree(op.axis)))
     j = i + 1 if phase is op.phase and draw(st.booleans()) else _position(draw, ops, phase)
     ops.insert(j, scale)
     return ops, f"normalise op {i} ({op}) later: {scale} at {j}"

@@ -5,6 +5,7 @@ program's gradient origins."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import tomllib
 from dataclasses import dataclass, replace
@@ -13,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies_costs import transformers
 
 from checker._analysis import analyze
 from checker._exporters import Target, dtensor_placements, export, megatron_uneven_split
@@ -487,3 +489,128 @@ def test_deepspeed_names_the_split_it_cannot_write() -> None:
 def test_uneven_stages_survive_the_round_trip(target: Target, text: str) -> None:
     back = _round_trip(text, target, LLAMA3_405B)
     assert _meaning(back, LLAMA3_405B) == _meaning(text, LLAMA3_405B), back
+
+
+# --- the model's own flags ------------------------------------------------------------------
+
+
+@st.composite
+def megatron_models(draw: st.DrawFn) -> Transformer:
+    """Transformers whose every architectural choice Megatron-LM has an argument for (it always
+    adds a final norm): FFN kind and width, norm, grouped-query attention, a decoupled head
+    width, positions, tied embeddings, biases (also on Q, K and V alone), QK norms, experts, dropout."""
+    base = draw(transformers())
+    experts = draw(st.sampled_from([0, 0, 2, 4]))
+    return replace(
+        base,
+        final_norm=True,
+        head_size=draw(st.none() | st.sampled_from([8, 16, 24])),
+        qkv_bias=draw(st.booleans()) and not base.bias,
+        qk_norm=draw(st.booleans()),
+        dropout=draw(st.booleans()),
+        experts=experts,
+        top_k=draw(st.integers(1, experts)) if experts else 0,
+    )
+
+
+def _architecture(t: Transformer) -> tuple[object, ...]:
+    """What decides a model's sizes, with every default spelled out (its name and source aside)."""
+    return (
+        t.layers,
+        t.hidden,
+        t.heads,
+        t.kv_heads_,
+        t.head_dim,
+        t.ffn_,
+        t.ffn_kind,
+        t.norm,
+        t.bias,
+        t.qkv_bias or t.bias,
+        t.qk_norm,
+        t.learned_positions,
+        t.tied_embeddings,
+        t.experts,
+        t.top_k,
+        t.vocab,
+        t.seq,
+        t.dropout,
+    )
+
+
+def _megatron_model_back(text: str, model: Transformer) -> tuple[Transformer, str]:
+    """Export ``text`` on ``model`` to Megatron-LM's arguments, import them without ``--model``:
+    the model the arguments describe, and the composition."""
+    comp = parse(text)
+    imported = import_megatron(megatron_tokens(export(comp, model, Target.MEGATRON).text), devices=comp.devices)
+    back = imported.transformer if imported.transformer is not None else PRESETS[imported.model or ""]
+    assert isinstance(back, Transformer)
+    return back, imported.text
+
+
+@settings(max_examples=60, deadline=None)
+@given(megatron_models(), st.sampled_from(["dp2", "distoptx2", "dp2xpp1"]))
+def test_megatron_export_carries_the_model(model: Transformer, text: str) -> None:
+    """SwiGLU, RMSNorm, GQA, head width, biases, experts, dropout and the sequence length survive
+    export and import: the same architecture and parameter count, without naming a preset."""
+    back, _ = _megatron_model_back(text.replace("distoptx2", "distopt2"), model)
+    assert _architecture(back) == _architecture(model)
+    assert back.parameter_count() == model.parameter_count()
+
+
+@pytest.mark.parametrize("name", ["llama2-70b", "llama3-8b", "mixtral-8x7b", "gpt3-175b"])
+def test_megatron_export_of_a_preset_imports_as_that_preset(name: str) -> None:
+    model = PRESETS[name]
+    assert isinstance(model, Transformer)
+    comp = "tp2xdp2"
+    back, composition = _megatron_model_back(comp, model)
+    assert _architecture(back) == _architecture(model)
+    assert composition == comp
+
+
+def test_megatron_export_states_swiglu_rmsnorm_and_gqa() -> None:
+    """Llama 2 70B (Touvron et al. 2023, table 1 and section 2.2: SwiGLU, RMSNorm, GQA with 8 KV
+    heads of 64, rotary positions, 32,000 tokens) in Megatron-LM's own argument names."""
+    out = export(parse("tp8xdp2"), PRESETS["llama2-70b"], Target.MEGATRON).text
+    args = megatron_tokens(out)
+    for flag in (
+        "--swiglu",
+        "--group-query-attention",
+        "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear",
+    ):
+        assert flag in args, flag
+    pairs = dict(itertools.pairwise(args))
+    assert pairs["--normalization"] == "RMSNorm"
+    assert pairs["--num-query-groups"] == "8"
+    assert pairs["--position-embedding-type"] == "rope"
+    assert pairs["--ffn-hidden-size"] == "28672"
+    assert pairs["--vocab-size"] == "32000"
+
+
+def test_a_vocabulary_tp_does_not_split_is_refused() -> None:
+    base = PRESETS["llama2-7b"]
+    assert isinstance(base, Transformer)
+    odd = replace(base, vocab=32001)
+    with pytest.raises(ExportError, match="32,001 tokens does not split over tp"):
+        export(parse("tp2xdp2"), odd, Target.MEGATRON)
+    assert "--make-vocab-size-divisible-by 1" in export(parse("dp2"), odd, Target.MEGATRON).text
+
+
+@pytest.mark.parametrize(("target", "text"), [(Target.MEGATRON, "tp2xdp4xsp"), (Target.TORCHTITAN, "tp2xfsdp4xsp")])
+def test_the_sequence_length_comes_from_the_model_or_seq(target: Target, text: str) -> None:
+    """``--seq`` (or the model's own length) is what the exported config trains on and what the
+    importer reads back, not the default model's 4,096."""
+    base = PRESETS["llama3-8b"]
+    assert isinstance(base, Transformer)
+    model = replace(base, seq=8192)
+    comp = parse(text)
+    out = export(comp, model, target).text
+    if target is Target.MEGATRON:
+        imported = import_megatron(megatron_tokens(out), devices=comp.devices, model=model)
+    else:
+        imported = import_torchtitan(tomllib.loads(out), devices=comp.devices, model=model)
+    assert imported.seq == 8192
+    command = ["export", text, "--to", target.value, "--model", "llama3-8b", "--seq", "16384"]
+    result = CliRunner().invoke(main, command)
+    assert result.exit_code == 0, result.output
+    assert ("--seq-length 16384" if target is Target.MEGATRON else "seq_len = 16384") in result.output

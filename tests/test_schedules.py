@@ -94,7 +94,7 @@ def test_per_stage_counts_meet_the_first_and_last_stage_counts(schedule: Pipelin
 def test_the_bubble_shrinks_with_micro_batches_and_vanishes_without_stages(schedule: PipelineSchedule) -> None:
     p, m = sp.Symbol("p", positive=True, integer=True), sp.Symbol("m", positive=True, integer=True)
     v = sp.Integer(2 if schedule.chunked else 1)
-    bubble = schedule.bubble_fraction(p, m, v)
+    bubble = sp.sympify(schedule.bubble_fraction(p, m, v))  # symbolic degrees: a sympy expression
     assert bubble.subs(p, 1).subs(m, 5) == 0
     values = [bubble.subs({p: 4, m: k}) for k in range(1, 17)]
     assert all(a > b > 0 for a, b in itertools.pairwise(values))

@@ -9,6 +9,7 @@ stage ceil(126/16) = 8 layers, which is what the cost model charges.
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 from typing import cast
 
 import sympy as sp
@@ -56,7 +57,7 @@ def test_fullest_stage_holds_ceil_of_layers_over_pp() -> None:
     for g in layer_groups:
         # Computed independently: the group's total over 126 layers, 8 of them on this stage.
         assert rows[g] == sp.Integer(elements[g] * nbytes) * sp.Rational(8, 126)
-        assert isinstance(rows[g], sp.Rational)
+        assert isinstance(rows[g], int | Fraction)  # exact, never a float
     total = sum((rows[g] for g in layer_groups), sp.Integer(0))
     assert total == sp.Rational(8 * nbytes * sum(elements[g] for g in layer_groups), 126)
 
@@ -72,7 +73,7 @@ def test_activations_count_the_fullest_stage() -> None:
     # its layers; Llama 3 trains without dropout, so it keeps none.
     m = LLAMA3_405B
     embedding = m.seq * m.micro_batch * m.hidden * 16 if m.dropout else 0
-    assert (a_uneven - embedding) / (a_even - embedding) == sp.Rational(8 * 16, 126)  # 8 layers, not 126/16
+    assert Fraction(a_uneven - embedding) / (a_even - embedding) == sp.Rational(8 * 16, 126)  # 8 layers, not 126/16
 
 
 def test_divisible_layers_are_unchanged() -> None:

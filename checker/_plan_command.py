@@ -60,7 +60,7 @@ def _print_plan(result: Plan) -> None:
         f"{result.cluster.devices} devices x {gb(result.cluster.device_memory)} "
         f"({gb(result.cluster.reserve)} reserved); global batch "
         f"{result.global_batch}; precision {result.precision.name}; ranked by "
-        f"{'step time' if result.rank_by is RankBy.TIME else 'communication per step'}"
+        f"{'step time' if result.rank_by is RankBy.TIME else _ranked_by_bytes(result)}"
         + (f" (calibrated, {escape(result.hardware_note)})" if result.hardware is not None else "")
     )
     console.print(
@@ -109,6 +109,12 @@ def _print_plan(result: Plan) -> None:
         console.print(f"  rejected by z3: {what}: {why}")
     _print_front(result, console.print)
     _print_sensitivity(result, console.print)
+
+
+def _ranked_by_bytes(result: Plan) -> str:
+    if result.hardware is None:  # nothing timed: host transfers count as bytes too
+        return "bytes moved per step (collectives + host)"
+    return "communication per step"
 
 
 def _print_front(result: Plan, echo: Callable[..., None], shown: int = 6) -> None:

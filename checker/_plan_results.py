@@ -232,7 +232,8 @@ class Plan:
             return []
         return [
             f"{self.model.parameter_count():,} parameters without layers: activations and step time are unknown, "
-            "so candidates are ranked by communication per step, without activation memory (give --model)"
+            "so candidates are ranked by bytes moved per step (collectives and host transfers), "
+            "without activation memory (give --model)"
         ]
 
     @property
@@ -423,6 +424,12 @@ def family_of(composition: Composition) -> tuple[Family, tuple[int, ...]]:
 
 def explain_pair(a: Candidate, b: Candidate, rank_by: RankBy) -> str:
     """Why ``a`` ranks above ``b``: the component that differs most."""
+    if rank_by is RankBy.COMMUNICATION and not a.timed and a.host != b.host:  # ranked by bytes moved
+        return (
+            f"{a.readable} beats {b.readable}: {gb(b.communication + b.host - a.communication - a.host)} less "
+            f"moved per device per step (collectives {gb(a.communication)} vs {gb(b.communication)}, host "
+            f"transfers {gb(a.host)} vs {gb(b.host)})"
+        )
     if rank_by is RankBy.COMMUNICATION:
         diffs = [(b.traffic[i] - a.traffic[i], AXES[i].value) for i in range(len(AXES))]
         _, axis = max(diffs)

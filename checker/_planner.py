@@ -196,6 +196,8 @@ def plan(
     fits = table.memory <= cluster.usable_memory * (1 + 1e-12)  # peak + reserve <= device memory
     fit_rows = np.flatnonzero(fits)
     comm = table.traffic.sum(axis=1)
+    if timed is None:  # no time to weigh links by: every byte a device moves, host transfers too
+        comm = comm + table.host
     if rank_by is RankBy.TIME:
         keys = (table.memory[fit_rows], comm[fit_rows], table.step_s[fit_rows])
     else:

@@ -344,3 +344,18 @@ def test_cli_rejects_bad_pins() -> None:
     assert out.exit_code == 2
     assert out.stderr.startswith("error: --fix tp=3")
     assert out.exception is None or isinstance(out.exception, SystemExit)
+
+
+def test_a_bare_parameter_count_is_ranked_by_bytes_moved_untimed() -> None:
+    """No layers, no step time: every candidate's seconds are unknown (NaN, never a made-up
+    figure) and the ranking is by the bytes a device moves per step, collectives and host
+    transfers together, so offloading (PCIe bytes) is not free; a regression: with the host
+    bytes left out, 7e9 parameters fully offloaded under ZeRO-3 ranked first."""
+    result = plan(ParameterCount(7 * 10**9), Cluster(8, 80 * GB), space=Space(data=(DataParallel.ZERO3,)), decide=None)
+    assert result.rank_by is RankBy.COMMUNICATION and result.hardware is None
+    t = result.table
+    assert np.all(np.isnan(t.step_s))
+    moved = t.traffic.sum(axis=1)[result.order] + t.host[result.order]
+    assert np.all(np.diff(moved) >= 0)
+    first = result.candidate(int(result.order[0]))
+    assert first.host <= min(t.host[result.order])  # here nothing that fits needs the host

@@ -13,6 +13,7 @@ from checker import _planner
 from checker._numbers import gb
 from checker._plan_results import Plan, explain_pair
 from checker._plan_space import AXES, Cluster, DataParallel, RankBy, Space, Workload
+from formal._model import Transformer
 from formal._verdict import Status
 from formal._vocab import Axis
 from formal.errors import InputError
@@ -35,6 +36,11 @@ def _axis_values(option: str, items: Sequence[str], parse_value: Callable[[str],
     return out
 
 
+def _rate(text: str | None, own: float) -> float:
+    """A bandwidth option's bytes/s, or the hardware's own figure when it is not given."""
+    return _bandwidth(text) if text is not None else own
+
+
 def _bandwidth(text: str) -> float:
     from checker._numbers import parse_bytes
 
@@ -54,12 +60,8 @@ def _print_plan(result: Plan) -> None:
         f"{result.cluster.devices} devices x {gb(result.cluster.device_memory)} "
         f"({gb(result.cluster.reserve)} reserved); global batch "
         f"{result.global_batch}; precision {result.precision.name}; ranked by "
-        f"{'step time' if result.rank_by is RankBy.TIME else 'communication per step'}"
-        + (
-            f" (calibrated, {escape(result.hardware.name)})"
-            if result.hardware is not None and result.rank_by is RankBy.TIME
-            else ""
-        )
+        f"{'step time' if result.rank_by is RankBy.TIME else _ranked_by_bytes(result)}"
+        + (f" (calibrated, {escape(result.hardware_note)})" if result.hardware is not None else "")
     )
     console.print(
         f"{len(result.families)} families, {result.enumerated:,} combinations, "
@@ -87,9 +89,7 @@ def _print_plan(result: Plan) -> None:
             str(c.micro_batch),
             gb(c.exact_memory if c.exact_memory is not None else c.memory) + f" ({c.stage})",
             gb(c.exact_communication if c.exact_communication is not None else c.communication),
-            f"{c.step_s * 1e3:,.0f}",
-            f"{c.bubble_s * 1e3:,.0f}",
-            f"{c.communication_s * 1e3:,.0f}",
+            *([f"{x * 1e3:,.0f}" for x in (c.step_s, c.bubble_s, c.communication_s)] if c.timed else ["-"] * 3),
             c.status.label if c.status is not None else c.verdict_note,
         ]
         for c in result.top
@@ -111,6 +111,12 @@ def _print_plan(result: Plan) -> None:
     _print_sensitivity(result, console.print)
 
 
+def _ranked_by_bytes(result: Plan) -> str:
+    if result.hardware is None:  # nothing timed: host transfers count as bytes too
+        return "bytes moved per step (collectives + host)"
+    return "communication per step"
+
+
 def _print_front(result: Plan, echo: Callable[..., None], shown: int = 6) -> None:
     """The Pareto front of the fitting candidates (step time, memory headroom, traffic)."""
     from rich.markup import escape
@@ -126,7 +132,8 @@ def _print_front(result: Plan, echo: Callable[..., None], shown: int = 6) -> Non
     for i in picks:
         c = result.candidate(int(front[i]))
         head = gb(result.cluster.usable_memory - c.memory)
-        numbers = f"  {c.step_s * 1e3:>9,.0f} ms  {head:>8} spare  {gb(c.communication):>8}/step  b{c.micro_batch}"
+        step = f"{c.step_s * 1e3:>9,.0f} ms" if c.timed else f"{'-':>12}"
+        numbers = f"  {step}  {head:>8} spare  {gb(c.communication):>8}/step  b{c.micro_batch}"
         if len(numbers) + 1 + len(c.text) <= 80:
             echo(escape(f"{numbers} {c.text}"), highlight=False)
         else:  # the composition on its own line: numbers are never cut
@@ -187,8 +194,9 @@ def plan_command() -> Any:
     @click.option(
         "--hardware",
         default=None,
-        help="Rank by the calibrated step time on this hardware: a preset (a100-80gb, h100-80gb, ...) or a "
-        "FILE.toml; its memory, node size, links and FLOP/s are the defaults of the options below.",
+        help="Time steps on this hardware: a preset (a100-80gb, h100-80gb, ...) or a FILE.toml; its memory, "
+        "node size, links and FLOP/s are the defaults of the options below (default: the preset assumed "
+        "from --device-memory, e.g. a100-80gb for 80GB; docs/planner.md).",
     )
     @click.option("--params", default=None, help="A bare parameter count instead of a model (7.5e9, 70B).")
     @click.option("--devices", type=WholeNumber(1, MAX_DEGREE), default=DEFAULT_DEVICES, show_default=True)
@@ -209,12 +217,12 @@ def plan_command() -> Any:
         show_default=True,
         help="Micro-batch sizes to consider, comma-separated.",
     )
-    @click.option("--node-size", type=WholeNumber(1, MAX_DEGREE), default=None, help="Devices per node (default 8).")
-    @click.option("--intra-node-bandwidth", default=None, help="Default 300GB/s (or the hardware's).")
-    @click.option("--inter-node-bandwidth", default=None, help="Default 25GB/s (or the hardware's).")
-    @click.option("--host-bandwidth", default=None, help="Default 32GB/s (or the hardware's).")
+    @click.option("--node-size", type=WholeNumber(1, MAX_DEGREE), default=None, help="Devices per node (hardware).")
+    @click.option("--intra-node-bandwidth", default=None, help="NVLink per device per direction (the hardware's).")
+    @click.option("--inter-node-bandwidth", default=None, help="Network per device (the hardware's).")
+    @click.option("--host-bandwidth", default=None, help="PCIe per device (the hardware's).")
     @click.option("--bandwidth", multiple=True, help="Per-axis bandwidth override, e.g. dp=50GB/s.")
-    @click.option("--device-flops", default=None, help="Peak FLOP/s per device (default 312e12 or the hardware's).")
+    @click.option("--device-flops", default=None, help="Peak FLOP/s per device (the hardware's).")
     @click.option("--fix", multiple=True, help="Pin degrees, e.g. tp=8,pp=8.")
     @click.option(
         "--data",
@@ -290,64 +298,52 @@ def plan_command() -> Any:
                         f"--data {part}: unknown (known: {', '.join(d.value for d in DataParallel)})"
                     ) from None
             pins = _axis_values("--fix", fix, lambda v: float(parse_int(v, "--fix", high=MAX_DEGREE)))
-            hw = None
-            if hardware is not None:
-                from formal._hardware import hardware_of
+            from dataclasses import replace
 
-                hw = hardware_of(hardware)
+            from formal._hardware import assumed_hardware, hardware_of
+
+            named = hardware_of(hardware) if hardware is not None else None
             capacity = (
                 parse_bytes(device_memory)
                 if device_memory is not None
-                else hw.device_memory
-                if hw is not None
+                else named.device_memory
+                if named is not None
                 else DEFAULT_DEVICE_MEMORY
             )
-
-            def rate(text: str | None, own: float | None, default: str) -> float:
-                if text is not None:
-                    return _bandwidth(text)
-                return own if own is not None else _bandwidth(default)
-
+            # Without --hardware: the preset assumed from the device memory; the options given
+            # on the command line override its figures either way.
+            hw = named if named is not None else assumed_hardware(capacity)
+            hw = replace(
+                hw,
+                node_size=node_size if node_size is not None else hw.node_size,
+                intra_node_bandwidth=_rate(intra_node_bandwidth, hw.intra_node_bandwidth),
+                inter_node_bandwidth=_rate(inter_node_bandwidth, hw.inter_node_bandwidth),
+                host_bandwidth=_rate(host_bandwidth, hw.host_bandwidth),
+                peak_flops=(
+                    float(parse_count(device_flops, "--device-flops", high=10**21))
+                    if device_flops is not None
+                    else hw.peak_flops
+                ),
+                device_memory=capacity,
+            )
             cluster = Cluster(
                 devices,
                 capacity,
                 reserve=reserve_bytes(reserve, capacity),
-                node_size=node_size if node_size is not None else hw.node_size if hw is not None else 8,
-                intra_node_bandwidth=rate(intra_node_bandwidth, hw.intra_node_bandwidth if hw else None, "300GB/s"),
-                inter_node_bandwidth=rate(inter_node_bandwidth, hw.inter_node_bandwidth if hw else None, "25GB/s"),
-                host_bandwidth=rate(host_bandwidth, hw.host_bandwidth if hw else None, "32GB/s"),
-                device_flops=(
-                    float(parse_count(device_flops, "--device-flops", high=10**21))
-                    if device_flops is not None
-                    else hw.peak_flops
-                    if hw is not None
-                    else 312e12
-                ),
+                node_size=hw.node_size,
                 bandwidths=tuple(_axis_values("--bandwidth", bandwidth, _bandwidth)),
             )
-            if hw is not None:
-                from dataclasses import replace
-
-                # the options given on the command line override the preset's figures
-                hw = replace(
-                    hw,
-                    node_size=cluster.node_size,
-                    intra_node_bandwidth=cluster.intra_node_bandwidth,
-                    inter_node_bandwidth=cluster.inter_node_bandwidth,
-                    host_bandwidth=cluster.host_bandwidth,
-                    peak_flops=cluster.device_flops,
-                    device_memory=cluster.device_memory,
-                )
             # Looked up on checker._planner when called, so that a test can stand in for it.
             result = _planner.plan(
                 chosen,
                 cluster,
                 Workload(global_batch, tuple(sizes), uneven_stages),
                 PRECISIONS[precision],
-                Space(data=tuple(kinds), pins=tuple((a, int(d)) for a, d in pins), every_interleave=hw is not None),
+                Space(data=tuple(kinds), pins=tuple((a, int(d)) for a, d in pins), every_interleave=named is not None),
                 top=top,
                 rank_by=RankBy(rank_by),
-                hardware=hw,
+                hardware=hw if named is not None or isinstance(chosen, Transformer) else None,
+                hardware_assumed=named is None,
                 workers=workers,
                 cache=_planner.VerdictCache() if cache else None,
             )

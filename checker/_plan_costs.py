@@ -1,5 +1,6 @@
-"""The planner's costs: the step-time model, and each family's exact cost expressions (sympy, in
-the degree symbols and ``m``) derived once per component and evaluated with numpy on every mesh.
+"""The planner's costs: each family's exact cost expressions (sympy, in the degree symbols and
+``m``), and the calibrated step-time model's terms (``formal._steptime``), derived once per
+component and evaluated with numpy on every mesh.
 
 ``checker._planner`` is the entry (docs/planner.md, "Exact, then vectorized").
 """
@@ -17,75 +18,19 @@ from checker._plan_space import (
     _ARGS,
     AXES,
     MICRO_BATCHES,
-    Cluster,
     DataParallel,
     Family,
     Floats,
-    Ints,
     Offload,
     Pipeline,
 )
 from formal._costs import STAGES, activation_memory, bubble_fraction, communication, memory, transfers
-from formal._model import Model, Precision, Transformer
+from formal._model import Model, Precision
 from formal._placement import Recompute, Schedule, Strategy
 from formal._program import StepProgram, derive_program, group_sizes
 from formal._steptime import Runtime, Terms, compute_terms, state_terms
 from formal._strategies import LIBRARY, Composition
-from formal._vocab import EXPERTS, Stage, State
-
-# --- the step-time model ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StepTimeModel:
-    """Step time = compute x (1 + bubble) + sum over axes of traffic / bandwidth + host / PCIe.
-
-    * compute: training FLOPs per step over (devices x device FLOP/s), at peak; FLOPs per token
-      are 3 x (2 Psi_active + 4 l s h) (forward 2 Psi + attention scores 4 l s h, backward twice
-      that: Narayanan et al. 2021 eq. 3), plus one more forward with full recomputation and the
-      attention-score forward (4 l s h) with selective recomputation (Korthikanti et al. 2022).
-      Psi_active counts top_k of the experts for an MoE model. A bare parameter count has no
-      sequence and no layers: its compute is left out and it is ranked by communication time.
-    * bubble: the pipeline bubble fraction of the cost core, (p-1)/m or (p-1)/(v m), of compute.
-    * communication: no overlap with compute (an upper bound); each axis at the bandwidth of its
-      groups: intra-node when the axis and every axis inside it fit in one node (order
-      tp, cp, ep, dp, dpr, pp), else inter-node, unless overridden per axis.
-    """
-
-    cluster: Cluster
-
-    def flops_per_token(self, model: Model, recompute: Recompute) -> float:
-        if not isinstance(model, Transformer):
-            return 0.0
-        groups = model.group_elements()
-        active = sum(groups.values())
-        if model.is_moe:
-            active -= groups.get(EXPERTS, 0) * (model.experts - model.top_k) // model.experts
-        attention = 4 * model.layers * model.seq * model.hidden
-        forward = 2 * active + attention
-        match recompute:
-            case Recompute.NONE:
-                extra = 0
-            case Recompute.SELECTIVE:
-                extra = attention
-            case Recompute.FULL:
-                extra = forward
-            case _:
-                raise AssertionError(recompute)
-        return float(3 * forward + extra)
-
-    def compute_seconds(self, model: Model, recompute: Recompute, tokens: int) -> float:
-        return self.flops_per_token(model, recompute) * tokens / (self.cluster.devices * self.cluster.device_flops)
-
-    def bandwidths(self, degrees: Ints) -> Floats:
-        """Bytes/s per (candidate, axis) from the node size and the overrides."""
-        inner = np.cumprod(degrees, axis=1)
-        c = self.cluster
-        bw = np.where(inner <= c.node_size, c.intra_node_bandwidth, c.inter_node_bandwidth).astype(np.float64)
-        for axis, value in c.bandwidths:
-            bw[:, AXES.index(axis)] = value
-        return bw
-
+from formal._vocab import Stage, State
 
 # --- exact expressions, vectorized --------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,6 @@ import numpy as np
 
 from checker._numbers import gb
 from checker._parse import readable
-from checker._plan_costs import StepTimeModel
 from checker._plan_space import (
     _CP,
     _DP,
@@ -82,7 +82,12 @@ class Candidate:
 
     @property
     def step_s(self) -> float:
+        """Seconds per step; NaN for a bare parameter count (no layers: nothing to time)."""
         return self.compute_s + self.bubble_s + self.communication_s + self.host_s
+
+    @property
+    def timed(self) -> bool:
+        return not math.isnan(self.step_s)
 
     def composition(self) -> Composition:
         return self.family.composition(self.degrees, self.micro_batches, self.uneven)
@@ -112,13 +117,17 @@ class Candidate:
             ),
             "communication_by_axis": {a.value: round(v) for a, v in zip(AXES, self.traffic, strict=True) if v},
             "host_bytes": round(self.host),
-            "step_seconds": {
-                "total": self.step_s,
-                "compute": self.compute_s,
-                "bubble": self.bubble_s,
-                "communication": self.communication_s,
-                "host": self.host_s,
-            },
+            "step_seconds": (
+                {
+                    "total": self.step_s,
+                    "compute": self.compute_s,
+                    "bubble": self.bubble_s,
+                    "communication": self.communication_s,
+                    "host": self.host_s,
+                }
+                if self.timed
+                else None
+            ),
             "verdict": self.status.label if self.status is not None else "undecided",
             "verdict_note": self.verdict_note,
             "framework_notes": list(self.notes),
@@ -180,9 +189,20 @@ class Plan:
     solver: str  # "z3 (formal._smt)" or why no verdicts
     seconds: dict[str, float]
     derivations: int
-    hardware: Hardware | None = None  # the calibrated step time's hardware; None: the peak-rate bound
+    hardware: Hardware | None = None  # the calibrated step time's hardware; None: no step time (no layers)
     moves: tuple[tuple[str, float, Efficiency], ...] = ()  # constants moved by their uncertainty
     cache_hits: int = 0  # z3 verdicts read from the on-disk cache instead of decided
+    hardware_assumed: bool = False  # ``hardware`` is the preset assumed from the device memory
+
+    @property
+    def hardware_note(self) -> str:
+        """``a100-80gb`` or ``a100-80gb assumed from 80 GB devices; --hardware to choose``;
+        empty without a step time."""
+        if self.hardware is None:
+            return ""
+        if not self.hardware_assumed:
+            return self.hardware.name
+        return f"{self.hardware.name} assumed from {gb(self.cluster.device_memory)} devices; --hardware to choose"
 
     def candidate(self, row: int) -> Candidate:
         return _candidate(self, row)
@@ -206,13 +226,14 @@ class Plan:
     @property
     def warnings(self) -> list[str]:
         """What the ranking cannot see: a bare parameter count has no layers, so its candidates'
-        activations (0 in the memory figure) and FLOPs (0 in the step time) are unknown and they
-        are ranked by model states, buffers and communication alone."""
+        activations (0 in the memory figure) and step time (not modelled) are unknown and they
+        are ranked by model states, buffers and communication bytes alone."""
         if isinstance(self.model, Transformer):
             return []
         return [
-            f"{self.model.parameter_count():,} parameters without layers: activations and FLOPs are unknown, "
-            "so candidates are ranked without activation memory or compute time (give --model)"
+            f"{self.model.parameter_count():,} parameters without layers: activations and step time are unknown, "
+            "so candidates are ranked by bytes moved per step (collectives and host transfers), "
+            "without activation memory (give --model)"
         ]
 
     @property
@@ -227,7 +248,8 @@ class Plan:
         if rows.size == 0:
             return rows
         t = self.table
-        points = np.column_stack([t.step_s[rows], t.memory[rows], t.traffic[rows].sum(axis=1)])
+        step = np.nan_to_num(t.step_s[rows], nan=0.0)  # untimed (no layers): headroom and traffic
+        points = np.column_stack([step, t.memory[rows], t.traffic[rows].sum(axis=1)])
         keep: list[int] = []
         front = np.zeros((0, 3))
         for i in np.lexsort((points[:, 2], points[:, 1], points[:, 0])):
@@ -295,15 +317,17 @@ class Plan:
             ],
             "refuted": self.refuted,
             "step_time_model": (
-                f"calibrated (formal._steptime, docs/steptime.md) on {self.hardware.name}"
+                f"calibrated (formal._steptime, docs/steptime.md) on {self.hardware_note}"
                 if self.hardware is not None
-                else (StepTimeModel.__doc__ or "").strip()
+                else "none: a bare parameter count has no layers to time (ranked by communication)"
             ),
+            "hardware": self.hardware.name if self.hardware is not None else None,
+            "hardware_assumed": self.hardware_assumed,
             "pareto": [
                 {
                     "composition": c.text,
                     "micro_batch_size": c.micro_batch,
-                    "step_seconds": c.step_s,
+                    "step_seconds": c.step_s if c.timed else None,
                     "headroom_bytes": round(self.cluster.usable_memory - c.memory),
                     "communication_bytes": round(c.communication),
                 }
@@ -347,11 +371,11 @@ class Plan:
                     round(c.communication),
                     *[round(v) for v in c.traffic],
                     round(c.host),
-                    f"{c.step_s:.6g}",
-                    f"{c.compute_s:.6g}",
-                    f"{c.bubble_s:.6g}",
-                    f"{c.communication_s:.6g}",
-                    f"{c.host_s:.6g}",
+                    *(
+                        [f"{x:.6g}" for x in (c.step_s, c.compute_s, c.bubble_s, c.communication_s, c.host_s)]
+                        if c.timed
+                        else [""] * 5
+                    ),
                 ]
             )
         return buf.getvalue()
@@ -400,6 +424,12 @@ def family_of(composition: Composition) -> tuple[Family, tuple[int, ...]]:
 
 def explain_pair(a: Candidate, b: Candidate, rank_by: RankBy) -> str:
     """Why ``a`` ranks above ``b``: the component that differs most."""
+    if rank_by is RankBy.COMMUNICATION and not a.timed and a.host != b.host:  # ranked by bytes moved
+        return (
+            f"{a.readable} beats {b.readable}: {gb(b.communication + b.host - a.communication - a.host)} less "
+            f"moved per device per step (collectives {gb(a.communication)} vs {gb(b.communication)}, host "
+            f"transfers {gb(a.host)} vs {gb(b.host)})"
+        )
     if rank_by is RankBy.COMMUNICATION:
         diffs = [(b.traffic[i] - a.traffic[i], AXES[i].value) for i in range(len(AXES))]
         _, axis = max(diffs)

@@ -193,18 +193,13 @@ class Family:
 
 @dataclass(frozen=True)
 class Cluster:
-    """Devices and links. Defaults: NVIDIA Selene / DGX A100 as in Narayanan et al. 2021
-    (8 A100 80GB per node; NVLink 600 GB/s bidirectional = 300 GB/s per direction; 8 HDR
-    InfiniBand 200 Gb/s NICs per node = 25 GB/s per GPU; 312 TFLOP/s dense bf16 per A100) and
-    PCIe 4.0 x16 (~32 GB/s) to the host."""
+    """Devices, their memory and node size, and per-axis link overrides. The rates (FLOP/s,
+    NVLink, network, PCIe, HBM) are the step-time model's ``formal._hardware.Hardware``: the
+    planner's ``hardware``, or the preset assumed from ``device_memory``."""
 
     devices: int
     device_memory: int  # bytes
     node_size: int = 8
-    intra_node_bandwidth: float = 300e9  # bytes/s per device, one direction
-    inter_node_bandwidth: float = 25e9  # bytes/s per device
-    host_bandwidth: float = 32e9  # bytes/s per device, PCIe
-    device_flops: float = 312e12  # FLOP/s per device
     bandwidths: tuple[tuple[Axis, float], ...] = ()  # per-axis overrides (bytes/s)
     reserve: int = 0  # bytes kept back for the runtime (``--reserve``): a fit is peak + reserve <= device_memory
 
@@ -215,9 +210,6 @@ class Cluster:
             raise InputError(f"--reserve {self.reserve:,} bytes: leaves nothing of {self.device_memory:,} bytes")
         if self.node_size < 1:
             raise InputError(f"--node-size {self.node_size}: must be at least 1")
-        for name in ("intra_node_bandwidth", "inter_node_bandwidth", "host_bandwidth", "device_flops"):
-            if not getattr(self, name) > 0:
-                raise InputError(f"{name}={getattr(self, name)}: must be positive")
         for axis, bw in self.bandwidths:
             if not bw > 0:
                 raise InputError(f"--bandwidth {axis.value}={bw}: must be positive")

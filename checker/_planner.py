@@ -17,8 +17,10 @@ How it works (docs/planner.md has the long form):
    is structural (stage placement, point-to-point sends). Activation terms are derived at
    micro-batch size 1 and scaled by it (Korthikanti's bytes are linear in ``b``).
 3. **Rank** the candidates that pass the composition rules checkable from numbers (section 4.1
-   of the semantics: divisibility, prerequisites) and whose most-loaded device fits, by the step
-   time estimate (``StepTimeModel``) or by communication.
+   of the semantics: divisibility, prerequisites) and whose most-loaded device fits, by the
+   calibrated step time of ``formal._steptime`` (on the hardware given, or the preset assumed
+   from the device memory: ``formal._hardware.assumed_hardware``) or by communication. A bare
+   parameter count has no layers to time: it is ranked by communication, its step time unknown.
 4. **Prove.** Walk the ranking from the top; every shown candidate is recomputed exactly (integer
    costs through ``checker._analysis``, cross-checking the vectorized numbers) and decided by z3
    (``formal._smt.decide``), one call per structurally distinct family first (a family refuted on
@@ -27,7 +29,7 @@ How it works (docs/planner.md has the long form):
    unproved.
 
 The modules: ``checker._plan_space`` (families, inputs, meshes), ``checker._plan_costs`` (the
-step-time model and the vectorized cost expressions), ``checker._plan_rules`` (the rules checkable
+vectorized cost expressions and the step-time terms), ``checker._plan_rules`` (the rules checkable
 from numbers), ``checker._plan_results`` (candidates, the plan, explanations, popular
 alternatives) and ``checker._plan_command`` (the ``plan`` subcommand). This one enumerates,
 evaluates, ranks and proves, and re-exports the names the others' users import.
@@ -45,7 +47,7 @@ from typing import cast
 import numpy as np
 
 from checker._plan_cache import VerdictCache
-from checker._plan_costs import Deriver, StepTimeModel, Vectorized
+from checker._plan_costs import Deriver, Vectorized
 from checker._plan_results import Alternative, Candidate, Plan, _alternatives, _Table, explain_pair, family_of
 from checker._plan_rules import family_rules, mesh_rules
 from checker._plan_rules import family_setting as family_setting
@@ -58,7 +60,6 @@ from checker._plan_space import (
     Cluster,
     DataParallel,
     Family,
-    Floats,
     Ints,
     Offload,
     Pipeline,
@@ -73,7 +74,7 @@ from checker._plan_space import Bools as Bools
 from checker._plan_space import divisors as divisors
 from checker._plan_space import offloads_for as offloads_for
 from formal._costs import STAGES, busiest_stage_traffic, ceil_int, most_loaded, total_bytes
-from formal._hardware import Hardware
+from formal._hardware import Hardware, assumed_hardware
 from formal._model import DEFAULT_PRECISION, Model, Precision, Transformer
 from formal._program import StepProgram, derive_program, group_sizes
 from formal._steptime import (
@@ -134,17 +135,29 @@ def plan(
     workers: int = 1,
     worker_timeout: float = 600.0,
     cache: VerdictCache | None = None,
+    hardware_assumed: bool = False,
 ) -> Plan:
-    """Enumerate, evaluate, rank and prove (see the module docstring). With ``hardware`` the
-    step time is the calibrated model's (``formal._steptime``, constants ``efficiency`` or the
-    shipped ones), and every candidate is also timed with each constant moved by its fitted
-    uncertainty (``Plan.sensitivity``)."""
+    """Enumerate, evaluate, rank and prove (see the module docstring). The step time is the
+    calibrated model's (``formal._steptime``, constants ``efficiency`` or the shipped ones) on
+    ``hardware``, or without it on the preset assumed from the cluster's device memory
+    (``assumed_hardware``, with the cluster's node size; ``Plan.hardware_assumed``), and every
+    candidate is also timed with each constant moved by its fitted uncertainty
+    (``Plan.sensitivity``). ``hardware_assumed``: the ``hardware`` given is itself such an
+    assumption (the CLI's, with its options applied), and the plan says so. A bare parameter
+    count has no step time (NaN): it is ranked by communication."""
     clock = {"start": time.perf_counter()}
     if top < 1:
         raise InputError(f"--top {top}: must be at least 1")
     if hardware is not None and not isinstance(model, Transformer):
         raise InputError("--hardware: the calibrated step time needs a model with layers (give --model)")
-    timed = _Timing.of(hardware, runtime, efficiency, cluster) if hardware is not None else None
+    assumed = (hardware is None or hardware_assumed) and isinstance(model, Transformer)
+    if isinstance(model, Transformer):
+        if hardware is None:
+            hardware = replace(assumed_hardware(cluster.device_memory), node_size=cluster.node_size)
+        timed: _Timing | None = _Timing.of(hardware, runtime, efficiency, cluster)
+    else:
+        timed = None
+        rank_by = RankBy.COMMUNICATION  # nothing to time: no layers, no FLOPs
     n = cluster.devices
     global_batch = workload.global_batch if workload.global_batch is not None else n
     if global_batch < 1:
@@ -157,9 +170,7 @@ def plan(
         if d < 1 or n % d:
             raise InputError(f"--fix {axis.value}={d}: must divide --devices {n}")
     deriver = deriver_for(model, precision, workload.uneven_stages)
-    timing = StepTimeModel(cluster)
     families = space.families(model)
-    tokens = global_batch * (model.seq if isinstance(model, Transformer) else 0)
 
     all_meshes = meshes(n, len(AXES), pins)
     deg = np.repeat(all_meshes, len(workload.micro_batch_sizes), axis=0)
@@ -170,11 +181,10 @@ def plan(
     deg, b = deg[base_ok], b[base_ok]
     replicas = deg[:, _DP] * deg[:, _DPR] * deg[:, _EP] * b
     m = global_batch // replicas
-    bandwidth = timing.bandwidths(deg)
     enumerated = len(families) * all_meshes.shape[0] * len(workload.micro_batch_sizes)
     clock["enumerate"] = time.perf_counter()
 
-    job = _Job(model, precision, workload.uneven_stages, cluster, timed, tokens, deg, b, m, bandwidth)
+    job = _Job(model, precision, workload.uneven_stages, timed, deg, b, m)
     blocks, step_inputs = _evaluate_all(job, list(enumerate(families)), workers, worker_timeout)
     table = _concat(blocks)
     if timed is not None and step_inputs:
@@ -186,6 +196,8 @@ def plan(
     fits = table.memory <= cluster.usable_memory * (1 + 1e-12)  # peak + reserve <= device memory
     fit_rows = np.flatnonzero(fits)
     comm = table.traffic.sum(axis=1)
+    if timed is None:  # no time to weigh links by: every byte a device moves, host transfers too
+        comm = comm + table.host
     if rank_by is RankBy.TIME:
         keys = (table.memory[fit_rows], comm[fit_rows], table.step_s[fit_rows])
     else:
@@ -217,6 +229,7 @@ def plan(
         deriver.derivations,
         hardware,
         timed.moves if timed is not None else (),
+        hardware_assumed=assumed,
     )
     _prove_top(result, deriver, decide_fn, top, max_decisions, cache)
     clock["prove"] = time.perf_counter()
@@ -236,13 +249,10 @@ class _Job:
     model: Model
     precision: Precision
     uneven: bool
-    cluster: Cluster
     timed: _Timing | None
-    tokens: int
     deg: Ints
     b: Ints
     m: Ints
-    bandwidth: Floats
 
 
 def _evaluate_families(
@@ -250,7 +260,6 @@ def _evaluate_families(
 ) -> tuple[list[tuple[int, _Table]], list[tuple[int, StepInputs]]]:
     """The cost table (and step-time inputs) of each family's rule-passing rows."""
     deriver = deriver_for(job.model, job.precision, job.uneven)
-    timing = StepTimeModel(job.cluster)
     blocks: list[tuple[int, _Table]] = []
     inputs: list[tuple[int, StepInputs]] = []
     for fi, family in families:
@@ -261,8 +270,7 @@ def _evaluate_families(
         if rows.size == 0:
             continue
         deg, b, m = job.deg[rows], job.b[rows], job.m[rows]
-        compute_s = timing.compute_seconds(job.model, family.recompute, job.tokens)
-        blocks.append((fi, _evaluate(deriver, timing, family, fi, deg, b, m, job.bandwidth[rows], compute_s)))
+        blocks.append((fi, _evaluate(deriver, family, fi, deg, b, m)))
         if job.timed is not None:
             inputs.append((fi, job.timed.inputs(deriver, family, deg, b, m)))
     return blocks, inputs
@@ -301,17 +309,8 @@ def _evaluate_all(
     return [t for _, t in blocks], [x for _, x in inputs]
 
 
-def _evaluate(
-    deriver: Deriver,
-    timing: StepTimeModel,
-    family: Family,
-    fi: int,
-    deg: Ints,
-    b: Ints,
-    m: Ints,
-    bandwidth: Floats,
-    compute_s: float,
-) -> _Table:
+def _evaluate(deriver: Deriver, family: Family, fi: int, deg: Ints, b: Ints, m: Ints) -> _Table:
+    """Memory and traffic of the family's rows; the seconds are NaN until ``_Timing.fill``."""
     cols = np.column_stack([deg.astype(np.float64), m.astype(np.float64)])
     first_s, last_s, host = deriver.states(family)(cols)
     straffic = np.column_stack(deriver.state_traffic(family)(cols))
@@ -326,6 +325,7 @@ def _evaluate(
     totals = per_stage.sum(axis=2)
     totals[:, 1] = np.where(deg[:, _PP] > 2, totals[:, 1], -np.inf)
     traffic = per_stage[np.arange(n), np.argmax(totals, axis=1), :]
+    untimed = np.full(n, np.nan)
     return _Table(
         family=np.full(n, fi, dtype=np.int64),
         degrees=deg,
@@ -335,10 +335,10 @@ def _evaluate(
         last_heavier=last > first,
         traffic=traffic,
         host=np.asarray(host),
-        compute_s=np.full(n, compute_s),
-        bubble_s=act[2] * compute_s,
-        communication_s=(traffic / bandwidth).sum(axis=1),
-        host_s=host / timing.cluster.host_bandwidth,
+        compute_s=untimed,
+        bubble_s=untimed,
+        communication_s=untimed,
+        host_s=untimed,
         step_moved=np.zeros((n, 0)),
     )
 
@@ -516,7 +516,6 @@ __all__ = [
     "Plan",
     "RankBy",
     "Space",
-    "StepTimeModel",
     "VerdictCache",
     "Vectorized",
     "Workload",

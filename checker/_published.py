@@ -164,12 +164,15 @@ def _run(entry: dict[str, Any]) -> Run:
         cp = f"xcp{i['cp']}" if i["cp"] > 1 else ""
         return Run(
             source="llama3",
-            composition=f"tp{i['tp']}{cp}xpp{i['pp']}xunevenxv4xm{m}xzero1{i['dp']}",
+            composition=f"tp{i['tp']}xsp{cp}xpp{i['pp']}xunevenxv4xm{m}xzero1{i['dp']}",
             model=_llama(entry, i["seq"], 1),
             hardware="h100-80gb",
             runtime=Runtime(flash_attention=True, pipeline_overlap=True),
             assumptions=(
                 "micro-batch 1 sequence, m = batch per DP group",
+                "tensor parallelism with sequence parallelism: the paper's TP cites Korthikanti et al. "
+                "2023, whose tensor parallelism shards the norms' and dropouts' activations by sequence "
+                "(each TP rank then sends its 1/tp of a stage's output)",
                 "FSDP without resharding, gradients reduced once per step: zero1's program "
                 "(one reduce-scatter, one all-gather per step)",
                 "4 interleaved chunks per stage (the paper tunes the schedule; chunks not stated)",

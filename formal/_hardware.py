@@ -204,3 +204,22 @@ def load_hardware_toml(path: Path) -> Hardware:
     if missing:
         raise InputError(f'--hardware {shown}: missing {missing[0]!r} (or give base = "<preset>")')
     return Hardware(**values)  # type: ignore[arg-type]
+
+
+# The preset assumed when no hardware is named (``plan`` without ``--hardware``), by device
+# memory: the first preset in this order whose memory is at least the device's (the largest
+# beyond them). 80 GB is an A100 80GB, not an H100: the planner's figures before the calibrated
+# model were NVIDIA Selene's DGX A100 (Narayanan et al. 2021), and most published runs the
+# constants are fitted on are A100 runs (docs/steptime.md, "Calibration"), so the assumption is
+# the hardware the model is best checked on. Its name is printed wherever it is used.
+_ASSUMED_ORDER = ("v100-32gb", "a100-40gb", "a100-80gb", "h200", "b200")
+
+
+def assumed_hardware(device_memory: int) -> Hardware:
+    """The preset assumed for devices of ``device_memory`` bytes (``_ASSUMED_ORDER``), with
+    that memory."""
+    chosen = next(
+        (PRESETS[n] for n in _ASSUMED_ORDER if PRESETS[n].device_memory >= device_memory),
+        PRESETS[_ASSUMED_ORDER[-1]],
+    )
+    return replace(chosen, device_memory=device_memory)

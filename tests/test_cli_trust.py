@@ -194,13 +194,18 @@ def _plan(*args: str) -> tuple[str, str]:
 @given(st.sampled_from(["7e9", "70B", "1.3e9"]), st.booleans())
 @settings(max_examples=4, deadline=None)
 def test_plan_on_a_bare_parameter_count_warns_once(params: str, as_json: bool) -> None:
-    """A parameter count has no layers: activations and FLOPs unknown, said once on stderr and
-    in the JSON's ``warnings``."""
+    """A parameter count has no layers: activations and step time unknown, said once on stderr
+    and in the JSON's ``warnings``; the candidates are ranked by communication, with no step
+    time (null in the JSON, '-' in the table) rather than a made-up one."""
     out, err = _plan("--params", params, *(["--json"] if as_json else []))
     lines = [line for line in err.splitlines() if line.startswith("warning:")]
-    assert len(lines) == 1 and "activations and FLOPs are unknown" in lines[0]
+    assert len(lines) == 1 and "activations and step time are unknown" in lines[0]
     if as_json:
-        assert json.loads(out)["warnings"] == [lines[0].removeprefix("warning: ")]
+        doc = json.loads(out)
+        assert doc["warnings"] == [lines[0].removeprefix("warning: ")]
+        assert doc["rank_by"] == "communication" and doc["hardware"] is None
+        assert doc["candidates"] and all(c["step_seconds"] is None for c in doc["candidates"])
+        assert all(p["step_seconds"] is None for p in doc["pareto"])
 
 
 def test_plan_on_a_model_with_layers_does_not_warn() -> None:

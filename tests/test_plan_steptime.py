@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from checker._planner import Cluster, DataParallel, Offload, Pipeline, Plan, Spa
 from checker._published import fit, fold_fits, load_runs
 from checker.cli import main
 from formal._hardware import PRESETS as HARDWARE
+from formal._hardware import assumed_hardware
 from formal._model import Transformer
 from formal._placement import Schedule
 from formal._presets import PRESETS
@@ -169,3 +171,63 @@ def test_every_interleave_degree_that_divides_the_layers_is_tried() -> None:
     assert Space(pipelines=(Pipeline(Schedule.INTERLEAVED, 2),)).pipeline_choices(model) == [
         Pipeline(Schedule.INTERLEAVED, 2)
     ]
+
+
+def device_memories() -> st.SearchStrategy[int]:
+    """Device sizes from a few GB to past the largest preset, the presets' own sizes among them."""
+    return st.one_of(
+        st.sampled_from(sorted({hw.device_memory for hw in HARDWARE.values()})),
+        st.integers(1 * GB, 400 * GB),
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(device_memories())
+def test_the_assumed_hardware_is_the_smallest_preset_that_holds_the_memory(memory: int) -> None:
+    """Without --hardware the planner times steps on a preset chosen by device memory: the one
+    of smallest memory at least the device's (A100 80GB for 80 GB, the DGX A100 the constants
+    are mostly fitted on), the largest beyond every preset; its memory is the device's."""
+    hw = assumed_hardware(memory)
+    assert hw.device_memory == memory
+    preset = next(p for p in HARDWARE.values() if p.name == hw.name)
+    assert replace(preset, device_memory=memory) == hw
+    holding = [p for p in HARDWARE.values() if p.device_memory >= memory]
+    if holding:
+        assert preset.device_memory == min(p.device_memory for p in holding)
+    else:
+        assert preset.device_memory == max(p.device_memory for p in HARDWARE.values())
+    if memory == 80 * GB:
+        assert hw.name == "a100-80gb"
+
+
+def test_a_plan_without_hardware_is_the_plan_on_the_assumed_preset() -> None:
+    """One time model: ``plan`` without ``hardware`` ranks by the calibrated step time on the
+    assumed preset, second for second the plan given that preset, and says it assumed it."""
+    common = {
+        "model": PRESETS["llama2-7b"],
+        "cluster": Cluster(64, A100.device_memory),
+        "workload": Workload(128, (1, 2)),
+        "space": SPACE,
+        "decide": None,
+        "top": 5,
+    }
+    assumed = plan(**common)  # type: ignore[arg-type]
+    given_ = planned()
+    assert assumed.hardware == A100 and assumed.hardware_assumed and not given_.hardware_assumed
+    assert np.array_equal(assumed.order, given_.order)
+    assert np.array_equal(assumed.table.step_s, given_.table.step_s, equal_nan=True)
+    top = int(assumed.order[0])
+    assert assumed.table.step_s[top] == pytest.approx(exact_seconds(assumed, top), rel=1e-9)
+    assert "assumed" in assumed.as_json()["step_time_model"] and assumed.as_json()["hardware"] == "a100-80gb"
+
+
+def test_cli_plan_without_hardware_says_which_it_assumed() -> None:
+    out = CliRunner().invoke(main, ["plan", "--devices", "8", "--device-memory", "40GB", "--top", "1"])
+    assert out.exit_code in (0, 3), out.output
+    head = " ".join(" ".join(out.stdout.splitlines()[:3]).split())  # the header, unwrapped
+    assert "calibrated, a100-40gb assumed from 40.0 GB devices" in head
+    doc = json.loads(
+        CliRunner().invoke(main, ["plan", "--devices", "8", "--device-memory", "40GB", "--top", "1", "--json"]).stdout
+    )
+    assert doc["hardware"] == "a100-40gb" and doc["hardware_assumed"] is True
+    assert doc["candidates"][0]["step_seconds"]["total"] > 0

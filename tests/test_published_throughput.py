@@ -2,7 +2,7 @@
 
 The published values are the expected values; the held-out figures come from constants fitted
 without the run's source (leave one source out). The bounds pinned here are the ones the model
-achieves today (docs/steptime.md, "Accuracy"): 9.6% mean and 25.8% max held out, against a goal
+achieves today (docs/steptime.md, "Accuracy"): 9.0% mean and 16.5% max held out, within the goal
 of 10% and 25%, on the 24 runs the hardware presets describe (the 4 torchtitan runs on
 power-capped H100s are left out of the fit and reported apart).
 """
@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "data" / "published-throughput.json"
 
 # What the model achieves (checker._published.validation), pinned so that a change that makes
-# it worse fails; the goal of <= 10% mean and <= 25% max held out is not reached.
+# it worse fails; the goal is <= 10% mean and <= 25% max held out.
 Validated = tuple[Efficiency, list[Row], list[Row], list[Row]]
-HELD_OUT_MEAN = 0.097
-HELD_OUT_MAX = 0.26
+HELD_OUT_MEAN = 0.091
+HELD_OUT_MAX = 0.166
 FIT_MEAN = 0.057
 
 

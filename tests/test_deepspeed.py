@@ -1,0 +1,135 @@
+"""DeepSpeed as a second real engine: ``deepspeed_terms`` against an independent count, the
+``--validate deepspeed`` refusals, and (``deepspeed`` marker, skipped without the extra) ZeRO 1-3
+on 2 gloo processes measured against the prediction.
+
+Expected bytes come from the validation model's dimensions (``checker._torch._net.NetConfig``:
+a block has two norms, a fused QKV, an output projection and a 4h MLP, 12h^2 + 13h parameters)
+and from DeepSpeed's documented behaviour (``deepspeed/runtime/zero/stage_1_and_2.py`` and
+``stage3.py``: an fp32 partition of the flat parameters; ``reduce_bucket_size`` elements of
+reduce bucket), never read back from the module under test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
+
+from checker._parse import parse
+from checker.cli import main
+from formal._costs import memory
+from formal._engine_effects import DeepSpeedEffects, deepspeed_terms, zero_stage
+from formal._model import PRECISIONS, Transformer
+from formal._program import group_sizes
+
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+H, V, L = 64, 256, 8  # NetConfig's hidden size, vocabulary and layers
+PARAMETERS = L * (12 * H * H + 13 * H) + 2 * V * H + 2 * H  # blocks, embedding and head, final norm
+
+
+def _model() -> Transformer:
+    return Transformer(
+        "torch-small",
+        layers=L,
+        hidden=H,
+        heads=8,
+        vocab=V,
+        seq=32,
+        micro_batch=2,
+        learned_positions=False,
+        tied_embeddings=False,
+    )
+
+
+def stages() -> st.SearchStrategy[int]:
+    return st.sampled_from([1, 2, 3])
+
+
+def data_degrees() -> st.SearchStrategy[int]:
+    return st.sampled_from([2, 4, 8])
+
+
+def bucket_sizes() -> st.SearchStrategy[int]:
+    return st.integers(1, 10**9)
+
+
+def _terms(stage: int, n: int, precision: str, bucket: int) -> dict[str, tuple[int, str]]:
+    model = _model()
+    pl = parse(f"zero{stage}{n}").placement(model)
+    prec = PRECISIONS[precision]
+    mem = memory(pl, model, prec, group_sizes(model))
+    fx = DeepSpeedEffects(reduce_bucket_elements=bucket)
+    return {t.key: (t.bytes, t.moment) for t in deepspeed_terms(pl, model, prec, mem, fx)}
+
+
+def test_parameter_count_is_the_nets() -> None:
+    assert sum(_model().group_elements().values()) == PARAMETERS == 432_768
+
+
+@given(stages(), data_degrees(), bucket_sizes())
+def test_fp32_master_partition_and_reduce_bucket(stage: int, n: int, bucket: int) -> None:
+    got = _terms(stage, n, "fp32-adam", bucket)
+    # Every group's elements divide by 2, 4 and 8 here: the partition is P/n elements, fp32.
+    assert got["deepspeed_fp32_master"] == (4 * PARAMETERS // n, "persistent")
+    # ZeRO-3 keeps its bucket for the whole run; ZeRO-1/2 allocate theirs for backward.
+    assert got["deepspeed_reduce_bucket"] == (4 * bucket, "persistent" if stage == 3 else "backward")
+
+
+@given(stages(), data_degrees())
+def test_no_second_master_under_mixed_precision(stage: int, n: int) -> None:
+    # The mixed recipes' 12 optimizer bytes already count the fp32 master (16-bit parameters).
+    got = _terms(stage, n, "zero", 1000)
+    assert "deepspeed_fp32_master" not in got
+    assert got["deepspeed_reduce_bucket"][0] == 1000 * PRECISIONS["zero"].gradients
+
+
+def test_zero_stage_of_placements() -> None:
+    model = _model()
+    assert [zero_stage(parse(t).placement(model)) for t in ("zero14", "zero24", "zero34", "dp4")] == [1, 2, 3, 0]
+
+
+@pytest.mark.parametrize("text", ["fsdp2", "zero38", "tp2xzero22"])
+def test_validate_deepspeed_refuses_other_compositions(text: str) -> None:
+    r = CliRunner().invoke(main, ["check", text, "--validate", "deepspeed"])
+    assert r.exit_code == 2, r.output
+    assert "--validate deepspeed" in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(HAS_DEEPSPEED, reason="the message for a machine without DeepSpeed")
+def test_validate_deepspeed_without_the_extra() -> None:
+    r = CliRunner().invoke(main, ["check", "zero22", "--validate", "deepspeed"])
+    assert r.exit_code == 2 and "DeepSpeed is not installed" in r.output
+
+
+@pytest.mark.deepspeed
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs the deepspeed extra")
+def test_zero_stages_on_two_gloo_processes() -> None:
+    from checker._torch._deepspeed import REDUCE_BUCKET_ELEMENTS, compare_deepspeed, measure_deepspeed
+
+    world = 2
+    results = [compare_deepspeed(m, world) for m in measure_deepspeed(world, ("zero12", "zero22", "zero32"))]
+    assert len(results) == 3 * world
+    full, part = 4 * PARAMETERS, 4 * PARAMETERS // world
+    for c in results:
+        rows = {q: (p, m) for q, p, m in c.rows}
+        stage = int(c.composition[4])
+        params = part if stage == 3 else full
+        grads = full if stage == 1 else part
+        # Adam's two moments and the fp32 master, of the partition.
+        assert rows["parameters"] == (params, params), c
+        assert rows["gradients"] == (grads, grads), c
+        assert rows["optimizer"] == (3 * part, 3 * part), c
+        assert rows["reduce bucket"] == (4 * REDUCE_BUCKET_ELEMENTS,) * 2, c
+        recorded = c.measured_volume
+        # Every gradient reduced once; ZeRO-1/2 gather the parameters once, ZeRO-3 twice (forward,
+        # backward: the validation sets stage3_max_reuse_distance 0).
+        assert recorded["all_gather"] == (2 * full if stage == 3 else full)
+        reduced = recorded["reduce_scatter"] if stage == 3 else recorded["all_reduce"]
+        assert reduced - (full if stage != 3 else 0) in ((0, full) if stage == 3 else (4,)), recorded
+        assert c.model_states_exact and c.bucket_exact
+        assert not c.not_modelled  # no ``reduce`` calls with the default use_multi_rank_bucket_allreduce

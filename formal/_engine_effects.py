@@ -168,6 +168,13 @@ class DeepSpeedEffects:
     # (``stage_1_and_2.py``); ZeRO-3 keeps its flat reduce bucket of that many elements for the
     # whole run (``stage3.py``, the ``ipg_bucket`` buffer).
     reduce_bucket_elements: int = 500_000_000
+    # ZeRO-2 (``stage_1_and_2.py``): the flat parameters, padded to a multiple of
+    # ``nccl_start_alignment_factor`` (2) times the ranks, are cut into equal partitions, and the
+    # rank's gradient buffer (``grads_in_partition``) holds every parameter that overlaps its
+    # partition whole (``params_in_partition`` from ``get_partition_info``): a parameter
+    # straddling a boundary is held whole by both ranks.
+    zero2_whole_straddling_gradients: bool = True
+    alignment_elements: int = 2
     # ``use_multi_rank_bucket_allreduce`` (True by default) makes ZeRO-1/2 all-reduce each
     # bucket (``stage_1_and_2.py`` ``average_tensor``, ``allreduce_and_scatter``) where the
     # placement reduce-scatters; False sends ``reduce`` calls to each slice's owner, a kind the
@@ -185,8 +192,30 @@ def zero_stage(pl: Placement) -> int:
     return 3 if sharded(P) else 2 if sharded(G) else 1 if sharded(OPT) else 0
 
 
+def deepspeed_partition_gradients(model: Transformer, ranks: int, fx: DeepSpeedEffects) -> list[int]:
+    """ZeRO-2's ``grads_in_partition`` per rank, in elements: the parameters (registration
+    order, ``parameter_tensors``) that overlap each of ``ranks`` equal partitions of the padded
+    flat buffer, each counted whole."""
+    sizes = [t.elements for t in parameter_tensors(model)]
+    align = fx.alignment_elements * ranks
+    part = -(-sum(sizes) // align) * align // ranks
+    out = []
+    for r in range(ranks):
+        lo, hi, start, held = r * part, (r + 1) * part, 0, 0
+        for n in sizes:
+            held += n if start < hi and start + n > lo else 0
+            start += n
+        out.append(held)
+    return out
+
+
 def deepspeed_terms(
-    pl: Placement, model: Model, precision: Precision, placement: Memory, fx: DeepSpeedEffects
+    pl: Placement,
+    model: Model,
+    precision: Precision,
+    placement: Memory,
+    fx: DeepSpeedEffects,
+    data_rank: int | None = None,
 ) -> list[Term]:
     """DeepSpeed's terms on one device: the fp32 master partition and the reduce bucket
     (persistent under ZeRO-3, held through backward under ZeRO-1/2)."""
@@ -203,6 +232,14 @@ def deepspeed_terms(
         out.append(
             Term("deepspeed_fp32_master", "DeepSpeed fp32 master partition", 4 * partition, "persistent", "optimizer")
         )
+    axes = [a for a in pl.axes if a.splits_data and pl.degree(a) != 1]
+    if fx.zero2_whole_straddling_gradients and stage == 2 and isinstance(model, Transformer) and len(axes) == 1:
+        n = int(pl.degree(axes[0]))
+        held = deepspeed_partition_gradients(model, n, fx)
+        rank = max(range(n), key=lambda r: held[r]) if data_rank is None else data_rank % n
+        extra = held[rank] * precision.bytes_of(G) - ceil_int(placement.gradients.total)
+        label = f"DeepSpeed ZeRO-2 straddling gradients held whole (rank {rank} of {n})"
+        out.append(Term("deepspeed_straddling_gradients", label, extra, "persistent", "gradients"))
     bucket = fx.reduce_bucket_elements * precision.bytes_of(G)
     moment = "persistent" if stage == 3 else "backward"
     out.append(
@@ -702,6 +739,7 @@ __all__ = [
     "DeepSpeedEffects",
     "Term",
     "default_engine",
+    "deepspeed_partition_gradients",
     "deepspeed_terms",
     "effects_for",
     "engine_prediction",

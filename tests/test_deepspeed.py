@@ -12,6 +12,7 @@ reduce bucket), never read back from the module under test.
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from checker._parse import parse
 from checker.cli import main
 from formal._costs import memory
-from formal._engine_effects import DeepSpeedEffects, deepspeed_terms, zero_stage
+from formal._engine_effects import DeepSpeedEffects, deepspeed_partition_gradients, deepspeed_terms, zero_stage
 from formal._model import PRECISIONS, Transformer
 from formal._program import group_sizes
 
@@ -105,31 +106,68 @@ def test_validate_deepspeed_without_the_extra() -> None:
     assert r.exit_code == 2 and "DeepSpeed is not installed" in r.output
 
 
-@pytest.mark.deepspeed
-@pytest.mark.timeout(600)
-@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs the deepspeed extra")
-def test_zero_stages_on_two_gloo_processes() -> None:
-    from checker._torch._deepspeed import REDUCE_BUCKET_ELEMENTS, compare_deepspeed, measure_deepspeed
+@given(data_degrees())
+def test_zero2_partition_holds_whole_straddling_parameters(n: int) -> None:
+    from formal._tensors import parameter_tensors
 
-    world = 2
-    results = [compare_deepspeed(m, world) for m in measure_deepspeed(world, ("zero12", "zero22", "zero32"))]
+    model = _model()
+    held = deepspeed_partition_gradients(model, n, DeepSpeedEffects())
+    sizes = [t.elements for t in parameter_tensors(model)]
+    part = PARAMETERS // n  # 432768 divides by 2n for n in 2, 4, 8: no padding
+    # Each rank holds at least its partition; what it holds beyond is the parameters cut by its
+    # two boundaries, at most two of them; every parameter is held by some rank.
+    for h in held:
+        assert part <= h <= part + 2 * max(sizes)
+    assert sum(held) >= PARAMETERS
+    assert len(held) == n
+
+
+def _check_world(world: int, results: list[Any]) -> None:
+    from checker._torch._deepspeed import REDUCE_BUCKET_ELEMENTS
+
     assert len(results) == 3 * world
     full, part = 4 * PARAMETERS, 4 * PARAMETERS // world
     for c in results:
         rows = {q: (p, m) for q, p, m in c.rows}
         stage = int(c.composition[4])
         params = part if stage == 3 else full
-        grads = full if stage == 1 else part
-        # Adam's two moments and the fp32 master, of the partition.
-        assert rows["parameters"] == (params, params), c
-        assert rows["gradients"] == (grads, grads), c
-        assert rows["optimizer"] == (3 * part, 3 * part), c
-        assert rows["reduce bucket"] == (4 * REDUCE_BUCKET_ELEMENTS,) * 2, c
+        # The prediction equals DeepSpeed's own partitions (the measured side is DeepSpeed's).
+        assert c.model_states_exact and c.bucket_exact, c
+        assert rows["parameters"][1] == params
+        if stage != 2:  # ZeRO-2's partition holds straddling parameters whole (checked above)
+            assert rows["gradients"][1] == (full if stage == 1 else part)
+        assert rows["optimizer"][1] == 3 * part  # Adam's two moments and the fp32 master
+        assert rows["reduce bucket"][1] == 4 * REDUCE_BUCKET_ELEMENTS
         recorded = c.measured_volume
-        # Every gradient reduced once; ZeRO-1/2 gather the parameters once, ZeRO-3 twice (forward,
-        # backward: the validation sets stage3_max_reuse_distance 0).
+        # ZeRO-1/2 gather the parameters once, ZeRO-3 twice (forward and backward: the validation
+        # sets stage3_max_reuse_distance 0); every gradient is reduced once.
         assert recorded["all_gather"] == (2 * full if stage == 3 else full)
-        reduced = recorded["reduce_scatter"] if stage == 3 else recorded["all_reduce"]
-        assert reduced - (full if stage != 3 else 0) in ((0, full) if stage == 3 else (4,)), recorded
-        assert c.model_states_exact and c.bucket_exact
-        assert not c.not_modelled  # no ``reduce`` calls with the default use_multi_rank_bucket_allreduce
+        if stage == 3:
+            assert recorded["reduce_scatter"] == full
+        else:
+            assert recorded["all_reduce"] == full + 4  # the buckets and the fp32 gradient norm
+        assert not c.not_modelled  # use_multi_rank_bucket_allreduce (the default): no ``reduce``
+
+
+@pytest.mark.deepspeed
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs the deepspeed extra")
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_stages_on_gloo_processes(world: int) -> None:
+    from checker._torch._deepspeed import compare_deepspeed, measure_deepspeed
+
+    texts = tuple(f"zero{k}{world}" for k in (1, 2, 3))
+    _check_world(world, [compare_deepspeed(m, world) for m in measure_deepspeed(world, texts)])
+
+
+@pytest.mark.deepspeed
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs the deepspeed extra")
+def test_reduce_calls_are_reported_not_modelled() -> None:
+    from checker._torch._deepspeed import compare_deepspeed, measure_deepspeed
+
+    results = [compare_deepspeed(m, 2, False) for m in measure_deepspeed(2, ("zero22",), multi_rank_allreduce=False)]
+    for c in results:
+        assert c.not_modelled == ("reduce",) and not c.ok
+        assert c.measured_volume["reduce"] == 4 * PARAMETERS  # each gradient slice sent to its owner
+        assert c.model_states_exact

@@ -58,16 +58,19 @@ STATE_OF_HOLDER: dict[str, str] = {
 }
 
 
-def ds_config(stage: int, cfg: NetConfig) -> dict[str, Any]:
+def ds_config(stage: int, cfg: NetConfig, multi_rank_allreduce: bool = True) -> dict[str, Any]:
     """The DeepSpeed config of a ZeRO ``stage`` run: fp32, torch Adam as the client optimizer,
     every parameter partitioned under ZeRO-3 (persistence thresholds 0) and released after
-    its use (``stage3_max_reuse_distance`` 0), the reduce bucket ``REDUCE_BUCKET_ELEMENTS``."""
+    its use (``stage3_max_reuse_distance`` 0), the reduce bucket ``REDUCE_BUCKET_ELEMENTS``.
+    ``multi_rank_allreduce`` False: ZeRO-1/2 send each gradient slice to its owner with
+    ``reduce`` (``use_multi_rank_bucket_allreduce``)."""
     zero: dict[str, Any] = {
         "stage": stage,
         "reduce_bucket_size": REDUCE_BUCKET_ELEMENTS,
         "allgather_bucket_size": REDUCE_BUCKET_ELEMENTS,
         "overlap_comm": False,
         "contiguous_gradients": True,
+        "use_multi_rank_bucket_allreduce": multi_rank_allreduce,
     }
     if stage == 3:
         zero |= {
@@ -239,7 +242,7 @@ def _ipg_bytes(opt: Any) -> int:
     return _bytes_of([f for f in found if f is not None])
 
 
-def _worker(rank: int, world: int, port: int, out: str, texts: list[str]) -> None:
+def _worker(rank: int, world: int, port: int, out: str, texts: list[str], multi_rank_allreduce: bool) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
@@ -261,7 +264,7 @@ def _worker(rank: int, world: int, port: int, out: str, texts: list[str]) -> Non
     try:
         for text in texts:
             start = time.perf_counter()
-            held, calls = _run_one(text, rank, world)
+            held, calls = _run_one(text, rank, world, multi_rank_allreduce)
             results.append(DSMeasured(text, rank, held, calls, time.perf_counter() - start))
     finally:
         dist.destroy_process_group()
@@ -278,7 +281,9 @@ def stage_of(text: str, world: int) -> int:
     raise ValueError(f"{text}: not a ZeRO stage (zero1, zero2, zero3)")
 
 
-def _run_one(text: str, rank: int, world: int) -> tuple[dict[str, int], tuple[tuple[str, int, int], ...]]:
+def _run_one(
+    text: str, rank: int, world: int, multi_rank_allreduce: bool
+) -> tuple[dict[str, int], tuple[tuple[str, int, int], ...]]:
     import deepspeed  # type: ignore[import-not-found, unused-ignore]
     import torch
 
@@ -288,7 +293,9 @@ def _run_one(text: str, rank: int, world: int) -> tuple[dict[str, int], tuple[tu
     torch.manual_seed(0)
     net = Net(cfg)
     adam = torch.optim.Adam(net.parameters(), lr=1e-3)
-    engine, *_ = deepspeed.initialize(model=net, optimizer=adam, config=ds_config(stage_of(text, world), cfg))
+    engine, *_ = deepspeed.initialize(
+        model=net, optimizer=adam, config=ds_config(stage_of(text, world), cfg, multi_rank_allreduce)
+    )
     steps = 2  # the second step is a steady one (the optimizer state exists)
     rec = Recorder(engine)
     for step in range(steps):
@@ -314,13 +321,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def measure_deepspeed(world: int, texts: tuple[str, ...]) -> list[DSMeasured]:
+def measure_deepspeed(world: int, texts: tuple[str, ...], multi_rank_allreduce: bool = True) -> list[DSMeasured]:
     """Run ``texts`` on ``world`` gloo processes (one spawn); every rank's measurements, in
     composition order, then rank order."""
     from checker._torch._isolate import run_world
 
     with tempfile.TemporaryDirectory() as tmp:
-        run_world(_worker, (world, _free_port(), tmp, list(texts)), world, f"deepspeed world {world}")
+        run_world(
+            _worker, (world, _free_port(), tmp, list(texts), multi_rank_allreduce), world, f"deepspeed world {world}"
+        )
         per_rank = []
         for r in range(world):
             with open(Path(tmp) / f"rank{r}.pkl", "rb") as f:
@@ -377,7 +386,7 @@ class DSComparison:
 
 
 def predict_deepspeed(
-    text: str, world: int
+    text: str, world: int, rank: int = 0, multi_rank_allreduce: bool = True
 ) -> tuple[dict[str, int], tuple[tuple[str, int, int], ...], tuple[Any, ...]]:
     """Per-rank bytes (parameters, gradients, optimizer, reduce bucket) and collective calls of
     ``text`` under the ``deepspeed`` engine: the placement's memory and step program, and
@@ -393,8 +402,8 @@ def predict_deepspeed(
     precision = harness_precision()
     pl = parse(text, devices=world).placement(model)
     mem = memory(pl, model, precision, group_sizes(model))
-    fx = DeepSpeedEffects(reduce_bucket_elements=REDUCE_BUCKET_ELEMENTS)
-    terms = tuple(deepspeed_terms(pl, model, precision, mem, fx))
+    fx = DeepSpeedEffects(reduce_bucket_elements=REDUCE_BUCKET_ELEMENTS, allreduce_gradients=multi_rank_allreduce)
+    terms = tuple(t for t in deepspeed_terms(pl, model, precision, mem, fx, data_rank=rank) if t.bytes)
 
     def add(state: str) -> int:
         return sum(t.bytes for t in terms if t.state == state)
@@ -425,8 +434,9 @@ def _volume(calls: tuple[tuple[str, int, int], ...]) -> dict[str, int]:
     return out
 
 
-def compare_deepspeed(m: DSMeasured, world: int) -> DSComparison:
-    states, calls, terms = predict_deepspeed(m.composition, world)
+def compare_deepspeed(m: DSMeasured, world: int, multi_rank_allreduce: bool = True) -> DSComparison:
+    """``m`` against ``predict_deepspeed`` for its rank (``multi_rank_allreduce`` as it ran)."""
+    states, calls, terms = predict_deepspeed(m.composition, world, m.rank, multi_rank_allreduce)
     stage = stage_of(m.composition, world)
     measured = {
         "parameters": m.holders.get("ds_tensor shards", 0) if stage == 3 else m.holders["module parameters"],

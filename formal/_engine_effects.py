@@ -238,7 +238,7 @@ def deepspeed_terms(
         held = deepspeed_partition_gradients(model, n, fx)
         rank = max(range(n), key=lambda r: held[r]) if data_rank is None else data_rank % n
         extra = held[rank] * precision.bytes_of(G) - ceil_int(placement.gradients.total)
-        label = f"DeepSpeed ZeRO-2 straddling gradients held whole (rank {rank} of {n})"
+        label = f"DeepSpeed ZeRO-2 straddling gradients whole (rank {rank}/{n})"
         out.append(Term("deepspeed_straddling_gradients", label, extra, "persistent", "gradients"))
     bucket = fx.reduce_bucket_elements * precision.bytes_of(G)
     moment = "persistent" if stage == 3 else "backward"

@@ -243,6 +243,7 @@ def _ipg_bytes(opt: Any) -> int:
 
 
 def _worker(rank: int, world: int, port: int, out: str, texts: list[str], multi_rank_allreduce: bool) -> None:
+    os.dup2(2, 1)  # DeepSpeed logs to stdout: keep the parent's stdout (a report, JSON) clean
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
@@ -521,6 +522,7 @@ def cli_validation(composition: Any) -> tuple[dict[str, Any], str]:
     world = int(composition.devices)
     if len(names) != 1 or names[0] not in ("zero1", "zero2", "zero3") or world not in (2, 3, 4):
         raise InputError(f"--validate deepspeed: {text}: runs one ZeRO stage on 2 to 4 processes (zero12 ... zero34)")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no accelerator probing (and its warning)
     try:
         import deepspeed  # type: ignore[import-not-found, unused-ignore]  # noqa: F401
     except ImportError as err:
@@ -530,7 +532,7 @@ def cli_validation(composition: Any) -> tuple[dict[str, Any], str]:
     start = time.perf_counter()
     results = [compare_deepspeed(m, world) for m in measure_deepspeed(world, (text,))]
     note = (
-        f"validated on the small model of checker._torch._net (not --model), fp32, torch Adam, "
+        "validated on the small model of checker._torch._net (not --model), fp32, torch Adam,\n"
         f"DeepSpeed on {world} gloo processes, {time.perf_counter() - start:.1f} s"
     )
     doc = {"ok": all(c.ok for c in results), "ranks": [as_json(c) for c in results]}

@@ -24,7 +24,10 @@ largest being the peak:
 The CLI (``check-composition --engine``) prints these terms; the PyTorch validator
 (``checker/_torch/_predict.py``) reads the same terms, so the number a user reads is the number
 that is validated. Engines whose effects are not modelled here (DeepSpeed, Megatron-LM) get the
-placement's figure, and say so (``EnginePrediction.modelled``).
+placement's figure, and say so (``EnginePrediction.modelled``). DeepSpeed's ZeRO effects are
+stated in ``DeepSpeedEffects`` and ``deepspeed_terms`` (the fp32 master partition, the reduce
+bucket, ZeRO-2's straddling gradients), validated by ``--validate deepspeed``
+(``checker/_torch/_deepspeed.py``); the CLI's ``--engine deepspeed`` does not add them yet.
 """
 
 from __future__ import annotations
@@ -238,7 +241,7 @@ def deepspeed_terms(
         held = deepspeed_partition_gradients(model, n, fx)
         rank = max(range(n), key=lambda r: held[r]) if data_rank is None else data_rank % n
         extra = held[rank] * precision.bytes_of(G) - ceil_int(placement.gradients.total)
-        label = f"DeepSpeed ZeRO-2 straddling gradients whole (rank {rank}/{n})"
+        label = f"ZeRO-2 straddling gradients whole (rank {rank}/{n})"
         out.append(Term("deepspeed_straddling_gradients", label, extra, "persistent", "gradients"))
     bucket = fx.reduce_bucket_elements * precision.bytes_of(G)
     moment = "persistent" if stage == 3 else "backward"

@@ -486,7 +486,7 @@ def format_deepspeed(results: list[DSComparison]) -> str:
         )
         if c.not_modelled:
             lines.append(f"  not modelled: {', '.join(c.not_modelled)} (no such kind in the op vocabulary)")
-        lines += [f"  term {t.label}: {t.bytes} B ({t.moment})" for t in c.terms]
+        lines += [f"  + {t.label}: {t.bytes} B, {t.moment}" for t in c.terms]
     return "\n".join(lines)
 
 

@@ -318,10 +318,11 @@ def main() -> None:
 )
 @click.option(
     "--validate",
-    type=click.Choice(["torch"]),
+    type=click.Choice(["torch", "deepspeed"]),
     default=None,
-    help="Also run the composition with PyTorch (fake process group, small model) and print "
-    "predicted against measured; needs the torch extra.",
+    help="Also run the composition with PyTorch (torch: fake process group, small model) or with "
+    "DeepSpeed (deepspeed: zero1/zero2/zero3 on 2-4 gloo processes; the deepspeed extra) and "
+    "print predicted against measured.",
 )
 @click.option(
     "--node-size",
@@ -393,7 +394,7 @@ def check(
             reserve=reserve,
             engine=engine,
         )
-        if validate is not None:  # the prediction checked is the one printed: PyTorch's engine
+        if validate == "torch":  # the prediction checked is the one printed: PyTorch's engine
             req = for_validation(req, engine)
         if req.imported is not None:
             print_import(req.imported)
@@ -424,7 +425,10 @@ def check(
         sys.exit(EXIT_UNKNOWN)
     validation = None
     if validate is not None:  # PyTorch's own measurements beside the prediction
-        from checker._torch_validate import cli_validation
+        if validate == "deepspeed":
+            from checker._torch._deepspeed import cli_validation
+        else:
+            from checker._torch_validate import cli_validation
 
         try:
             validation = CrossCheck(*cli_validation(analysis.composition))

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from checker._parse import parse
 from checker.cli import main
 from formal._costs import memory
-from formal._engine_effects import DeepSpeedEffects, deepspeed_partition_gradients, deepspeed_terms, zero_stage
+from formal._engine_deepspeed import DeepSpeedEffects, deepspeed_partition_gradients, deepspeed_terms, zero_stage
 from formal._model import PRECISIONS, Transformer
 from formal._program import group_sizes
 

@@ -348,7 +348,7 @@ VOCABULARY_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "bro
 @dataclass(frozen=True)
 class DSComparison:
     """One ZeRO composition on one rank: model states and the reduce bucket predicted (placement
-    plus ``formal._engine_effects.deepspeed_terms``) against DeepSpeed's own tensors, and the
+    plus ``formal._engine_deepspeed.deepspeed_terms``) against DeepSpeed's own tensors, and the
     collectives: as a list, and as bytes per kind."""
 
     composition: str
@@ -395,7 +395,7 @@ def predict_deepspeed(
     from checker._torch._net import NetConfig
     from checker._torch._predict import harness_precision
     from formal._costs import memory
-    from formal._engine_effects import DeepSpeedEffects, deepspeed_terms, zero_stage
+    from formal._engine_deepspeed import DeepSpeedEffects, deepspeed_terms, zero_stage
     from formal._exact import exact_int
     from formal._program import derive_program, group_sizes
 

@@ -435,12 +435,39 @@ EXPLAIN_SPECS = {
 }
 
 
+def _explain_precisions(as_csv: bool, as_json: bool) -> None:
+    """The named precision recipes (``--precision``): bytes per element of each state."""
+    from formal._model import PRECISIONS
+
+    rows = [
+        {
+            "precision": name,
+            "P": p.parameters,
+            "G": p.gradients,
+            "O": p.optimizer,
+            "sum": p.parameters + p.gradients + p.optimizer,
+            "A": p.activations,
+            "what": p.description,
+        }
+        for name, p in PRECISIONS.items()
+    ]
+    emit(
+        rows,
+        ("precision", "P", "G", "O", "sum", "A", "what"),
+        "--precision: bytes per element of parameters P, gradients G, optimizer state O "
+        "(per parameter: sum) and activations A",
+        as_csv,
+        as_json,
+    )
+
+
 @click.command(
     "explain",
     epilog=examples(
         "check-composition explain zero2            # its placement and framework names",
         "check-composition explain fsdp --degree 16",
         "check-composition explain --all --csv      # every strategy, one row each",
+        "check-composition explain precisions       # what --precision zero, megatron, ... hold",
     ),
 )
 @click.argument("strategy", required=False)
@@ -459,7 +486,7 @@ def explain(strategy: str | None, show_all: bool, degree: int, as_csv: bool, as_
         if degree < 1:
             raise InputError(f"--degree {degree}: must be at least 1")
         if show_all == (strategy is not None):
-            raise InputError("give a STRATEGY (e.g. zero2) or --all")
+            raise InputError("give a STRATEGY (e.g. zero2), precisions, or --all")
         if show_all:
             rows = [r.as_json() for r in all_rows(degree)]
             emit(
@@ -474,6 +501,9 @@ def explain(strategy: str | None, show_all: bool, degree: int, as_csv: bool, as_
             return
         assert strategy is not None
         name = strategy.strip().lower()
+        if name in ("precisions", "precision"):
+            _explain_precisions(as_csv, as_json)
+            return
         if name == "hpz":  # a modifier: it needs a composition and a node size, which explain has not
             raise InputError(
                 "hpz: a modifier of a zero3/fsdp term, not a strategy (check zero3<N>xhpz --node-size K "

@@ -257,10 +257,11 @@ class Space:
         if (
             self.every_interleave
             and isinstance(layers, int)
-            and any(p is not None and p.schedule is Schedule.INTERLEAVED for p in pipes)
+            and any(p is not None and schedule_of(p.schedule).chunked for p in pipes)
         ):
+            chunked = next(p.schedule for p in pipes if p is not None and schedule_of(p.schedule).chunked)
             for v in divisors(layers):
-                extra = Pipeline(Schedule.INTERLEAVED, v)
+                extra = Pipeline(chunked, v)
                 if v >= 2 and extra not in pipes:
                     pipes.append(extra)
         return pipes

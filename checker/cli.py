@@ -260,7 +260,10 @@ def main() -> None:
 @click.option("--model", default=None, help=f"Preset name or Hugging Face config.json (default {DEFAULT_MODEL}).")
 @click.option("--params", default=None, help="A bare parameter count instead of a model (7.5e9, 70B).")
 @click.option(
-    "--precision", default="zero", show_default=True, help="Bytes per element: " + ", ".join(PRECISIONS) + "."
+    "--precision",
+    default="zero",
+    show_default=True,
+    help="Bytes per element: " + ", ".join(PRECISIONS) + " (explain precisions shows each).",
 )
 @click.option("--device-memory", default=None, help="Per-device memory, e.g. 80GB (1e9) or 80GiB (2^30).")
 @click.option(

@@ -256,6 +256,24 @@ def _reduces_complete_split_gradient(e: Explored) -> bool:
     )
 
 
+def _nested_shards_cut_differently(e: Explored) -> bool:
+    """Class 15: a group sharded along two or more split flat axes (not pipeline stages or tp
+    slices of a split computation) by one of its states, while another of P, O, G is sharded
+    along a different set of those axes: nested shards are cut axis after axis, and the two cuts
+    need not nest (P's cp-then-dp chunk is not inside O's dp chunk)."""
+    pl = e.program.placement
+    flat = [a for a, d in pl.mesh if int(d) > 1 and not a.kind.is_pipeline]
+    for g in pl.groups(State.PARAMETERS):
+        axes = [a for a in flat if not pl.computes_sharded(a, g)]
+        sets = {
+            s: frozenset(a for a in axes if pl.mode(s, g, a).is_sharded)
+            for s in (State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS)
+        }
+        if any(len(v) >= 2 for v in sets.values()) and len(set(sets.values())) > 1:
+            return True
+    return False
+
+
 # Classes this suite found, beyond the eight known ones, each with the side that single-device
 # training says is wrong (as judged when they were found). They are labelled like the known ones
 # so that the test keeps failing only on what nobody has classified yet.
@@ -291,6 +309,12 @@ FOUND_CLASSES: dict[str, tuple[str, Callable[[Explored], bool]]] = {
         "are different elements: summing them is wrong, z3 refutes; the simulator pads each shard "
         "with zeros to the full tensor, so its all-reduce acts as an all-gather: simulator wrong)",
         _reduces_complete_split_gradient,
+    ),
+    "15": (
+        "nested shards of one group cut along different sets of axes by P, O and G (the simulator "
+        "cuts axis after axis, in mesh order, and a refresh from O's shard misses P's; z3 judges "
+        "each axis alone and proves it: z3 wrong, not yet fixed)",
+        _nested_shards_cut_differently,
     ),
 }
 

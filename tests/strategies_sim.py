@@ -364,7 +364,7 @@ def _split_scale(draw: st.DrawFn, program: StepProgram, sizes: Mapping[Group, sp
     first, second = ops[a], ops[b]
     assert first.axis is not None and second.axis is not None
     ops[a], ops[b] = replace(first, reduce=Reduce.SUM), replace(second, reduce=Reduce.SUM)
-    factor = 1 / (program.placement.degree(first.axis) * program.placement.degree(second.axis))
+    factor = Fraction(1, int(program.placement.degree(first.axis)) * int(program.placement.degree(second.axis)))
     axis = draw(st.sampled_from([first.axis, second.axis, None]))
     scale = Op(OpKind.SCALE, second.state, second.group, axis, second.phase, scale=factor, note="one scale, two axes")
     ops.insert(b + 1, scale)
@@ -379,9 +379,8 @@ def _scale_state(draw: st.DrawFn, program: StepProgram, sizes: Mapping[Group, sp
     state = draw(st.sampled_from([State.PARAMETERS, State.OPTIMIZER]))
     group = draw(st.sampled_from(groups))
     axis = draw(st.sampled_from([None, *_split_axes(program)]))
-    factor = draw(
-        st.sampled_from([sp.Integer(2), sp.Integer(1)] + ([1 / program.placement.degree(axis)] if axis else []))
-    )
+    inverse = [Fraction(1, int(program.placement.degree(axis)))] if axis else []
+    factor = draw(st.sampled_from([sp.Integer(2), sp.Integer(1), *inverse]))
     phase = draw(st.sampled_from(list(Phase)))
     ops = list(program.ops)
     new = Op(OpKind.SCALE, state, group, axis, phase, scale=factor, note="scale a model state")

@@ -64,12 +64,7 @@ from formal._vocab import (
 from formal.errors import InputError
 
 if TYPE_CHECKING:  # numpy is imported where arrays are built: a check without --hardware never loads it
-    import numpy as np
-    import numpy.typing as npt
-
-    Floats = npt.NDArray[np.float64]
-    Bools = npt.NDArray[np.bool_]
-    Ints = npt.NDArray[np.int64]
+    from formal._steptime_terms import Bools, Floats, Ints
 
 DEFAULT_RUNTIME = Runtime()  # no run settings beyond the placement
 CALIBRATION_PATH = Path(__file__).resolve().parent / "data" / "steptime-calibration.json"

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 from formal._model import Model, Transformer
 from formal._placement import Options, Strategy
 from formal._strategies import Composition
-from formal._vocab import ACTIVATION_GROUPS, IO_ACTIVATION_GROUPS, Axis, AxisKind, Group, State
+from formal._vocab import ACTIVATION_GROUPS, IO_ACTIVATION_GROUPS, LAYER_GROUPS, Axis, AxisKind, Group, State
 
 
 class Provenance(StrEnum):
@@ -354,7 +354,12 @@ def _group_devices(mesh: Mapping[Axis, int], axis: Axis) -> list[int]:
 def _split_replicated(s: Setting, axis: Axis) -> tuple[Group, ...]:
     """Groups whose computation the axis's strategy splits while neither their gradient nor their
     optimizer state is sharded there (with the optimizer state sharded, each rank's update reads
-    the gradient on its own slice only, where it is complete)."""
+    the gradient on its own slice only, where it is complete). Along a pipeline axis the slices
+    are the stages' layers: a group outside the layers (embedding, head, final norm) is computed
+    whole by the stage that holds it, and a tied embedding's two stages each compute a partial
+    gradient of all of it, which the all-reduce between them completes (Megatron-LM's embedding
+    group, ``_allreduce_word_embedding_grads`` in megatron/core/distributed/finalize_model_grads.py),
+    not a slice."""
     st = _strategy_on(s, axis)
     if st is None:
         return ()
@@ -362,6 +367,7 @@ def _split_replicated(s: Setting, axis: Axis) -> tuple[Group, ...]:
         g
         for g in s.model.group_elements()
         if st.computes_sharded(g)
+        and (g in LAYER_GROUPS or not axis.kind.is_pipeline)
         and not st.entry(State.GRADIENTS, g).mode.is_sharded
         and not st.entry(State.OPTIMIZER, g).mode.is_sharded
     )

@@ -121,6 +121,22 @@ class _StateOps:
             )
             for g in states.groups
         }
+        # The axes the refresh all-gathers each group's replicated parameters along (the
+        # optimizer updated only its shard of them): the gathers assemble the pieces of the
+        # partition they make together, as the reduce-scatters cut it.
+        self.refresh_axes: dict[Group, frozenset[Axis]] = {
+            g: frozenset(
+                op.axis
+                for op in self.ops
+                if op.group == g
+                and op.state is P
+                and op.phase is Phase.REFRESH
+                and op.kind is OpKind.ALL_GATHER
+                and op.axis is not None
+                and not self.pl.entry(P, g, op.axis).mode.is_sharded
+            )
+            for g in states.groups
+        }
 
     def _wire(self, state: State) -> int:
         return self.precision.wire_bytes_of(state)
@@ -141,8 +157,17 @@ class _StateOps:
             whole = frozenset(self.states.gathered[op.group] - {axis})
         elif op.state is G and op.kind is OpKind.REDUCE_SCATTER:
             whole = self.scatter_axes[op.group] - scattered - {axis}
+        # A gradient reduce-scattered along several axes (onto the optimizer's shard where G is
+        # replicated there) is cut towards the partition all of them make: each one leaves the
+        # union, over the axes still to come, of the final pieces (docs/semantics.md, "Collectives
+        # along several axes"), whichever order they run in.
+        forced: frozenset[Axis] = frozenset()
+        if op.state is G and op.kind is OpKind.REDUCE_SCATTER:
+            forced = self.scatter_axes[op.group]
+        elif op.state is P and op.kind is OpKind.ALL_GATHER and op.phase is Phase.REFRESH:
+            forced = self.refresh_axes[op.group]
         for peers in self.mesh.groups(axis, self.mesh.devices):
-            bases = {d: self.layout.holding(op.state, op.group, d, skip=whole | {axis}) for d in peers}
+            bases = {d: self.layout.holding(op.state, op.group, d, skip=whole | {axis}, force=forced) for d in peers}
             if op.state is G and op.kind is not OpKind.ALL_REDUCE and self._split_elsewhere(op.group, axis):
                 # A gradient exists only on the slice the device computes (a pipeline stage's
                 # layers, its tp slice), whatever G's mode there: a reduce-scatter or gather along
@@ -180,7 +205,7 @@ class _StateOps:
                     return _chunk(bases[d], len(members), (members.index(d) - op.offset) % len(members))
                 if whole:  # its shard along the axis, whole along the others made whole
                     piece = self.layout.holding(
-                        op.state, op.group, d, skip=whole, offsets={axis: op.offset}, force=axis
+                        op.state, op.group, d, skip=whole, offsets={axis: op.offset}, force=forced | {axis}
                     )
                     return np.intersect1d(piece, bases[d], assume_unique=True)
                 return _chunk(bases[d], deg, (self.mesh.coord(d, axis) - op.offset) % deg)

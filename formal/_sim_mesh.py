@@ -173,20 +173,21 @@ class _Layout:
         dev: Device,
         skip: Axis | Iterable[Axis] | None = None,
         offsets: dict[Axis, int] | None = None,
-        force: Axis | None = None,
+        force: Axis | Iterable[Axis] | None = None,
     ) -> IndexArray:
         """Positions a device holds of (state, group) by its placement (the axes ``skip`` ignored:
         the union of what the devices along them hold).
 
         Structural splits first (pipeline stage, TP rows/columns of compute-sharded groups), then
-        flat shards along every other sharded axis (and along ``force``, as if sharded there: the
-        partition a reduce-scatter onto the optimizer's shard cuts), dpr first, then in mesh order:
+        flat shards along every other sharded axis (and along the ``force`` axes, as if sharded
+        there: the partition reduce-scatters onto the optimizer's shard cut), dpr first, then in mesh order:
         the replicate axis is the outer one, as in PyTorch's HSDP mesh ("replicate", "shard") and
         DeepSpeed's node-major ranks. Shard ``k`` along an axis lives on coordinate
         ``(k + offset) mod d``.
         """
         skipped = frozenset({skip} if isinstance(skip, Axis) else skip or ())
-        key: tuple[object, ...] = ("hold", state, group, dev, skipped, tuple(sorted((offsets or {}).items())), force)
+        forced = frozenset({force} if isinstance(force, Axis) else force or ())
+        key: tuple[object, ...] = ("hold", state, group, dev, skipped, tuple(sorted((offsets or {}).items())), forced)
         if key in self._cache:
             return self._cache[key]
         pl = self.pl
@@ -215,7 +216,7 @@ class _Layout:
             a
             for a in sorted(self.mesh.axes, key=lambda a: a is not first)
             if not a.kind.is_pipeline
-            and (entries[a].mode.is_sharded or a is force)
+            and (entries[a].mode.is_sharded or a in forced)
             and not (a.kind.splits_matrices and tp_split)
         ]
         split = [a for a in flat if self.mesh.degree(a) > 1]
@@ -225,7 +226,7 @@ class _Layout:
             peers = [dev]
             for a in union:
                 peers = [self.mesh.moved(p, a, c) for p in peers for c in range(self.mesh.degree(a))]
-            pos = np.unique(np.concatenate([self.holding(state, group, p, rest, offsets, force) for p in peers]))
+            pos = np.unique(np.concatenate([self.holding(state, group, p, rest, offsets, forced) for p in peers]))
             self._cache[key] = pos
             return pos
         pos = self._structural(group, dev, pp_mode, tp_split)

@@ -140,12 +140,37 @@ def _consistency_case(index: _Index, group: Group, axis: Axis) -> _ConsistencyCa
         index.degrees[axis],
         (index.entry(P, group, axis), index.entry(O, group, axis), index.entry(G, group, axis)),
         (index.local.get((P, group)), index.local.get((O, group)), index.local.get((G, group))),
-        tuple(op for op in index.ops.get(group, []) if op.state in (P, O, G) and op.axis in (None, axis)),
+        _micro_batches_unrolled(
+            [op for op in index.ops.get(group, []) if op.state in (P, O, G) and op.axis in (None, axis)],
+            index.micro_batches,
+        ),
         index.placement.computes_sharded(axis, group),
         any(index.entry(P, group, a).keep_gathered for a in index.placement.axes),
         index.entry(P, group, axis).keep_gathered,
         axis.kind.is_pipeline and group not in LAYER_GROUPS,
     )
+
+
+def _micro_batches_unrolled(ops: list[Op], m: int) -> tuple[Op, ...]:
+    """The ops of one step with each micro-batch's own run of them spelled out.
+
+    With ``m > 1`` micro-batches every forward and backward op, and every gradient-sync op done
+    once per micro-batch (``count == m``), runs once per micro-batch, as the simulator and a real
+    training loop run them: a scale of the parameters in the backward acts ``m`` times, and the
+    second micro-batch's forward reads what the first one's ops left. The consistency run tracks
+    which chunks a gradient buffer holds, not its micro-batch sums (gradient integrity judges
+    those), so the gradient ops keep one run, the last micro-batch's (the fresh gradient each
+    micro-batch's backward produces is the same set of chunks).
+    """
+    if m == 1:
+        return tuple(ops)
+
+    def per_micro_batch(op: Op) -> bool:
+        return op.phase in (Phase.FORWARD, Phase.BACKWARD) or (op.phase is Phase.GRAD_SYNC and op.count == m)
+
+    each = [op for op in ops if per_micro_batch(op)]
+    unrolled = [op for mb in range(m) for op in each if mb == m - 1 or op.state is not G]
+    return (*unrolled, *(op for op in ops if not per_micro_batch(op)))
 
 
 @dataclass

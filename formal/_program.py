@@ -349,11 +349,16 @@ def _sync_gradients(
             )
     # Reduce-scatters along several axes run in reverse mesh order (the transpose of the gathers),
     # each on the gradient still whole along the axes scattered after it.
+    # One onto the optimizer's shard (G full size along its axis) leaves the later ones the
+    # device's piece of it: they act on that piece.
     scatter.reverse()
     for i, op in enumerate(scatter):
         later = [o.axis for o in scatter[i:] if o.axis is not None]
-        if len(later) > 1:
-            scatter[i] = replace(op, elements=shard_elements(pl, G, g, size, later))
+        elements = shard_elements(pl, G, g, size, later) if len(later) > 1 else op.elements
+        for before in scatter[:i]:
+            if before.axis is not None and not pl.entry(G, g, before.axis).mode.is_sharded:
+                elements = exact(elements * num.ratio(1, pl.degree(before.axis)))
+        scatter[i] = replace(op, elements=elements)
     ops = scatter + reduce
     if pl.local_mode(G, g) is Mode.OFFLOADED:
         ops.append(

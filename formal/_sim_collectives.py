@@ -162,8 +162,10 @@ class _StateOps:
         # union, over the axes still to come, of the final pieces (docs/semantics.md, "Collectives
         # along several axes"), whichever order they run in.
         forced: frozenset[Axis] = frozenset()
+        regathered = self.states.regathered.setdefault((per_mb, op.group), set())
         if op.state is G and op.kind is OpKind.REDUCE_SCATTER:
-            forced = self.scatter_axes[op.group]
+            # those it nests in: scattered before and not gathered back since, and those to come
+            forced = frozenset((scattered - regathered) | whole | {axis})
         elif op.state is P and op.kind is OpKind.ALL_GATHER and op.phase is Phase.REFRESH:
             forced = self.refresh_axes[op.group]
         for peers in self.mesh.groups(axis, self.mesh.devices):
@@ -268,6 +270,9 @@ class _StateOps:
             self.states.gathered[op.group].add(axis)
         elif op.state is G and op.kind is OpKind.REDUCE_SCATTER:
             scattered.add(axis)
+            regathered.discard(axis)
+        elif op.state is G and op.kind is OpKind.ALL_GATHER and axis in scattered:
+            regathered.add(axis)
 
     def _split_elsewhere(self, group: Group, axis: Axis) -> bool:
         """Whether an axis other than ``axis`` splits the group's computation by structure."""

@@ -201,6 +201,29 @@ class _Layout:
             empty = np.zeros(0, dtype=np.intp)
             self._cache[key] = empty
             return empty
+        # Ignoring an axis that splits the group by structure (pipeline stages, tp slices) while
+        # flat shards cut it along other axes is the union over its coordinates of what they
+        # hold: each stage's (slice's) own flat shards, as a gather along it assembles them.
+        structural_skipped = [
+            a
+            for a in self.mesh.axes
+            if a in skipped
+            and self.mesh.degree(a) > 1
+            and entries[a].mode.is_sharded
+            and (a.kind.is_pipeline or (a.kind.splits_matrices and pl.computes_sharded(a, group)))
+        ]
+        if structural_skipped and any(
+            self.mesh.degree(a) > 1 and a not in skipped and (entries[a].mode.is_sharded or a in forced)
+            for a in self.mesh.axes
+            if not a.kind.is_pipeline and not (a.kind.splits_matrices and pl.computes_sharded(a, group))
+        ):
+            peers = [dev]
+            for a in structural_skipped:
+                peers = [self.mesh.moved(p, a, c) for p in peers for c in range(self.mesh.degree(a))]
+            rest = skipped - set(structural_skipped)
+            pos = np.unique(np.concatenate([self.holding(state, group, p, rest, offsets, forced) for p in peers]))
+            self._cache[key] = pos
+            return pos
         pp_mode = Mode.REPLICATED  # no pipeline axis, or ignored: every stage's share
         pipe = next((a for a in entries if a.kind.is_pipeline), None)
         if pipe is not None and pipe not in skipped and entries[pipe].mode.is_sharded:

@@ -61,9 +61,11 @@ class _States:
         # on the parameters made whole along the axes gathered since the last free (ZeRO++ hpZ:
         # within the node, then across nodes), a reduce-scatter on the gradient still whole along
         # the axes the program scatters it along later. ``scattered`` is keyed by (per micro-batch
-        # buffer, group).
+        # buffer, group); ``regathered``, the axes a gradient was all-gathered along after
+        # being scattered there (whole again: later scatters no longer nest inside them).
         self.gathered: dict[Group, set[Axis]] = {g: set() for g in self.groups}
         self.scattered: dict[tuple[bool, Group], set[Axis]] = {}
+        self.regathered: dict[tuple[bool, Group], set[Axis]] = {}
         self._junk = np.random.default_rng(0x5EED)
 
     def junk(self, shape: int | tuple[int, ...]) -> Array:
@@ -79,6 +81,7 @@ class _States:
         self.live, self.live_fresh = {}, {}
         self.gathered = {g: set() for g in self.groups}
         self.scattered = {}
+        self.regathered = {}
         for dev in self.mesh.devices:
             self.P[dev], self.G[dev], self.O[dev], self.fresh[dev] = {}, {}, {}, {}
             self.live[dev], self.live_fresh[dev] = {}, {}
@@ -128,6 +131,7 @@ class _States:
                 self.G[dev][g][...] = 0
                 self.live[dev][g][...] = False
         self.scattered.clear()
+        self.regathered.clear()
 
     def start_micro_batch(self) -> None:
         """A micro-batch's gradients start from zero (and scattered along no axis yet)."""
@@ -136,6 +140,7 @@ class _States:
                 self.fresh[dev][g][...] = 0
         for g in self.groups:
             self.scattered.pop((True, g), None)
+            self.regathered.pop((True, g), None)
 
     def mark_computed(self) -> None:
         """After the backward every position the device's computation reads has a summand."""
@@ -151,6 +156,7 @@ class _States:
                 self.live[dev][g] |= self.live_fresh[dev][g]
         for g in self.groups:
             self.scattered.setdefault((False, g), set()).update(self.scattered.get((True, g), ()))
+            self.regathered.setdefault((False, g), set()).update(self.regathered.get((True, g), ()))
 
     def free_parameters(self, after_backward: bool) -> None:
         """Gathered copies are freed after the forward, or after the backward if kept through it."""

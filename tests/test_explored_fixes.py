@@ -364,3 +364,20 @@ def test_a_tied_embedding_replicated_on_its_two_stages_is_not_a_split_computatio
         return program.with_ops([op for op in program.ops if not (op.group.name == "embedding" and op.axis is Axis.PP)])
 
     assert _judged("stages2xfsdp-sgo2xm2", TIED_STAGES, no_embedding_sum, tied=True) == (Status.REFUTED, False)
+
+
+def test_a_gather_along_the_stages_before_the_data_parallel_gather_is_right() -> None:
+    """FSDP inside a pipeline: each stage holds its dp shard of its own layers. A gather along pp
+    first hands every stage the other stages' shards, and the dp gather then makes all of it
+    whole. The simulator cut "ignoring pp" as a dp shard of every layer together (not each
+    stage's own shards), so the gathers moved memory no device held (simulator wrong)."""
+
+    def gathered_along_pp(program: StepProgram, model: Model) -> StepProgram:
+        at = next(
+            i
+            for i, op in enumerate(program.ops)
+            if op.kind is OpKind.ALL_GATHER and op.group.name == "mlp" and op.phase is Phase.FORWARD
+        )
+        return _inserted(OpKind.ALL_GATHER, State.PARAMETERS, "mlp", Axis.PP, Phase.FORWARD, None, at)(program, model)
+
+    assert _judged("fsdp4xpp2", change=gathered_along_pp) == (Status.PROVED, True)

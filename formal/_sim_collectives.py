@@ -228,11 +228,12 @@ class _StateOps:
                     total = n.sum_of([arrays[d][..., union] for d in members])
                     if op.reduce is Reduce.MEAN:
                         total = n.scale(total, Fraction(1, k))
-                    if op.state is G and not per_mb and op.phase is not Phase.FORWARD:
-                        # After the backward, where a member's ``.grad`` holds no current value
-                        # (freed outside its shard by the synchronisation), the sum has none either:
-                        # z3's junk. Zeros there would pass a sum off as a gather. (Before it, in
-                        # the forward, ``.grad`` is zeroed memory: zeros are its value.)
+                    if op.state is G and not per_mb and (op.phase is not Phase.FORWARD or self.states.accumulated):
+                        # After a backward, where a member's ``.grad`` holds no current value
+                        # (freed outside its shard by the synchronisation, or by a reduce-scatter
+                        # of an earlier micro-batch), the sum has none either: z3's junk. Zeros
+                        # there would pass a sum off as a gather. (Before the first backward, in
+                        # the first forward, ``.grad`` is zeroed memory: zeros are its value.)
                         dead = ~np.logical_and.reduce([live[d][op.group][union] for d in members])
                         if dead.any():
                             total = total.copy()

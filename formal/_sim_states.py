@@ -66,6 +66,7 @@ class _States:
         self.gathered: dict[Group, set[Axis]] = {g: set() for g in self.groups}
         self.scattered: dict[tuple[bool, Group], set[Axis]] = {}
         self.regathered: dict[tuple[bool, Group], set[Axis]] = {}
+        self.accumulated = 0  # micro-batches accumulated into ``.grad`` so far this step
         self._junk = np.random.default_rng(0x5EED)
 
     def junk(self, shape: int | tuple[int, ...]) -> Array:
@@ -132,6 +133,7 @@ class _States:
                 self.live[dev][g][...] = False
         self.scattered.clear()
         self.regathered.clear()
+        self.accumulated = 0
 
     def start_micro_batch(self) -> None:
         """A micro-batch's gradients start from zero (and scattered along no axis yet)."""
@@ -150,6 +152,7 @@ class _States:
 
     def accumulate(self) -> None:
         """The micro-batch's gradients (as its ops left them) join the step's sum."""
+        self.accumulated += 1
         for dev in self.mesh.devices:
             for g in self.groups:
                 self.G[dev][g] = self.n.add(self.G[dev][g], self.fresh[dev][g])

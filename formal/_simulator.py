@@ -204,9 +204,14 @@ class Simulator:
             fresh = [i for i in loop if self._buffer(i) is Buffer.FRESH]
             for i in fresh:
                 run_op(i, per_mb=True)
-            if any(i in per_mb for i in fresh):
+            scattered_as_produced = any(i in per_mb for i in fresh)
+            if scattered_as_produced:
                 st.free_gradients(st.fresh, st.live_fresh)
             st.accumulate()
+            if scattered_as_produced:
+                # No full-size accumulator (ZeRO-2/3, FSDP under accumulation): ``.grad`` holds
+                # the device's shard only, whatever earlier ops wrote outside it.
+                st.free_gradients(st.G, st.live)
             for i in loop:
                 if i not in fresh:
                     run_op(i)

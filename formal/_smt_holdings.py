@@ -17,7 +17,7 @@ from typing import Any
 from formal._placement import Entry
 from formal._program import Op
 from formal._smt_common import MAX_CONSISTENCY_DEVICES, PHASE_ORDER, PLACEHOLDER, G, O, P, _fraction, _Index
-from formal._vocab import LAYER_GROUPS, Axis, Group, Mode, OpKind, Phase, Reduce, State
+from formal._vocab import FIRST_STAGE_GROUPS, LAYER_GROUPS, Axis, Group, Mode, OpKind, Phase, Reduce, State
 from formal.errors import InputError
 
 _SHAPES: dict[tuple[Any, ...], int] = {}  # term shapes seen so far, interned as ints
@@ -132,6 +132,8 @@ class _ConsistencyCase:
     held: bool  # parameters gathered once and held through the backward, along any axis (FSDP SGO)
     held_here: bool  # ... along this axis: what was gathered along it stays (FSDP SGO; hpZ across nodes)
     stage_group: bool = False  # along a pipeline axis, a group outside the layers (lives on one or two stages)
+    first_stage: bool = False  # ... used by the first stage (the embedding); else by the last (head, final norm)
+    tied: bool = False  # ... used by the first and the last stage (a tied embedding)
 
 
 def _consistency_case(index: _Index, group: Group, axis: Axis) -> _ConsistencyCase:
@@ -148,6 +150,8 @@ def _consistency_case(index: _Index, group: Group, axis: Axis) -> _ConsistencyCa
         any(index.entry(P, group, a).keep_gathered for a in index.placement.axes),
         index.entry(P, group, axis).keep_gathered,
         axis.kind.is_pipeline and group not in LAYER_GROUPS,
+        axis.kind.is_pipeline and group in FIRST_STAGE_GROUPS,
+        axis.kind.is_pipeline and group in index.placement.tied,
     )
 
 
@@ -187,8 +191,10 @@ class _AxisRun:
         self.entry = dict(zip((P, O, G), self.case.entries, strict=True))
         self.local = dict(zip((P, O, G), self.case.local, strict=True))
         self.ops = list(self.case.ops)
+        # a group outside the layers along pp lives on the first and the last stage: both modelled
+        ends = {0, self.degree - 1} if self.case.stage_group else {0}
         raw = sorted(
-            {e.offset % self.degree for e in self.entry.values()} | {op.offset % self.degree for op in self.ops} | {0}
+            {e.offset % self.degree for e in self.entry.values()} | {op.offset % self.degree for op in self.ops} | ends
         )
         if self.degree <= MAX_CONSISTENCY_DEVICES:
             self.d = self.degree
@@ -211,7 +217,49 @@ class _AxisRun:
     def off(self, offset: int) -> int:
         return self.offsets.get(offset % self.degree, 0)
 
+    # A group outside the layers along a pipeline axis (``stage_group``) is not cut into per-stage
+    # chunks: it is whole where it lives (the simulator's ``_Layout``, docs/semantics.md, "Groups
+    # outside the layers along a pipeline"). ``R``: on the first and the last stage; ``S``: on the
+    # stage that uses it (the first for the embedding, the last for the head and the final norm);
+    # computed by that stage, and by both for a tied embedding. Collectives along pp run between
+    # the first and the last stage.
+    @property
+    def ends(self) -> list[int]:
+        """The first and the last stage (the members of a stage group's collectives along pp)."""
+        return sorted({0, self.off(self.degree - 1)})
+
+    @property
+    def owner(self) -> int:
+        return 0 if self.case.first_stage else self.off(self.degree - 1)
+
+    def computes(self, device: int) -> bool:
+        """Whether ``device``'s computation uses the group (always, outside a stage group)."""
+        if not self.case.stage_group:
+            return True
+        return device == self.owner or (self.case.tied and device in self.ends)
+
+    def piece(self, device: int, offset: int) -> list[int]:
+        """A stage group's piece of a collective along pp on ``device``: a tied embedding's two
+        stages split it in halves; otherwise the stage that computes it has all of it."""
+        ends = self.ends
+        if device not in ends:
+            return []
+        if self.case.tied and len(ends) == 2:
+            half = (ends.index(device) - self.off(offset)) % 2
+            cut = (self.d + 1) // 2
+            return list(range(cut)) if half == 0 else list(range(cut, self.d))
+        return list(range(self.d)) if self.computes(device) else []
+
     def partition(self, entry: Entry, device: int) -> list[int]:
+        if self.case.stage_group:
+            match entry.mode:
+                case Mode.REPLICATED | Mode.OFFLOADED:
+                    holds = device in self.ends
+                case Mode.SHARDED | Mode.SHARDED_GATHER:
+                    holds = device == self.owner
+                case _:
+                    holds = False
+            return list(range(self.d)) if holds else []
         match entry.mode:
             case Mode.REPLICATED | Mode.OFFLOADED:
                 return list(range(self.d))
@@ -302,7 +350,7 @@ class _AxisRun:
                     case OpKind.ALL_REDUCE:
                         self.all_reduce(op)
                     case OpKind.BROADCAST:
-                        for i in range(1, self.d):
+                        for i in self.ends[1:] if self.case.stage_group else range(1, self.d):
                             self.hold[(False, i, op.state)] = dict(self.hold[(False, 0, op.state)])
                     case OpKind.HOST_TO_DEVICE:
                         for i in range(self.d):
@@ -353,15 +401,16 @@ class _AxisRun:
         """Whether each device's backward covers its own chunk only: the computation is split
         along the axis (a tp slice, a pipeline stage's layers, an ep rank's experts), whatever the
         parameters' mode (a replicated copy does not make a split computation whole). A group
-        outside the layers along pp is whole where its stage holds it whole."""
-        if self.case.stage_group:
-            return not self.needs_all(not self.case.computed_sharded)
-        return self.case.computed_sharded
+        outside the layers along pp is whole on the stages that compute it."""
+        return self.case.computed_sharded and not self.case.stage_group
 
     def produce(self, gradient: list[_T]) -> None:
         """The backward's gradient on every device: the chunks its computation covers."""
         split = self.split_gradient()
         for i in range(self.d):
+            if not self.computes(i):
+                self.hold[(False, i, G)] = {}
+                continue
             self.hold[(False, i, G)] = {k: gradient[k] for k in ([i] if split else range(self.d))}
 
     def free_outside_shard(self) -> None:
@@ -373,6 +422,11 @@ class _AxisRun:
             self.hold[(False, i, G)] = {k: v for k, v in self.hold[(False, i, G)].items() if k in own}
 
     def gather(self, op: Op) -> None:
+        if self.case.stage_group:
+            values = {k: self.contribute((False, i, op.state), k) for i in self.ends for k in self.piece(i, op.offset)}
+            for i in self.ends:
+                self.hold[(False, i, op.state)].update(values)
+            return
         o = self.off(op.offset)
         values = {k: self.contribute((False, (k + o) % self.d, op.state), k) for k in range(self.d)}
         for i in range(self.d):
@@ -383,18 +437,27 @@ class _AxisRun:
         gradient's magnitude is gradient integrity's to judge, so it is that value; a parameter
         or an optimizer moment is that value under a mean (of equal copies) and ``degree`` times
         it under a sum (single-device training applies no such factor)."""
-        held = [self.hold[(False, i, op.state)].get(chunk) for i in range(self.d)]
+        members = self.ends if self.case.stage_group else range(self.d)
+        held = [self.hold[(False, i, op.state)].get(chunk) for i in members]
         first = held[0]
         if first is None or any(h != first for h in held):
             return self.fresh_junk()
         if op.state is G or op.reduce is not Reduce.SUM:
             return first
-        return first.scaled(Fraction(self.degree))
+        return first.scaled(Fraction(len(held) if self.case.stage_group else self.degree))
 
     def reduce_scatter(self, op: Op) -> None:
         """Each device's piece gets the reduced chunk. A gradient keeps only its piece (what the
         later reductions reduce); a parameter or an optimizer moment keeps the rest of what it
         held, as ``reduce_scatter_tensor`` leaves its input buffer (the simulator alike)."""
+        if self.case.stage_group:
+            for i in self.ends:
+                piece = {k: self.combined(op, k) for k in self.piece(i, op.offset)}
+                if op.state is G:
+                    self.hold[(False, i, op.state)] = piece
+                else:
+                    self.hold[(False, i, op.state)].update(piece)
+            return
         o = self.off(op.offset)
         mine = {i: (i - o) % self.d for i in range(self.d)}
         values = {i: self.combined(op, mine[i]) for i in range(self.d)}
@@ -405,6 +468,11 @@ class _AxisRun:
                 self.hold[(False, i, op.state)][mine[i]] = values[i]
 
     def all_reduce(self, op: Op) -> None:
+        if self.case.stage_group:  # the first and the last stage, the whole group
+            values = {k: self.combined(op, k) for k in range(self.d)}
+            for i in self.ends:
+                self.hold[(False, i, op.state)] = dict(values)
+            return
         chunks = {k for i in range(self.d) for k in self.hold[(False, i, op.state)]}
         values = {k: self.combined(op, k) for k in chunks}
         for i in range(self.d):
@@ -413,9 +481,11 @@ class _AxisRun:
                 held[k] = values[k]
 
     def compute(self, op: Op, gradient: list[_T], where: dict[str, Any]) -> None:
-        full = self.needs_all(self.axis in op.full)
+        full = self.needs_all(self.axis in op.full or self.case.stage_group)
         rule = self.compute_rule(full)
         for i in range(self.d):
+            if not self.computes(i):
+                continue
             held = self.hold[(False, i, P)]
             needed = list(range(self.d)) if full else [i]  # a sharded computation uses shard i
             for k in needed:
@@ -475,7 +545,9 @@ class _AxisRun:
         writes: list[tuple[Holder, int, _T]] = []
         for i in range(self.d):
             at = "host" if host else "device"
-            for k in self.partition(partition, i):
+            # a stage group's offset along pp rotates which stage's holding this one updates
+            who = (i - self.off(op.offset)) % self.d if self.case.stage_group and entry.mode.is_sharded else i
+            for k in self.partition(partition, who):
                 o_value = self.read_for_update((host, i, O), k)
                 g_value = self.read_for_update((host, i, G), k)
                 p_value = self.read_for_update((host, i, P), k)

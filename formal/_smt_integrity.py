@@ -30,7 +30,18 @@ from formal._smt_common import (
 )
 from formal._solver import Solver as _Solver
 from formal._verdict import Condition, Obligation, Violation
-from formal._vocab import Axis, Buffer, Group, Mode, OpKind, Phase, Reduce, gradient_buffer
+from formal._vocab import (
+    FIRST_STAGE_GROUPS,
+    LAYER_GROUPS,
+    Axis,
+    Buffer,
+    Group,
+    Mode,
+    OpKind,
+    Phase,
+    Reduce,
+    gradient_buffer,
+)
 from formal.errors import InputError
 
 # Micro-batches modelled one by one when an op acts on the accumulated gradient inside the
@@ -126,6 +137,10 @@ class _IntegrityCase:
     # The factor of the single-device normaliser that scales along other axes apply to this
     # element (normalisation is a product across axes: ``formal/_smt.py``, ``_normalised``).
     allowance: Fraction = Fraction(1)
+    # Along pp, a group outside the layers lives whole on the stage that uses it (docs/semantics.md,
+    # "Groups outside the layers along a pipeline"): rank 0 of the pp group, the first stage, is
+    # its holder for the embedding (True) and not for the head or the final norm (False).
+    first_stage_holds: bool | None = None
 
 
 def _integrity_case(index: _Index, group: Group, axis: Axis) -> _IntegrityCase:
@@ -145,6 +160,9 @@ def _integrity_case(index: _Index, group: Group, axis: Axis) -> _IntegrityCase:
         _unrolled(ops, index.micro_batches),
         tuple(buffer for _, buffer in ops),
         entry.offset if entry.mode.is_sharded else 0,
+        first_stage_holds=(
+            (group in FIRST_STAGE_GROUPS) if axis.kind.is_pipeline and group not in LAYER_GROUPS else None
+        ),
     )
 
 
@@ -179,6 +197,9 @@ def _apply(
             factor = _real(_fraction(op.scale))
             return [v * factor for v in values], rest_v * factor
         case OpKind.BROADCAST:  # from the axis's first device (rank 0 of the group)
+            if case.sharded and k > 1 and case.first_stage_holds is not None:
+                value = values[0] if case.first_stage_holds else values[1]
+                return [value] * k, rest * value
             if case.sharded and k > 1:
                 # The element's one holder is device 0 by symmetry, but rank 0 is not symmetric:
                 # for most elements the source is another device. One constant for every

@@ -23,12 +23,24 @@ Which side was wrong, case by case (``docs/semantics.md`` states each rule):
   element the device held (z3 wrong);
 * layer inputs sharded along tp (sequence parallelism) over blocks no rank splits: not modelled,
   refused on both sides (the derivation emitted no sums and z3 proved it);
-* a vocabulary-split head with an unsplit embedding: the simulator crashed on the head's range.
+* a vocabulary-split head with an unsplit embedding: the simulator crashed on the head's range;
+* forward and backward ops run once per micro-batch: z3 ran parameter ops once per step (z3 wrong);
+* reduce-scatters along several axes cut towards the partition they make together: the simulator
+  cut the second as if the first had not run (simulator wrong), and ignoring a stage axis under
+  flat shards is the union of each stage's own shards (simulator wrong);
+* a tied embedding on its two stages is not a split computation (the rule was too strict: z3
+  wrong);
+* a sharded gradient under accumulation has no full-size buffer: the simulator kept live zeros
+  outside the shard (simulator wrong);
+* a group outside the layers along pp lives whole where its mode puts it (the first stage, the
+  last, or both): z3 cut it into per-stage chunks and let any rank be a broadcast's source (z3
+  wrong).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import sympy as sp
@@ -381,3 +393,84 @@ def test_a_gather_along_the_stages_before_the_data_parallel_gather_is_right() ->
         return _inserted(OpKind.ALL_GATHER, State.PARAMETERS, "mlp", Axis.PP, Phase.FORWARD, None, at)(program, model)
 
     assert _judged("fsdp4xpp2", change=gathered_along_pp) == (Status.PROVED, True)
+
+
+# --- a sharded gradient under accumulation has no full-size buffer ----------------------------
+
+
+@pytest.mark.parametrize(("m", "right"), [(2, False), (1, True)])
+def test_a_forward_sum_of_a_sharded_gradient_under_accumulation_is_refuted_and_diverges(m: int, right: bool) -> None:
+    """ZeRO-2 with two micro-batches: each micro-batch's gradient is reduce-scattered as it is
+    produced and ``.grad`` keeps only the device's shard. A sum all-reduce in the second forward
+    adds the other devices' freed memory to each shard. The simulator's first forward wrote live
+    zeros outside the shard, which the second micro-batch kept, so the sum passed for a gather
+    (simulator wrong). With one micro-batch ``.grad`` is empty in the forward: the sum adds zeros."""
+
+    def forward_sum(program: StepProgram, model: Model) -> StepProgram:
+        at = next(i for i, op in enumerate(program.ops) if op.phase is Phase.BACKWARD)
+        return _inserted(OpKind.ALL_REDUCE, State.GRADIENTS, ROW_BIAS.name, Axis.DP, Phase.FORWARD, Reduce.SUM, at)(
+            program, model
+        )
+
+    expected = (Status.PROVED, True) if right else (Status.REFUTED, False)
+    assert _judged(f"zero22xm{m}", change=forward_sum) == expected
+
+
+# --- groups outside the layers along a pipeline, whole where they live ----------------------
+
+ONE_STAGE = """
+[strategies.stages]
+axis = "pp"
+P = "S"
+O = "S"
+G = "S"
+[strategies.stages.groups.{group}]
+P = "R"
+O = "{o}"
+G = "{g}"
+"""
+
+
+def _refresh_as_broadcast(program: StepProgram, model: Model) -> StepProgram:
+    return program.with_ops(
+        [
+            replace(op, kind=OpKind.BROADCAST)
+            if op.phase is Phase.REFRESH and op.axis is Axis.PP and op.kind is OpKind.ALL_GATHER
+            else op
+            for op in program.ops
+        ]
+    )
+
+
+def test_a_group_outside_the_layers_is_whole_on_the_stage_that_holds_it() -> None:
+    """The embedding's optimizer state ``S`` along pp lives on the first stage, which updates all
+    of it: the refresh to the last stage's replica is a copy, so a broadcast from the first stage
+    does it as well as the all-gather. z3 cut the group into per-stage chunks, as for the layers,
+    and refuted the broadcast (z3 wrong)."""
+    toml = ONE_STAGE.format(group="embedding", o="S", g="S")
+    assert _judged("stages2xtp2xm2", toml) == (Status.PROVED, True)
+    assert _judged("stages2xtp2xm2", toml, _refresh_as_broadcast) == (Status.PROVED, True)
+
+
+def test_a_replica_on_a_stage_that_does_not_compute_the_group_is_refuted_and_diverges() -> None:
+    """The final norm ``R`` along pp with its optimizer state ``R``: the first stage holds a
+    replica and updates it, but never computes the final norm, so its update reads no gradient.
+    z3 gave every stage the whole gradient and proved it (z3 wrong); ``S`` is right."""
+    assert _judged("stages2xdpr2", ONE_STAGE.format(group="final_norm", o="R", g="R")) == (Status.REFUTED, False)
+    right = ONE_STAGE.format(group="final_norm", o="S", g="S").replace('P = "R"\nO = "S"', 'P = "S"\nO = "S"')
+    assert _judged("stages2xdpr2", right) == (Status.PROVED, True)
+
+
+@pytest.mark.parametrize(("group", "right"), [("embedding", True), ("head", False)])
+def test_a_broadcast_along_the_stages_sends_the_first_stage_s_copy(group: str, right: bool) -> None:
+    """A broadcast of a one-stage group's gradient along pp sends the first stage's copy: the
+    embedding's own (changes nothing), or the head's, which the first stage never computed
+    (overwrites the last stage's). z3 let the solver pick any rank as the source, so it refuted
+    the embedding's too (z3 wrong)."""
+
+    def broadcast(program: StepProgram, model: Model) -> StepProgram:
+        at = max(i for i, op in enumerate(program.ops) if op.phase is Phase.BACKWARD) + 1
+        return _inserted(OpKind.BROADCAST, State.GRADIENTS, group, Axis.PP, Phase.BACKWARD, None, at)(program, model)
+
+    expected = (Status.PROVED, True) if right else (Status.REFUTED, False)
+    assert _judged("pp2", change=broadcast) == expected

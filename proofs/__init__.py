@@ -11,7 +11,17 @@ from proofs._obligation import Obligation, Result, discharge
 
 
 def all_obligations() -> list[Obligation]:
-    from proofs import activations, composition, costs, necessity, programs, refinement, scalars, sufficiency
+    from proofs import (
+        activations,
+        composition,
+        costs,
+        holdings,
+        necessity,
+        programs,
+        refinement,
+        scalars,
+        sufficiency,
+    )
 
     return (
         sufficiency.obligations()
@@ -21,6 +31,7 @@ def all_obligations() -> list[Obligation]:
         + costs.obligations()
         + refinement.obligations()
         + programs.obligations()
+        + holdings.obligations()
         + scalars.obligations()
     )
 

@@ -142,4 +142,36 @@ theorem split_compute_own_slice_is_full_gradient :
 theorem split_compute_replica_differs_outside_slice : splitGrad 0 0 [3, 4] ≠ [3, 4] := by
   decide
 
+/-! ## Parameter ops run once per micro-batch -/
+
+/-- A x2 of a nonzero parameter after the first micro-batch's backward: the second
+micro-batch's forward reads twice the single-device value. -/
+theorem doubled_parameter_second_micro_batch_read_differs (p : Nat) (h : 0 < p) : 2 * p ≠ p := by
+  omega
+
+/-- A x1 after every micro-batch's backward changes no read, whatever the micro-batch. -/
+theorem unit_scale_keeps_every_micro_batch_read (p m : Nat) : 1 ^ m * p = p := by
+  simp
+
+/-! ## Reduce-scatters along several axes nest -/
+
+/-- A 2 x 2 grid: reduce-scattering along one axis and then the other, in either order, gives
+the piece the sum of its four contributions. -/
+theorem nested_reduce_scatter_order_gives_same_sum (c00 c01 c10 c11 : Int) :
+    (c00 + c10) + (c01 + c11) = (c00 + c01) + (c10 + c11) := by
+  omega
+
+/-- The second reduce-scatter cut from the whole buffer (as if the first had not run) misses
+a contribution: one-hot from device (1, 0), the piece gets 0 where the sum is 1. -/
+theorem nested_reduce_scatter_whole_buffer_cut_misses_contribution :
+    ((0 : Int) + 0) + 0 ≠ 0 + 0 + 1 + 0 := by
+  omega
+
+/-! ## Groups outside the layers along a pipeline -/
+
+/-- A stage that holds a replica of a group it never computes updates it from no gradient: its
+copy differs from the computing stage's whenever the step is nonzero. -/
+theorem update_without_gradient_differs (p s : Int) (h : s ≠ 0) : p - 0 ≠ p - s := by
+  omega
+
 end PlacementSemantics

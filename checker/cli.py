@@ -260,6 +260,12 @@ def main() -> None:
 @click.option("--model", default=None, help=f"Preset name or Hugging Face config.json (default {DEFAULT_MODEL}).")
 @click.option("--params", default=None, help="A bare parameter count instead of a model (7.5e9, 70B).")
 @click.option(
+    "--largest-layer",
+    default=None,
+    help="With --params: the most parameters one module holds (DeepSpeed's largest_layer_params, "
+    "e.g. 32.9e6), the unit ZeRO-3 gathers and reduces; without it those buffers are unknown.",
+)
+@click.option(
     "--precision",
     default="zero",
     show_default=True,
@@ -370,6 +376,7 @@ def check(
     node_size: int = DEFAULT_NODE_SIZE,
     hardware: str | None = None,
     engine: str | None = None,
+    largest_layer: str | None = None,
 ) -> None:
     """Check COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG: memory, communication and verdict.
 
@@ -396,6 +403,7 @@ def check(
             from_path=from_path,
             reserve=reserve,
             engine=engine,
+            largest_layer=largest_layer,
         )
         if validate == "torch":  # the prediction checked is the one printed: PyTorch's engine
             req = for_validation(req, engine)

@@ -3,7 +3,8 @@
 Source: DeepSpeed, docs/code-docs/source/memory.rst ("Memory Requirements", microsoft/DeepSpeed),
 which prints ``estimate_zero2_model_states_mem_needs_all_{live,cold}`` and
 ``estimate_zero3_model_states_mem_needs_all_{live,cold}`` for t5-3b on one node of 8 GPUs, and a
-worked ZeRO-3 example for t5-large on 4 GPUs. The estimators (deepspeed/runtime/zero/stage3.py,
+worked ZeRO-3 example for t5-large on 4 GPUs; and Hugging Face Transformers' DeepSpeed guide,
+which prints the ZeRO-3 tables for bigscience/T0_3B on 1 and 2 GPUs. The estimators (deepspeed/runtime/zero/stage3.py,
 stage_1_and_2.py) print bytes / 2**30 to two decimals ("GB" there is GiB), ``int()`` each figure,
 and multiply the CPU figure (per node) by ``additional_buffer_factor`` = 1.5; the GPU figure is per
 device. The t5 parameter counts come from the architecture (Raffel et al. 2020; the Hugging Face
@@ -31,11 +32,14 @@ from fractions import Fraction
 
 import pytest
 import sympy as sp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from checker._analysis import Analysis, analyze
 from checker._parse import parse
 from formal._engine_deepspeed import INIT_BYTES, deepspeed_host_memory
 from formal._model import PRECISIONS, ParameterCount, Transformer
+from formal._tensors import parameter_tensors
 from formal.errors import ModelError
 
 GIB = Decimal(2**30)
@@ -43,15 +47,18 @@ BUFFER_FACTOR = Fraction(3, 2)  # additional_buffer_factor, the estimators' defa
 GPUS = 8  # "HW: Setup with 1 node, 8 GPUs per node."
 
 
-def t5_parameters(d_model: int, d_ff: int, layers: int, heads: int, d_kv: int, vocab: int) -> tuple[int, int]:
+def t5_parameters(
+    d_model: int, d_ff: int, layers: int, heads: int, d_kv: int, vocab: int, gated: bool = False
+) -> tuple[int, int]:
     """(total parameters, largest module's own parameters) of Hugging Face's ``T5Model``:
     a shared embedding (tied to both stacks), per encoder block self-attention q, k, v, o
     (``d_model x heads d_kv``, no biases) and a feed-forward ``wi``, ``wo``, each after an
     RMS-style layer norm of ``d_model``; a decoder block adds cross-attention and its norm; the
     first block of each stack holds the relative position bias (32 buckets x heads); each stack
-    ends in a final norm. DeepSpeed's ``model_to_params`` counts shared tensors once."""
+    ends in a final norm. DeepSpeed's ``model_to_params`` counts shared tensors once. ``gated``:
+    T5 v1.1's gated-GELU feed-forward, ``wi_0`` and ``wi_1`` beside ``wo``."""
     attention = 4 * d_model * heads * d_kv
-    ffn = 2 * d_model * d_ff
+    ffn = (3 if gated else 2) * d_model * d_ff
     encoder = layers * (attention + ffn + 2 * d_model) + 32 * heads + d_model
     decoder = layers * (2 * attention + ffn + 3 * d_model) + 32 * heads + d_model
     shared = vocab * d_model
@@ -95,8 +102,8 @@ def fraction(value: object) -> Fraction:
     return Fraction(int(exact.p), int(exact.q))
 
 
-def composition(stage: int, offload: bool, offload_params: bool) -> str:
-    return f"zero{stage}{GPUS}" + ("xoffload" if offload else "") + ("xoffload-params" if offload_params else "")
+def composition(stage: int, offload: bool, offload_params: bool, gpus: int = GPUS) -> str:
+    return f"zero{stage}{gpus}" + ("xoffload" if offload else "") + ("xoffload-params" if offload_params else "")
 
 
 def analysis(text: str, model: ParameterCount | Transformer) -> Analysis:
@@ -107,9 +114,9 @@ def device_bytes(a: Analysis) -> Fraction:
     return fraction(a.memory.model_states + (a.memory.buffers or 0))
 
 
-def node_host_bytes(a: Analysis, model: ParameterCount | Transformer, zero_init: bool) -> Fraction:
+def node_host_bytes(a: Analysis, model: ParameterCount | Transformer, zero_init: bool, gpus: int = GPUS) -> Fraction:
     host = deepspeed_host_memory(a.placement, model, a.memory, zero_init)
-    return host.per_node(GPUS) * BUFFER_FACTOR
+    return host.per_node(gpus) * BUFFER_FACTOR
 
 
 def test_t5_counts_are_the_printed_model_lines() -> None:
@@ -132,6 +139,42 @@ def test_zero3_estimator_table(
         a = analysis(composition(3, offload, offload_params), model)
         assert gb(device_bytes(a)) == Decimal(gpu), (offload, offload_params, zero_init)
         assert gb(node_host_bytes(a, model, zero_init)) == Decimal(cpu), (offload, offload_params, zero_init)
+
+
+# Hugging Face Transformers' DeepSpeed guide (docs/source/en/deepspeed.md, "Memory requirements";
+# the 2-GPU table in its earlier main_classes/deepspeed.md): bigscience/T0_3B, T5 v1.1 XL
+# (d_model 2048, gated d_ff 5120, 24 + 24 layers, 32 heads of 64, vocabulary 32128).
+T0_3B, T0_3B_LARGEST = t5_parameters(2048, 5120, 24, 32, 64, 32128, gated=True)
+T0_3B_TABLES = {
+    1: {
+        (True, True, True): ("70.00", "0.25"),
+        (True, True, False): ("70.00", "0.25"),
+        (True, False, True): ("62.23", "5.43"),
+        (True, False, False): ("62.23", "5.43"),
+        (False, False, True): ("0.37", "46.91"),
+        (False, False, False): ("15.56", "46.91"),
+    },
+    2: {
+        (True, True, True): ("70.00", "0.25"),
+        (True, True, False): ("70.00", "0.25"),
+        (True, False, True): ("62.23", "2.84"),
+        (True, False, False): ("62.23", "2.84"),
+        (False, False, True): ("0.74", "23.58"),
+        (False, False, False): ("31.11", "23.58"),
+    },
+}
+
+
+@pytest.mark.parametrize("gpus", sorted(T0_3B_TABLES))
+def test_t0_3b_tables_of_the_transformers_guide(gpus: int) -> None:
+    """ "SW: Model with 2783M total params, 65M largest layer params." (the shared embedding),
+    then every row on 1 and on 2 GPUs of one node."""
+    assert (T0_3B // 10**6, T0_3B_LARGEST // 10**6) == (2783, 65)
+    model = ParameterCount(T0_3B, largest_layer=T0_3B_LARGEST)
+    for (offload, offload_params, zero_init), (cpu, gpu) in T0_3B_TABLES[gpus].items():
+        a = analysis(composition(3, offload, offload_params, gpus), model)
+        assert gb(device_bytes(a)) == Decimal(gpu), (gpus, offload, offload_params, zero_init)
+        assert gb(node_host_bytes(a, model, zero_init, gpus)) == Decimal(cpu), (gpus, offload, zero_init)
 
 
 @pytest.mark.parametrize(("total", "printed"), [(T5_3B, ZERO2_LIVE), (COLD_3B, ZERO2_COLD)])
@@ -240,3 +283,45 @@ def test_cli_refuses_a_bad_largest_layer_in_one_line(args: tuple[str, ...], says
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in done.stderr
+
+
+def test_zero2_offload_fits_11b_in_40gb() -> None:
+    """memory.rst, ZeRO-2 with ``"cpu_offload": true`` (2 bytes a parameter on the GPU): "a 40GB
+    GPU can fit ~11B param model ... the model weights take about 22GB and the remaining 18GB are
+    used by other components"."""
+    states = analysis(composition(2, True, False), ParameterCount(11 * 10**9)).memory.model_states
+    assert Fraction(int(states), 10**9) == 22
+    assert 40 - 22 == 18
+
+
+@st.composite
+def gpt_models(draw: st.DrawFn) -> Transformer:
+    heads = draw(st.integers(1, 8))
+    return Transformer(
+        "g",
+        layers=draw(st.integers(1, 3)),
+        hidden=heads * draw(st.integers(1, 64)),
+        heads=heads,
+        vocab=draw(st.integers(1, 4000)),
+        seq=draw(st.integers(1, 4096)),
+        ffn=draw(st.one_of(st.none(), st.integers(1, 3000))),
+        bias=draw(st.booleans()),
+        tied_embeddings=draw(st.booleans()),
+        learned_positions=draw(st.booleans()),
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(gpt_models())
+def test_largest_module_is_the_largest_registered_module(model: Transformer) -> None:
+    """``Transformer.largest_module`` (what ``zero.Init`` builds at a time) is the largest sum of
+    one module's own tensors (a weight and its bias) among the tensors the model registers
+    (``formal._tensors.parameter_tensors``), as DeepSpeed's ``model_to_params`` finds it."""
+    modules: dict[str, int] = {}
+    for t in parameter_tensors(model):
+        owner = t.name.rsplit(".", 1)[0]
+        modules[owner] = modules.get(owner, 0) + t.elements
+    assert model.largest_module == max(modules.values())
+    a = analysis("zero38", model)
+    init = deepspeed_host_memory(a.placement, model, a.memory, zero_init=True).initialisation
+    assert init == INIT_BYTES * max(modules.values())

@@ -121,8 +121,6 @@ def megatron_memory(
     ``placement`` memory of that stage and the engine ``prediction`` (its token-id terms).
     ``selective``: whether Megatron runs with ``--recompute-granularity selective`` (its
     sequence-parallel formula needs it); None: the placement's (``selective`` or ``flash``)."""
-    if pl.pipelined and pl.options.virtual_stages != 1:
-        raise ModelError("Megatron's conventions: interleaved schedules are not modelled here")
     if model.is_moe:
         raise ModelError(f"{model.name}: Megatron's conventions are modelled for dense models only")
     t = _degree(pl, "splits_matrices")
@@ -188,9 +186,12 @@ def megatron_memory(
     if not model.dropout:  # the input embeddings' 1-byte dropout mask, counted for every model
         mask = sbh * in_flight / (t if sp_formula else 1)
         terms.append(Convention("embedding_dropout", "embedding dropout mask without dropout", mask))
-    if sp_formula:
-        terms.append(Convention("input_ids_split_by_tp", "input ids divided by tp", -input_ids * (1 - Fraction(1, t))))
-    elif p == 1:
+    # 8 s b bytes of ids for each micro-batch in flight, a fraction of one under the interleaved
+    # schedule (Megatron's penalty), divided by tp under sequence parallelism.
+    megatron_ids = INPUT_ID_BYTES * s * b * in_flight / (t if sp_formula else 1)
+    if megatron_ids != input_ids:
+        terms.append(Convention("input_ids", "input ids as Megatron counts them", megatron_ids - input_ids))
+    if not sp_formula and p == 1:
         io = model.io_activation_bytes(precision.activations, precision.mask_bytes, precision.logits_bytes)
         ours_output = _fraction(io_activations(pl, {g: (n if g in (OUTPUT_IO, LOGITS) else 0) for g, n in io.items()}))
         megatron_output = 2 * (Fraction(s * b * v, t) + sbh)

@@ -77,13 +77,16 @@ def weight_and_optimizer(args: dict[str, Any]) -> Fraction:
     return Fraction(shard * per_param)
 
 
-def activations_sp(args: dict[str, Any], microbatches: int) -> Fraction:
-    """``compute_activation_memory`` (sequence parallelism + selective), non-interleaved."""
+def activations_sp(args: dict[str, Any], microbatches: int, virtual: int | None = None) -> Fraction:
+    """``compute_activation_memory`` (sequence parallelism + selective); ``virtual``: the
+    interleaved schedule's ``virtual_pipeline_model_parallel_size``."""
     s, b, h = args["seq_length"], args["micro_batch_size"], args["hidden_size"]
     pp, tp = args["pipeline_model_parallel_size"], args["tensor_model_parallel_size"]
     total = s * b * h * (18 + Fraction(4 * args["ffn_hidden_size"], h)) * args["num_layers"]
     total += 8 * s * b * pp + s * b * h * pp
-    if pp > 1:
+    if virtual is not None:
+        total *= 1 + Fraction(pp - 1, pp * virtual)
+    elif pp > 1:
         total *= min(1, Fraction(microbatches, pp))
     else:
         total += s * b * h * 4 * (1 + Fraction(args["padded_vocab_size"], h))
@@ -161,7 +164,7 @@ def test_gpt3_175b_with_sequence_parallelism_and_selective() -> None:
     assert m.activations == activations_sp(GPT3, 1536)
     got = terms(m)
     assert got["layer_formula"] == 0
-    assert got["input_ids_split_by_tp"] == -8 * 2048 * 16 * (1 - Fraction(1, 8))
+    assert got["input_ids"] == -8 * 2048 * 16 * (1 - Fraction(1, 8))
 
 
 LLAMA2_7B: dict[str, Any] = {
@@ -214,3 +217,13 @@ def test_per_layer_line_under_sequence_parallelism() -> None:
     per_layer = a.model.activation_bytes_per_layer(2, 1)
     ours_layer = Fraction(str(layer_activations(a.placement, per_layer, s * b * h, a.precision)))
     assert f"{float(megatron) / MB:.1f} MB" == f"{float(ours_layer) / MB:.1f} MB" == "102.0 MB"
+
+
+def test_gpt3_175b_interleaved() -> None:
+    """``--num-layers-per-virtual-pipeline-stage 3`` (v = 2): Megatron multiplies the first stage's
+    activations by ``1 + (p - 1)/(p v)``, 23.5 micro-batches' worth, as the cost model does; its
+    ids are counted for 23.5 micro-batches too, ours for the 24 whole ones in flight."""
+    a = analyze(parse("tp8xspxselectivexpp16xm1536xv2"), PRESETS["gpt3-175b"], PRECISIONS["megatron"])
+    m = ours(a)
+    assert m.activations == activations_sp(GPT3, 1536, virtual=2)
+    assert terms(m)["input_ids"] == 8 * 2048 * Fraction(47, 2) / 8 - 8 * 2048 * 24

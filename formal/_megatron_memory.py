@@ -9,12 +9,14 @@ device (the first pipeline stage) and each convention as a term, so that with ev
 applied (``MegatronMemory.weights_and_optimizer`` / ``.activations``) the figure is Megatron's,
 and each difference has a name and a size. Which is right where they differ:
 
-* weights: 18 bytes a parameter (6 + 12/d with the distributed optimizer) whatever the
-  recipe, where an fp16 run keeps 2-byte gradients (20 bytes, Megatron Core's docs); Megatron
-  counts the matrices and norms only (no linear biases, no learned position table), divides the
-  norms by tp (they are replicated on every tp rank: Megatron-LM's ``LayerNorm`` is not
-  tensor-parallel), and spreads the final norm over the pipeline stages
-  (it lives on the last). The placement model holds what the layers register.
+* weights: 18 bytes a parameter (6 + 12/d with the distributed optimizer; "2 bytes for model
+  parameters used for fprop and bprop, 4 bytes for main parameters, 4 bytes for gradients, 8
+  bytes for Adam states", NVIDIA/Megatron-LM issue #654) whatever the recipe, where an fp16 run
+  keeps 2-byte gradients (20 bytes, Megatron Core's docs); Megatron counts the matrices and
+  norms only (no linear biases, no learned position table), divides the norms by tp (they are
+  replicated on every tp rank: Megatron-LM's ``LayerNorm`` is not tensor-parallel), and spreads
+  the final norm over the pipeline stages (it lives on the last). The placement model holds what
+  the layers register.
 * activations: the per-layer formula (``18 + 4f/h`` under sequence parallelism and selective
   recomputation, ``10 + 24/t`` otherwise, for any FFN width, gating, K/V width, dropout and
   recomputation) against the per-op walk of ``formal._saved``; ``8 s b p`` bytes of input ids

@@ -72,7 +72,7 @@ def ours(model: Transformer, recompute: Recompute) -> Fraction:
 @given(st.integers(1, 16), st.integers(1, 64), st.integers(1, 48), st.integers(1, 4096), st.integers(1, 60000))
 def test_model_flops_are_eq_7(heads: int, head_dim: int, layers: int, seq: int, vocab: int) -> None:
     m = bare(heads, heads * head_dim, layers, seq, vocab)
-    assert ours(m, Recompute.NONE) == pytest.approx(model_flops(layers, m.hidden, seq, vocab), rel=1e-12)
+    assert ours(m, Recompute.NONE) == pytest.approx(model_flops(layers, m.hidden, seq, vocab), rel=1e-9)
 
 
 @settings(max_examples=30, deadline=None)
@@ -82,8 +82,8 @@ def test_selective_adds_one_forward_of_the_attention_core(heads: int, head_dim: 
     m = bare(heads, heads * head_dim, layers, seq)
     per_head = 2 * seq * head_dim  # one query row against s keys of d, and s values of d back
     extra = ours(m, Recompute.SELECTIVE) - ours(m, Recompute.NONE)
-    assert extra == pytest.approx(layers * heads * 2 * per_head, rel=1e-12)
-    assert extra == pytest.approx(4 * seq * m.hidden * layers, rel=1e-12)
+    assert extra == pytest.approx(layers * heads * 2 * per_head, rel=1e-9)
+    assert extra == pytest.approx(4 * seq * m.hidden * layers, rel=1e-9)
     # the paper's equation adds three times as much
     paper = paper_selective_flops(layers, m.hidden, seq, V) - model_flops(layers, m.hidden, seq, V)
     assert paper == 3 * 4 * seq * m.hidden * layers

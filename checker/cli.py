@@ -260,6 +260,13 @@ def main() -> None:
 @click.option("--model", default=None, help=f"Preset name or Hugging Face config.json (default {DEFAULT_MODEL}).")
 @click.option("--params", default=None, help="A bare parameter count instead of a model (7.5e9, 70B).")
 @click.option(
+    "--convention",
+    type=click.Choice(["megatron"]),
+    default=None,
+    help="Also give the memory as another tool counts it: megatron, Megatron-LM's theoretical "
+    "memory footprint with each of its conventions as a named difference (docs/semantics.md).",
+)
+@click.option(
     "--largest-layer",
     default=None,
     help="With --params: the most parameters one module holds (DeepSpeed's largest_layer_params, "
@@ -377,6 +384,7 @@ def check(
     hardware: str | None = None,
     engine: str | None = None,
     largest_layer: str | None = None,
+    convention: str | None = None,
 ) -> None:
     """Check COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG: memory, communication and verdict.
 
@@ -410,6 +418,13 @@ def check(
         if req.imported is not None:
             print_import(req.imported)
         analysis = analysis_of(req)
+        conventional = None
+        if convention is not None:
+            if as_csv:
+                raise InputError(f"--convention {convention}: shown on the screen and in --json, not in --csv")
+            from checker._conventions import megatron_of
+
+            conventional = megatron_of(analysis)
         step = None
         if hardware is not None:
             from checker._steptime_command import time_of
@@ -482,7 +497,11 @@ def check(
         except InputError as err:
             fail(str(err))
     set_outcome(code)
+    if conventional is not None:
+        from checker._conventions import convention_json, convention_lines
     if as_json:
+        if conventional is not None:
+            doc["conventions"] = convention_json(conventional)
         click.echo(json.dumps(doc, indent=2))
     elif as_csv:
         from checker._commands_reports import CHECK_CSV_COLUMNS, check_csv_rows, emit
@@ -492,6 +511,8 @@ def check(
         emit(check_csv_rows(doc), CHECK_CSV_COLUMNS, "", True, False)
     else:
         print_report(result, terminal())
+        if conventional is not None:
+            click.echo("\n".join(["", *convention_lines(conventional)]))
     _fast_exit[0] = True  # everything is printed or written: no teardown needed (``_exit_now``)
     sys.exit(code)
 

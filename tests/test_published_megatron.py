@@ -21,6 +21,9 @@ and adds 5% for temporaries.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -227,3 +230,41 @@ def test_gpt3_175b_interleaved() -> None:
     m = ours(a)
     assert m.activations == activations_sp(GPT3, 1536, virtual=2)
     assert terms(m)["input_ids"] == 8 * 2048 * Fraction(47, 2) / 8 - 8 * 2048 * 24
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "checker.cli", *args], capture_output=True, text=True, check=False, timeout=120
+    )
+
+
+def test_cli_convention_megatron_prints_megatrons_line() -> None:
+    """``check-composition --from <the 175B launcher> --devices 128 --convention megatron``: the
+    JSON's ``conventions.line`` is ``report_theoretical_memory``'s line from Megatron's formula,
+    and the screen shows it with each term; each term's bytes add up to it."""
+    done = run_cli("--from", str(SCRIPT), "--devices", "128", "--convention", "megatron", "--json")
+    assert done.returncode == 0, done.stderr
+    conv = json.loads(done.stdout)["conventions"]
+    assert conv["line"] == printed(weight_and_optimizer(GPT3), activations_without_sp(GPT3, 1536))
+    for part in ("weights_and_optimizer", "activations"):
+        summed = Fraction(conv["ours"][part]) + sum(Fraction(t["bytes"]) for t in conv["terms"] if t["part"] == part)
+        assert summed == Fraction(conv[part])
+    screen = run_cli("--from", str(SCRIPT), "--devices", "128", "--convention", "megatron")
+    assert screen.returncode == 0, screen.stderr
+    assert conv["line"] in screen.stdout and "5% for temporaries" in screen.stdout
+    assert max(len(line) for line in screen.stdout.splitlines()) <= 80
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("tp8xspxselective", "--csv"), "not in --csv"),
+        (("tp8", "--params", "7e9"), "needs a model with layers"),
+        (("tp8", "--model", "mixtral-8x7b"), "dense models only"),
+    ],
+)
+def test_cli_convention_refusals_are_one_line(args: tuple[str, ...], says: str) -> None:
+    done = run_cli(*args, "--convention", "megatron")
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0]

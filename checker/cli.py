@@ -261,10 +261,12 @@ def main() -> None:
 @click.option("--params", default=None, help="A bare parameter count instead of a model (7.5e9, 70B).")
 @click.option(
     "--convention",
-    type=click.Choice(["megatron"]),
+    type=click.Choice(["megatron", "deepspeed"]),
     default=None,
     help="Also give the memory as another tool counts it: megatron, Megatron-LM's theoretical "
-    "memory footprint with each of its conventions as a named difference (docs/semantics.md).",
+    "memory footprint with each of its conventions as a named difference; deepspeed, ours as "
+    "DeepSpeed's estimators print it (per GPU, per CPU with and without zero.Init; "
+    "--node-size devices a node) (docs/semantics.md).",
 )
 @click.option(
     "--largest-layer",
@@ -422,9 +424,9 @@ def check(
         if convention is not None:
             if as_csv:
                 raise InputError(f"--convention {convention}: shown on the screen and in --json, not in --csv")
-            from checker._conventions import megatron_of
+            from checker._conventions import deepspeed_json, megatron_of
 
-            conventional = megatron_of(analysis)
+            conventional = megatron_of(analysis) if convention == "megatron" else deepspeed_json(analysis, node_size)
         step = None
         if hardware is not None:
             from checker._steptime_command import time_of
@@ -498,10 +500,10 @@ def check(
             fail(str(err))
     set_outcome(code)
     if conventional is not None:
-        from checker._conventions import convention_json, convention_lines
+        from checker._conventions import conventions_json, conventions_lines
     if as_json:
         if conventional is not None:
-            doc["conventions"] = convention_json(conventional)
+            doc["conventions"] = conventions_json(conventional)
         click.echo(json.dumps(doc, indent=2))
     elif as_csv:
         from checker._commands_reports import CHECK_CSV_COLUMNS, check_csv_rows, emit
@@ -512,7 +514,7 @@ def check(
     else:
         print_report(result, terminal())
         if conventional is not None:
-            click.echo("\n".join(["", *convention_lines(conventional)]))
+            click.echo("\n".join(["", *conventions_lines(conventional)]))
     _fast_exit[0] = True  # everything is printed or written: no teardown needed (``_exit_now``)
     sys.exit(code)
 

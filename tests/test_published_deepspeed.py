@@ -325,3 +325,37 @@ def test_largest_module_is_the_largest_registered_module(model: Transformer) -> 
     a = analysis("zero38", model)
     init = deepspeed_host_memory(a.placement, model, a.memory, zero_init=True).initialisation
     assert init == INIT_BYTES * max(modules.values())
+
+
+@pytest.mark.parametrize(("modifiers", "key"), [("", (False, False)), ("xoffload", (True, False))])
+def test_cli_convention_deepspeed_prints_the_cold_rows(modifiers: str, key: tuple[bool, bool]) -> None:
+    """``check-composition zero3 --devices 8 --params 2851e6 --largest-layer 32e6 --precision
+    deepspeed --convention deepspeed``: the cold table's rows with and without ``zero_init``."""
+    args = ["zero3" + modifiers, "--devices", "8", "--params", "2851e6", "--largest-layer", "32e6"]
+    args += ["--precision", "deepspeed", "--convention", "deepspeed"]
+    done = cli(*args, "--json")
+    assert done.returncode == 0, done.stderr
+    conv = json.loads(done.stdout)["conventions"]
+    assert conv["zero_stage"] == 3 and conv["devices_per_node"] == 8
+    for row in conv["rows"]:
+        cpu, gpu = ZERO3_COLD[(*key, row["zero_init"])]
+        assert gb(Fraction(row["per_cpu"])) == Decimal(cpu) and gb(Fraction(row["per_gpu"])) == Decimal(gpu)
+        assert f"{cpu}GB" in row["line"] and f"{gpu}GB" in row["line"]
+    screen = cli(*args)
+    assert screen.returncode == 0 and all(row["line"] in screen.stdout for row in conv["rows"])
+    assert max(len(line) for line in screen.stdout.splitlines()) <= 80
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("tp8",), "needs a ZeRO stage"),
+        (("zero3", "--devices", "8", "--params", "2851e6"), "largest module is unknown"),
+        (("zero3", "--devices", "8", "--csv"), "not in --csv"),
+    ],
+)
+def test_cli_convention_deepspeed_refusals_are_one_line(args: tuple[str, ...], says: str) -> None:
+    done = cli(*args, "--convention", "deepspeed")
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0]

@@ -74,13 +74,19 @@ def fail(message: str) -> None:
     sys.exit(EXIT_USAGE)
 
 
-def base_model(model: str | None, params: str | None) -> Model:
+def base_model(model: str | None, params: str | None, largest_layer: str | None = None) -> Model:
     """The model a command names (a preset, a Hugging Face config.json, or a bare parameter
-    count), loaded once; ``sized`` sets its micro-batch and sequence."""
+    count, with ``--largest-layer`` its largest gather unit), loaded once; ``sized`` sets its
+    micro-batch and sequence."""
     if params is not None and model is not None:
         raise InputError(f"--params {params} and --model {model}: give one, not both")
+    if largest_layer is not None and params is None:
+        raise InputError(
+            f"--largest-layer {largest_layer}: needs --params (a model's own modules give its largest unit)"
+        )
     if params is not None:
-        return ParameterCount(parse_count(params), name=f"{params.strip()} parameters")
+        largest = None if largest_layer is None else parse_count(largest_layer, "--largest-layer")
+        return ParameterCount(parse_count(params), name=f"{params.strip()} parameters", largest_layer=largest)
     if model is not None and not model.strip():
         raise InputError(f"--model {model!r}: empty (give a preset name or a config.json)")
     name = model or DEFAULT_MODEL
@@ -209,6 +215,7 @@ def request(
     from_path: str | None = None,
     reserve: str = DEFAULT_RESERVE,
     engine: str | None = None,
+    largest_layer: str | None = None,
 ) -> Request:
     """COMPOSITION parsed, or ``--from CONFIG`` imported (never both), and the model loaded once.
 
@@ -219,6 +226,8 @@ def request(
     (``--reserve``, a size such as 4GB; at most the device memory)."""
     if devices is not None and not 1 <= devices <= MAX_DEGREE:
         raise InputError(f"--devices {devices}: must be from 1 to {MAX_DEGREE:,}")
+    if largest_layer is not None and params is None:
+        base_model(model, params, largest_layer)  # refused: one line
     imported: Imported | None = None
     if from_path is None:
         if composition is None:
@@ -229,14 +238,14 @@ def request(
             devices=devices if devices is not None else DEFAULT_DEVICES,
             node_size=node_size,
         )
-        chosen = sized(base_model(model, params), micro_batch, seq)
+        chosen = sized(base_model(model, params, largest_layer), micro_batch, seq)
         if seq is None and isinstance(chosen, Transformer) and (note := seq_note(chosen)):
             with contextlib.suppress(OSError):
                 click.echo(f"note: {note}", err=True)
     else:
         if composition is not None:
             raise InputError(f"{composition} and --from {from_path}: give one, not both")
-        given = base_model(model, params) if (model or params) else None
+        given = base_model(model, params, largest_layer) if (model or params) else None
         from checker._importers import load_config  # the config readers, only for --from
 
         imported = load_config(Path(from_path), devices=devices, model=given, seq=seq)

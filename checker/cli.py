@@ -260,6 +260,21 @@ def main() -> None:
 @click.option("--model", default=None, help=f"Preset name or Hugging Face config.json (default {DEFAULT_MODEL}).")
 @click.option("--params", default=None, help="A bare parameter count instead of a model (7.5e9, 70B).")
 @click.option(
+    "--convention",
+    type=click.Choice(["megatron", "deepspeed"]),
+    default=None,
+    help="Also give the memory as another tool counts it: megatron, Megatron-LM's theoretical "
+    "memory footprint with each of its conventions as a named difference; deepspeed, ours as "
+    "DeepSpeed's estimators print it (per GPU, per CPU with and without zero.Init; "
+    "--node-size devices a node) (docs/semantics.md).",
+)
+@click.option(
+    "--largest-layer",
+    default=None,
+    help="With --params: the most parameters one module holds (DeepSpeed's largest_layer_params, "
+    "e.g. 32.9e6), the unit ZeRO-3 gathers and reduces; without it those buffers are unknown.",
+)
+@click.option(
     "--precision",
     default="zero",
     show_default=True,
@@ -370,6 +385,8 @@ def check(
     node_size: int = DEFAULT_NODE_SIZE,
     hardware: str | None = None,
     engine: str | None = None,
+    largest_layer: str | None = None,
+    convention: str | None = None,
 ) -> None:
     """Check COMPOSITION (e.g. tp2xzero3xpp4) or --from CONFIG: memory, communication and verdict.
 
@@ -396,12 +413,20 @@ def check(
             from_path=from_path,
             reserve=reserve,
             engine=engine,
+            largest_layer=largest_layer,
         )
         if validate == "torch":  # the prediction checked is the one printed: PyTorch's engine
             req = for_validation(req, engine)
         if req.imported is not None:
             print_import(req.imported)
         analysis = analysis_of(req)
+        conventional = None
+        if convention is not None:
+            if as_csv:
+                raise InputError(f"--convention {convention}: shown on the screen and in --json, not in --csv")
+            from checker._conventions import deepspeed_json, megatron_of
+
+            conventional = megatron_of(analysis) if convention == "megatron" else deepspeed_json(analysis, node_size)
         step = None
         if hardware is not None:
             from checker._steptime_command import time_of
@@ -474,7 +499,11 @@ def check(
         except InputError as err:
             fail(str(err))
     set_outcome(code)
+    if conventional is not None:
+        from checker._conventions import conventions_json, conventions_lines
     if as_json:
+        if conventional is not None:
+            doc["conventions"] = conventions_json(conventional)
         click.echo(json.dumps(doc, indent=2))
     elif as_csv:
         from checker._commands_reports import CHECK_CSV_COLUMNS, check_csv_rows, emit
@@ -484,6 +513,8 @@ def check(
         emit(check_csv_rows(doc), CHECK_CSV_COLUMNS, "", True, False)
     else:
         print_report(result, terminal())
+        if conventional is not None:
+            click.echo("\n".join(["", *conventions_lines(conventional)]))
     _fast_exit[0] = True  # everything is printed or written: no teardown needed (``_exit_now``)
     sys.exit(code)
 

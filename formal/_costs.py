@@ -318,7 +318,9 @@ def buffer_memory(
     reduced in) before its reduce-scatter. Together, 2 + 2 bytes per element of the largest
     layer under ZeRO-3: DeepSpeed's ``largest_layer_memory = 4 * largest_layer_params``
     (``estimate_zero3_model_states_mem_needs``, deepspeed/runtime/zero/stage3.py).
-    Unknown (None) for a model given only by its parameter count, whose layers are unknown.
+    Unknown (None) for a model given only by its parameter count, whose layers are unknown,
+    unless it states its largest unit (``ParameterCount.largest_layer``, ``--largest-layer``):
+    then that unit is gathered and reduced, as in DeepSpeed's estimator.
     """
     layer_count = model.layers if isinstance(model, Transformer) else None
     held: Num = 0
@@ -329,7 +331,8 @@ def buffer_memory(
             axes = [a for a in pl.axes if _needs_buffer(pl, state, g, a, pl.entry(state, g, a))]
             if not axes:
                 continue
-            if layer_count is None:
+            unit_count = _bare_unit(model)
+            if layer_count is None and unit_count is None:
                 return None
             # Along several axes (ZeRO++ hpZ: within and across nodes) the buffer is whole along all.
             held_axes = [a for a in axes if state is State.PARAMETERS and pl.entry(state, g, a).keep_gathered]
@@ -348,7 +351,15 @@ def buffer_memory(
                     continue
             full = shard_elements(pl, state, g, sizes[g], axes, stage) * nbytes
             unit = f"{state.value}:{'layer' if g in LAYER_GROUPS else g.name}"
-            piece = num.ratio(full, pl.stage_layers(layer_count)) if g in LAYER_GROUPS else full
+            if layer_count is None:
+                # A bare count's largest unit: whole along the axes it is gathered or reduced on
+                # and along the pipeline (a unit sits on one stage), sharded along the others (tp).
+                pipe = [a for a in pl.axes if a.kind.is_pipeline]
+                piece = shard_elements(pl, state, g, unit_count or 0, [*axes, *pipe], stage) * nbytes
+            elif g in LAYER_GROUPS:
+                piece = num.ratio(full, pl.stage_layers(layer_count))
+            else:
+                piece = full
             units[unit] = units.get(unit, 0) + piece
     # num.maximum, not max(): with symbolic degrees the units may not be comparable (the planner derives
     # costs with symbolic degrees).
@@ -357,6 +368,11 @@ def buffer_memory(
         for st in (State.PARAMETERS, State.GRADIENTS)
     }
     return exact(held + sum(largest.values(), 0))
+
+
+def _bare_unit(model: Model) -> int | None:
+    """A bare parameter count's largest gather unit (``ParameterCount.largest_layer``)."""
+    return None if isinstance(model, Transformer) else model.largest_layer
 
 
 def _needs_buffer(pl: Placement, state: State, group: Group, axis: Axis, entry: Entry) -> bool:

@@ -13,6 +13,7 @@ from formal._placement import Placement
 from formal._program import shard_elements
 from formal._tensors import parameter_tensors
 from formal._vocab import Stage, State
+from formal.errors import ModelError
 
 P, OPT, G = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS
 
@@ -44,6 +45,59 @@ class DeepSpeedEffects:
     # placement reduce-scatters; False sends ``reduce`` calls to each slice's owner, a kind the
     # op vocabulary has no name for (reported as not modelled).
     allreduce_gradients: bool = True
+
+
+# PyTorch builds a module's parameters in fp32 unless told otherwise: what a process holds on
+# the host while it builds the model (DeepSpeed's memory docs, "4 (in 4*n_gpus): when pytorch
+# creates a model it creates it in fp32 by default").
+INIT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """A device's host memory under DeepSpeed: ``initialisation`` while its process builds the
+    model, ``steady`` what the placement offloads for the run (``Memory.host``), in bytes."""
+
+    initialisation: int
+    steady: int
+
+    @property
+    def peak(self) -> int:
+        """The larger of the two: the host memory one device's process needs."""
+        return max(self.initialisation, self.steady)
+
+    def per_node(self, devices_per_node: int) -> int:
+        """A node's peak: each of its processes builds the model at once, then holds its share."""
+        return self.peak * devices_per_node
+
+
+def largest_unit(model: Model) -> int | None:
+    """The most parameters one module holds itself (``largest_layer_params``): stated for a bare
+    count (``ParameterCount.largest_layer``), derived from the architecture otherwise."""
+    return model.largest_module if isinstance(model, Transformer) else model.largest_layer
+
+
+def deepspeed_host_memory(pl: Placement, model: Model, placement: Memory, zero_init: bool) -> HostMemory:
+    """A device's host memory under DeepSpeed, initialisation and steady state.
+
+    Without ``zero_init`` every process builds the whole model on the host in fp32
+    (``INIT_BYTES`` per parameter) before the engine moves and partitions it. With it
+    (``deepspeed.zero.Init``, ZeRO-3 only) each module is partitioned as it is built: one module
+    at a time in fp32. ``estimate_zero3_model_states_mem_needs`` (deepspeed/runtime/zero/stage3.py)
+    charges a node ``largest_layer_params * 4 * n_gpus`` with it and ``total_params * 4 * n_gpus``
+    without, or the offloaded states when larger, times its ``additional_buffer_factor``; with
+    offload and ``zero_init`` it charges the offloaded states alone (the build's one module is
+    smaller than any real offload)."""
+    stage = zero_stage(pl)
+    if zero_init and stage != 3:
+        raise ModelError(f"zero_init: deepspeed.zero.Init partitions parameters under ZeRO-3 only (stage {stage})")
+    steady = ceil_int(placement.host)
+    if not zero_init:
+        return HostMemory(INIT_BYTES * model.parameter_count(), steady)
+    unit = largest_unit(model)
+    if unit is None:
+        raise ModelError("zero_init: the largest module is unknown (give --largest-layer with --params)")
+    return HostMemory(INIT_BYTES * unit, steady)
 
 
 def zero_stage(pl: Placement) -> int:
@@ -118,4 +172,13 @@ def deepspeed_terms(
     return out
 
 
-__all__ = ["DeepSpeedEffects", "deepspeed_partition_gradients", "deepspeed_terms", "zero_stage"]
+__all__ = [
+    "INIT_BYTES",
+    "DeepSpeedEffects",
+    "HostMemory",
+    "deepspeed_host_memory",
+    "deepspeed_partition_gradients",
+    "deepspeed_terms",
+    "largest_unit",
+    "zero_stage",
+]

@@ -195,6 +195,30 @@ class Transformer:
         )
 
     @property
+    def largest_module(self) -> int:
+        """The most parameters one module holds itself (DeepSpeed's ``largest_layer_params``,
+        ``model.parameters(recurse=False)`` over ``model.modules()``): the word embedding, the
+        output head, one projection (weight and bias; Hugging Face's separate gate and up
+        projections of a gated MLP, a fused QKV of ``(a + 2k) d`` outputs) or one norm. A
+        mixture of experts is counted as one expert's projection (its experts are modules)."""
+        hid, f, hd = self.hidden, self.ffn_, self.head_dim
+        qkv_out = self.heads * hd + 2 * self.kv_heads_ * hd
+        bias = self.bias or self.qkv_bias
+        candidates = [
+            self.vocab * hid,
+            hid * qkv_out + (qkv_out if bias else 0),
+            self.heads * hd * hid + (hid if self.bias else 0),
+            hid * f + (f if self.bias else 0),
+            f * hid + (hid if self.bias else 0),
+            2 * hid if self.norm is Norm.LAYERNORM else hid,
+        ]
+        if self.learned_positions:
+            candidates.append(self.position_rows * hid)
+        if self.is_moe:
+            candidates.append(hid * self.experts)
+        return max(candidates)
+
+    @property
     def layer_shape(self) -> LayerShape:
         return LayerShape(
             ffn=self.ffn_,
@@ -273,6 +297,11 @@ class ParameterCount:
     parameters: int
     name: str = ""
     micro_batch: int = 1
+    # The most parameters one gather unit holds (DeepSpeed's ``largest_layer_params``: the
+    # largest count one module holds itself, ``model.parameters(recurse=False)``, found by
+    # ``estimate_zero3_model_states_mem_needs_all_live``). None: unknown, and so are the buffers
+    # of a mode that gathers or reduces one unit at a time (ZeRO-3's gather, ZeRO-2's bucket).
+    largest_layer: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.parameters, int) or self.parameters <= 0:
@@ -282,6 +311,11 @@ class ParameterCount:
             raise ModelError(f"--params {shown}: absurd (over {MAX_PARAMETERS:.0e})")
         if not isinstance(self.micro_batch, int) or not 0 < self.micro_batch <= MAX_MICRO_BATCH:
             raise ModelError(f"micro_batch={self.micro_batch!r}: must be from 1 to {MAX_MICRO_BATCH:,}")
+        big = self.largest_layer
+        if big is not None and (not isinstance(big, int) or isinstance(big, bool) or not 0 < big <= self.parameters):
+            raise ModelError(
+                f"--largest-layer {big!r}: must be a whole count from 1 to the model's {self.parameters:,} parameters"
+            )
 
     @property
     def is_moe(self) -> bool:

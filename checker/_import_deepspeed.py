@@ -8,6 +8,7 @@ pipeline engine.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from checker._import_common import (
@@ -271,7 +272,7 @@ def import_deepspeed(
     if not isinstance(zero, dict):
         raise ConfigError(f"{where}: zero_optimization must be an object")
     _ds_effects(raw, zero, notes)
-    deepspeed_effects(raw, where)  # its engine settings read (bad values refused here)
+    engine = deepspeed_effects(raw, where)  # its engine settings (bad values refused here)
     for key, why in _DS_ZERO_REFUSED.items():
         if key in zero and zero[key] not in (None, 0, 1, False):
             raise ConfigError(f"{where}: zero_optimization.{key}={zero[key]!r}: {why}")
@@ -370,9 +371,13 @@ def import_deepspeed(
         layout = Layout(
             "zero3", DataSharding.FULL, node, dpr=dp // node, tp=tp, pp=pp, options=options, replicate="hpz-dpr"
         )
-        return imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, notes)
+        return replace(
+            imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, notes), deepspeed=engine
+        )
     layout = Layout(_DS_STAGES[stage], _DS_SHARDING[stage], dp, tp=tp, pp=pp, options=options)
-    return imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, notes)
+    return replace(
+        imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, notes), deepspeed=engine
+    )
 
 
 def _shown(value: Any) -> str:

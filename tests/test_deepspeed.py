@@ -410,3 +410,5 @@ def test_importer_says_what_the_bucket_keys_change() -> None:
     for key in ("reduce_bucket_size", "use_multi_rank_bucket_allreduce", "max_reuse_distance"):
         assert "formal._engine_deepspeed" in notes[f"zero_optimization.{key}"]
     assert "same volume" not in notes["zero_optimization.use_multi_rank_bucket_allreduce"]
+    engine = import_deepspeed({"zero_optimization": zero, "train_micro_batch_size_per_gpu": 1}, devices=8).deepspeed
+    assert engine is not None and not engine.allreduce_gradients and engine.max_reuse_distance == 0

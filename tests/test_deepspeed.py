@@ -192,11 +192,26 @@ def test_reduce_calls_are_modelled() -> None:
 def test_zero3_defaults_keep_the_small_model_persistent() -> None:
     from checker._torch._deepspeed import compare_deepspeed, measure_deepspeed
 
-    measured = measure_deepspeed(2, ("zero32",), zero3_defaults=True)
-    for c in [compare_deepspeed(m, 2, zero3_defaults=True) for m in measured]:
+    measured = measure_deepspeed(2, ("zero32",), zero3="defaults")
+    for c in [compare_deepspeed(m, 2, zero3="defaults") for m in measured]:
         assert c.ok and c.calls_equal, c
         gathers = [b for k, _, b in c.measured_calls if k == "all_gather"]
         assert len(gathers) == 1 + 12 * L + 2 + 1 and sum(gathers) == 4 * PARAMETERS  # after the step only
+
+
+@pytest.mark.deepspeed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs the deepspeed extra")
+def test_zero3_reuse_distance_saves_the_gathers_deepspeed_saves() -> None:
+    from checker._torch._deepspeed import compare_deepspeed, measure_deepspeed
+
+    measured = measure_deepspeed(2, ("zero32",), zero3="reuse")
+    for c in [compare_deepspeed(m, 2, zero3="reuse") for m in measured]:
+        assert c.ok and c.calls_equal, c
+        # Fewer gathers than released-after-use (every module twice), more than once each.
+        gathers = [b for k, _, b in c.measured_calls if k == "all_gather"]
+        assert 4 * PARAMETERS < sum(gathers) < 8 * PARAMETERS and len(gathers) < len(MODULES) * 2
 
 
 @pytest.mark.deepspeed
@@ -300,6 +315,19 @@ def test_zero3_fetches_every_module_twice_without_reuse_or_persistence(n: int) -
     assert sorted(got["all_gather"]) == sorted(4 * m for m in MODULES * 2)  # every size divides by n
     assert _counted(got["reduce_scatter"]) == ZERO3_BUCKETS
     assert got["all_reduce"] == [8]  # the fp64 gradient norm
+
+
+def test_zero3_reuse_distance_keeps_the_modules_used_again_soon() -> None:
+    # stage3_max_reuse_distance 50,000: after its forward use a module stays gathered when the
+    # trace reaches its backward use within 50,000 elements. The head (used again at once), the
+    # final norm (16384 + 16384 elements between) and the last fc2 (128 + 2 x 16384 + 128 =
+    # 33,024) are; the last fc1 is not (33,024 + 16,448 = 49,472 < 50,000 reaches fc2's backward,
+    # 65,920 after it, before its own). Three backward gathers fewer.
+    from collections import Counter
+
+    off = {"param_persistence_threshold": 0, "max_reuse_distance": 50_000, "prefetch_bucket_elements": 0}
+    got, _ = _collectives("zero32", **off)
+    assert Counter(got["all_gather"]) == Counter(4 * m for m in MODULES * 2) - Counter([4 * 16384, 4 * 128, 4 * 16448])
 
 
 def test_zero3_defaults_keep_a_small_model_persistent() -> None:

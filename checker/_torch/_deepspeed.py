@@ -43,6 +43,21 @@ if TYPE_CHECKING:
 # The bucket DeepSpeed reduces gradients in, in elements (``reduce_bucket_size``; 5e8 by
 # default, 2 GB of fp32 per rank, so the validation states it small and the prediction reads it).
 REDUCE_BUCKET_ELEMENTS = 20_000
+# ZeRO-3's fetch settings by name: every parameter partitioned and released after its use
+# ("released", the placement's ZeRO-3); the same, released parameters kept when used again within
+# REUSE_ELEMENTS ("reuse"); DeepSpeed's defaults ("defaults").
+REUSE_ELEMENTS = 50_000
+_RELEASED = {
+    "stage3_param_persistence_threshold": 0,
+    "stage3_model_persistence_threshold": 0,
+    "stage3_max_reuse_distance": 0,
+    "stage3_prefetch_bucket_size": 0,
+}
+ZERO3_SETTINGS: dict[str, dict[str, int]] = {
+    "released": _RELEASED,
+    "reuse": _RELEASED | {"stage3_max_reuse_distance": REUSE_ELEMENTS},
+    "defaults": {},
+}
 # A wedged collective ends the run instead of hanging it.
 _TIMEOUT = timedelta(minutes=3)
 
@@ -64,16 +79,15 @@ STATE_OF_HOLDER: dict[str, str] = {
 }
 
 
-def ds_config(
-    stage: int, cfg: NetConfig, multi_rank_allreduce: bool = True, zero3_defaults: bool = False
-) -> dict[str, Any]:
+def ds_config(stage: int, cfg: NetConfig, multi_rank_allreduce: bool = True, zero3: str = "released") -> dict[str, Any]:
     """The DeepSpeed config of a ZeRO ``stage`` run: fp32, torch Adam as the client optimizer,
     every parameter partitioned under ZeRO-3 (persistence thresholds 0) and released after
     its use (``stage3_max_reuse_distance`` 0, no prefetch), the reduce bucket
     ``REDUCE_BUCKET_ELEMENTS``. ``multi_rank_allreduce`` False: ZeRO-1/2 send each gradient
     slice to its owner with ``reduce`` (``use_multi_rank_bucket_allreduce``).
-    ``zero3_defaults``: ZeRO-3 keeps DeepSpeed's persistence, reuse and prefetch defaults
-    (every parameter of the small model is then persistent)."""
+    ``zero3`` (``ZERO3_SETTINGS``): ``"reuse"`` keeps a released parameter when the trace uses it
+    again within ``REUSE_ELEMENTS``; ``"defaults"`` keeps DeepSpeed's persistence, reuse and
+    prefetch defaults (every parameter of the small model is then persistent)."""
     zero: dict[str, Any] = {
         "stage": stage,
         "reduce_bucket_size": REDUCE_BUCKET_ELEMENTS,
@@ -82,13 +96,8 @@ def ds_config(
         "contiguous_gradients": True,
         "use_multi_rank_bucket_allreduce": multi_rank_allreduce,
     }
-    if stage == 3 and not zero3_defaults:
-        zero |= {
-            "stage3_param_persistence_threshold": 0,
-            "stage3_model_persistence_threshold": 0,
-            "stage3_max_reuse_distance": 0,
-            "stage3_prefetch_bucket_size": 0,
-        }
+    if stage == 3:
+        zero |= ZERO3_SETTINGS[zero3]
     return {
         "train_micro_batch_size_per_gpu": cfg.batch,
         "gradient_accumulation_steps": 1,
@@ -253,7 +262,7 @@ def _ipg_bytes(opt: Any) -> int:
 
 
 def _worker(
-    rank: int, world: int, port: int, out: str, texts: list[str], multi_rank_allreduce: bool, zero3_defaults: bool
+    rank: int, world: int, port: int, out: str, texts: list[str], multi_rank_allreduce: bool, zero3: str
 ) -> None:
     os.dup2(2, 1)  # DeepSpeed logs to stdout: keep the parent's stdout (a report, JSON) clean
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -277,7 +286,7 @@ def _worker(
     try:
         for text in texts:
             start = time.perf_counter()
-            held, calls = _run_one(text, rank, world, multi_rank_allreduce, zero3_defaults)
+            held, calls = _run_one(text, rank, world, multi_rank_allreduce, zero3)
             results.append(DSMeasured(text, rank, held, calls, time.perf_counter() - start))
     finally:
         dist.destroy_process_group()
@@ -295,7 +304,7 @@ def stage_of(text: str, world: int) -> int:
 
 
 def _run_one(
-    text: str, rank: int, world: int, multi_rank_allreduce: bool, zero3_defaults: bool
+    text: str, rank: int, world: int, multi_rank_allreduce: bool, zero3: str
 ) -> tuple[dict[str, int], tuple[tuple[str, int, int], ...]]:
     import deepspeed  # type: ignore[import-not-found, unused-ignore]
     import torch
@@ -307,7 +316,7 @@ def _run_one(
     net = Net(cfg)
     adam = torch.optim.Adam(net.parameters(), lr=1e-3)
     engine, *_ = deepspeed.initialize(
-        model=net, optimizer=adam, config=ds_config(stage_of(text, world), cfg, multi_rank_allreduce, zero3_defaults)
+        model=net, optimizer=adam, config=ds_config(stage_of(text, world), cfg, multi_rank_allreduce, zero3)
     )
     steps = 3  # the third step is a steady one (optimizer state exists, ZeRO-3's trace checked)
     rec = Recorder(engine)
@@ -335,7 +344,7 @@ def _free_port() -> int:
 
 
 def measure_deepspeed(
-    world: int, texts: tuple[str, ...], multi_rank_allreduce: bool = True, zero3_defaults: bool = False
+    world: int, texts: tuple[str, ...], multi_rank_allreduce: bool = True, zero3: str = "released"
 ) -> list[DSMeasured]:
     """Run ``texts`` on ``world`` gloo processes (one spawn); every rank's measurements, in
     composition order, then rank order."""
@@ -344,7 +353,7 @@ def measure_deepspeed(
     with tempfile.TemporaryDirectory() as tmp:
         run_world(
             _worker,
-            (world, _free_port(), tmp, list(texts), multi_rank_allreduce, zero3_defaults),
+            (world, _free_port(), tmp, list(texts), multi_rank_allreduce, zero3),
             world,
             f"deepspeed world {world}",
         )
@@ -421,7 +430,7 @@ class DSPrediction:
 
 
 def predict_deepspeed(
-    text: str, world: int, rank: int = 0, multi_rank_allreduce: bool = True, zero3_defaults: bool = False
+    text: str, world: int, rank: int = 0, multi_rank_allreduce: bool = True, zero3: str = "released"
 ) -> DSPrediction:
     """Per-rank bytes (parameters, gradients, optimizer, reduce bucket) and collective calls of
     ``text`` under the ``deepspeed`` engine: the placement's memory, ``deepspeed_terms`` and
@@ -440,7 +449,7 @@ def predict_deepspeed(
     precision = harness_precision()
     pl = parse(text, devices=world).placement(model)
     mem = memory(pl, model, precision, group_sizes(model))
-    fx = deepspeed_effects(ds_config(stage_of(text, world), cfg, multi_rank_allreduce, zero3_defaults), "ds_config")
+    fx = deepspeed_effects(ds_config(stage_of(text, world), cfg, multi_rank_allreduce, zero3), "ds_config")
     terms = tuple(t for t in deepspeed_terms(pl, model, precision, mem, fx, data_rank=rank) if t.bytes)
 
     def add(state: str) -> int:
@@ -465,10 +474,10 @@ def _volume(calls: tuple[tuple[str, int, int], ...]) -> dict[str, int]:
 
 
 def compare_deepspeed(
-    m: DSMeasured, world: int, multi_rank_allreduce: bool = True, zero3_defaults: bool = False
+    m: DSMeasured, world: int, multi_rank_allreduce: bool = True, zero3: str = "released"
 ) -> DSComparison:
     """``m`` against ``predict_deepspeed`` for its rank (the settings as it ran)."""
-    pred = predict_deepspeed(m.composition, world, m.rank, multi_rank_allreduce, zero3_defaults)
+    pred = predict_deepspeed(m.composition, world, m.rank, multi_rank_allreduce, zero3)
     states, calls, terms = pred.states, pred.calls, pred.terms
     stage = stage_of(m.composition, world)
     measured = {

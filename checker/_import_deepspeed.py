@@ -469,10 +469,27 @@ def deepspeed_effects(raw: dict[str, Any], where: str = "deepspeed.json") -> Dee
     fp16 = isinstance(fp16_section, dict) and fp16_section.get("enabled") in (True, "auto")
     bf16: dict[str, Any] = bf16_section if isinstance(bf16_section, dict) else {}
     fields["fp16"] = fp16
+    fields["unmodelled"] = _ds_unmodelled_calls(raw, zero)
     fields["overflow_check"] = fp16 or (
         bf16.get("enabled") in (True, "auto") and bf16.get("check_grad_overflow") is True
     )
     return DeepSpeedEffects(**fields)
+
+
+def _ds_unmodelled_calls(raw: dict[str, Any], zero: dict[str, Any]) -> tuple[str, ...]:
+    """The stated settings that change DeepSpeed's calls beyond ``deepspeed_collectives``'s
+    terms, as ``key=value`` (the terms then report them as not modelled)."""
+    out = [f"{k}={_shown(raw[k])}" for k in ("communication_data_type", "data_types") if k in raw]
+    for key in ("zero_quantized_weights", "zero_quantized_gradients", "use_all_reduce_for_fetch_params"):
+        if zero.get(key) is True:
+            out.append(f"zero_optimization.{key}=true")
+    if isinstance(zero.get("zero_hpz_partition_size"), int) and zero["zero_hpz_partition_size"] > 1:
+        out.append(f"zero_optimization.zero_hpz_partition_size={zero['zero_hpz_partition_size']}")
+    for section in ("offload_optimizer", "offload_param"):
+        body = zero.get(section)
+        if isinstance(body, dict) and body.get("device") not in (None, "none"):
+            out.append(f"zero_optimization.{section}.device={_shown(body['device'])}")
+    return tuple(out)
 
 
 def _ds_uneven(pp: int, model: Model | None, notes: list[Unmapped]) -> bool:

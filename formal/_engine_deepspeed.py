@@ -73,6 +73,10 @@ class DeepSpeedEffects:
     max_reuse_distance: int = 1_000_000_000
     prefetch_bucket_elements: int = 50_000_000
     round_robin_gradients: bool = False
+    # Settings a config states that change DeepSpeed's calls beyond these terms (offload, ZeRO++
+    # quantisation, hpZ, a communication dtype other than the gradients'): reported as not
+    # modelled beside the collectives, never dropped.
+    unmodelled: tuple[str, ...] = ()
 
 
 def zero_stage(pl: Placement) -> int:
@@ -320,7 +324,9 @@ def deepspeed_collectives(
     n = int(pl.degree(axes[0]))
     pbytes, gbytes = int(precision.wire_bytes_of(P)), int(precision.wire_bytes_of(G))
     out: list[CollectiveTerm] = []
-    notes: list[str] = []
+    notes: list[str] = [f"DeepSpeed's collectives under {u}" for u in fx.unmodelled]
+    if pl.options.micro_batches != 1:
+        notes.append(f"DeepSpeed's collectives over {pl.options.micro_batches} accumulated micro-batches")
     if stage in (1, 2):
         if fx.round_robin_gradients:
             notes.append("round_robin_gradients: the reordered partitions are not modelled")

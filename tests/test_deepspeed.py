@@ -415,6 +415,23 @@ def test_importer_reads_the_engine_settings() -> None:
     assert not deepspeed_effects({"zero_optimization": {"stage": 2}}).overlap_comm
 
 
+def test_settings_beyond_the_terms_are_reported_not_modelled() -> None:
+    from checker._import_deepspeed import deepspeed_effects
+
+    raw = {
+        "communication_data_type": "fp16",
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "zero_quantized_weights": True},
+    }
+    fx = deepspeed_effects(raw)
+    assert len(fx.unmodelled) == 3
+    _, notes = _collectives("zero32", unmodelled=fx.unmodelled)
+    assert len(notes) == 3 and all("DeepSpeed's collectives under" in n for n in notes)
+    assert not deepspeed_effects({"zero_optimization": {"stage": 3, "offload_param": {"device": "none"}}}).unmodelled
+    # Accumulated micro-batches: the reductions per micro-batch are not modelled.
+    _, notes = _collectives("zero22xm4")
+    assert any("4 accumulated micro-batches" in n for n in notes)
+
+
 @pytest.mark.parametrize(
     "zero",
     [{"reduce_bucket_size": 0}, {"reduce_bucket_size": 1.5}, {"overlap_comm": "yes"}, {"max_reuse_distance": -1}],

@@ -8,6 +8,7 @@ pipeline engine.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from checker._import_common import (
@@ -24,6 +25,7 @@ from checker._import_common import (
 from checker._import_scalars import deepspeed_scalars
 from checker._layout import DataSharding, Layout
 from checker._numbers import MAX_BATCH, MAX_DEGREE, MAX_MICRO_BATCH
+from formal._engine_deepspeed import DeepSpeedEffects
 from formal._input import OBJECT, TEXT, Expect, Schema, integer, printable
 from formal._model import Model, Transformer
 from formal._placement import Options, Recompute
@@ -91,27 +93,40 @@ _DS_IGNORED = (
 # reported (``Unmapped``) with what it changes, never dropped. DeepSpeed's config reference
 # (https://www.deepspeed.ai/docs/config-json/) and ZeRO++ (Wang et al. 2023) for the quantisation.
 _BUFFERS = "a communication buffer; buffers are not counted (0 bytes)"
-_REUSE = "gathered parameters kept for reuse: neither the memory nor the saved gathers are counted"
+_REUSE = (
+    "gathered parameters kept for reuse: the deepspeed engine's collectives drop the saved gathers "
+    "(formal._engine_deepspeed); the placement counts a gather per use and not the memory"
+)
+_PERSIST = (
+    "small parameters kept unpartitioned: the deepspeed engine's collectives fetch them never and gather them "
+    "after the step (formal._engine_deepspeed); the placement counts them partitioned"
+)
 _DS_ZERO_EFFECTS = {
-    "reduce_bucket_size": f"elements reduced at once: {_BUFFERS}",
-    "allgather_bucket_size": f"elements gathered at once: {_BUFFERS}",
+    "reduce_bucket_size": "gradients reduced in buckets of this many elements: the deepspeed engine's "
+    "collectives and reduce bucket (formal._engine_deepspeed) count them; the placement's traffic is one "
+    "call a group",
+    "allgather_bucket_size": "splits ZeRO-1/2's parameter gather only where torch lacks all_gather_into_tensor "
+    "(DeepSpeed's all_gather_dp_groups): one gather a step",
     "stage3_prefetch_bucket_size": f"parameters fetched ahead: {_BUFFERS}",
     "prefetch_bucket_size": f"parameters fetched ahead: {_BUFFERS}",
     "stage3_max_live_parameters": "parameters kept gathered at once: the gathered working set is not counted",
     "max_live_parameters": "parameters kept gathered at once: the gathered working set is not counted",
     "stage3_max_reuse_distance": _REUSE,
     "max_reuse_distance": _REUSE,
-    "stage3_param_persistence_threshold": "small parameters kept unpartitioned: counted as partitioned",
-    "param_persistence_threshold": "small parameters kept unpartitioned: counted as partitioned",
-    "stage3_model_persistence_threshold": "parameters kept unpartitioned: counted as partitioned",
-    "model_persistence_threshold": "parameters kept unpartitioned: counted as partitioned",
+    "stage3_param_persistence_threshold": _PERSIST,
+    "param_persistence_threshold": _PERSIST,
+    "stage3_model_persistence_threshold": _PERSIST,
+    "model_persistence_threshold": _PERSIST,
     "sub_group_size": f"optimizer step in groups of this many elements: {_BUFFERS}",
-    "overlap_comm": "overlapped reduction keeps more buckets alive: buffers are not counted",
+    "overlap_comm": "overlapped reduction keeps more buckets alive (not counted); ZeRO-1 then reduces in backward "
+    "order (the deepspeed engine's collectives)",
     "contiguous_gradients": f"gradients copied into a contiguous buffer: {_BUFFERS}",
     "reduce_scatter": "false reduces gradients with all-reduce instead of reduce-scatter: the traffic counted is "
     "reduce-scatter's",
     "allgather_partitions": "false gathers with broadcasts instead of all-gather: the traffic counted is all-gather's",
-    "use_multi_rank_bucket_allreduce": "bucketed all-reduce across ranks: same volume, different calls",
+    "use_multi_rank_bucket_allreduce": "true all-reduces each ZeRO-1/2 gradient bucket (2(n-1)/n of it), false "
+    "reduces each slice onto its owner ((n-1)/n): the deepspeed engine's collectives count the calls "
+    "(formal._engine_deepspeed); the placement counts a reduce-scatter",
     "zero_quantized_weights": "ZeRO++ qwZ: parameters gathered in int8 (half of fp16's bytes): counted at full width",
     "zero_quantized_nontrainable_weights": "ZeRO++: frozen parameters held in int8: counted at full width",
     "zero_quantized_gradients": "ZeRO++ qgZ: gradients reduced in int4 all-to-all: counted at full width",
@@ -257,6 +272,7 @@ def import_deepspeed(
     if not isinstance(zero, dict):
         raise ConfigError(f"{where}: zero_optimization must be an object")
     _ds_effects(raw, zero, notes)
+    engine = deepspeed_effects(raw, where)  # its engine settings (bad values refused here)
     for key, why in _DS_ZERO_REFUSED.items():
         if key in zero and zero[key] not in (None, 0, 1, False):
             raise ConfigError(f"{where}: zero_optimization.{key}={zero[key]!r}: {why}")
@@ -355,9 +371,13 @@ def import_deepspeed(
         layout = Layout(
             "zero3", DataSharding.FULL, node, dpr=dp // node, tp=tp, pp=pp, options=options, replicate="hpz-dpr"
         )
-        return imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, notes)
+        return replace(
+            imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, notes), deepspeed=engine
+        )
     layout = Layout(_DS_STAGES[stage], _DS_SHARDING[stage], dp, tp=tp, pp=pp, options=options)
-    return imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, notes)
+    return replace(
+        imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, notes), deepspeed=engine
+    )
 
 
 def _shown(value: Any) -> str:
@@ -399,6 +419,77 @@ def _ds_effects(raw: dict[str, Any], zero: dict[str, Any], notes: list[Unmapped]
                         "where checkpoints are kept (partitioned over tp, on the host, contiguous) is not counted",
                     )
                 )
+
+
+_DS_FLAGS = {  # zero_optimization key -> DeepSpeedEffects field (booleans)
+    "use_multi_rank_bucket_allreduce": "allreduce_gradients",
+    "reduce_scatter": "reduce_scatter",
+    "contiguous_gradients": "contiguous_gradients",
+    "overlap_comm": "overlap_comm",
+    "compute_grad_norm": "compute_grad_norm",
+    "round_robin_gradients": "round_robin_gradients",
+}
+_DS_SIZES = {  # zero_optimization key (and its stage3_ alias) -> DeepSpeedEffects field (elements)
+    "reduce_bucket_size": "reduce_bucket_elements",
+    "param_persistence_threshold": "param_persistence_threshold",
+    "model_persistence_threshold": "model_persistence_threshold",
+    "max_reuse_distance": "max_reuse_distance",
+    "prefetch_bucket_size": "prefetch_bucket_elements",
+}
+
+
+def deepspeed_effects(raw: dict[str, Any], where: str = "deepspeed.json") -> DeepSpeedEffects:
+    """The settings of DeepSpeed's engine terms (``formal._engine_deepspeed.DeepSpeedEffects``)
+    a config states, DeepSpeed's defaults (``deepspeed/runtime/zero/config.py``) for the rest:
+    bucket and persistence sizes, reuse distance, prefetch, the reduction flags, fp16 and the
+    bf16 overflow check. ``"auto"`` (the Hugging Face Trainer's) takes the default. Bad values:
+    one ``ConfigError`` line."""
+    zero = raw.get("zero_optimization", {})
+    zero = zero if isinstance(zero, dict) else {}
+    fields: dict[str, Any] = {"overlap_comm": zero.get("stage") == 3}  # DeepSpeed's default: on for ZeRO-3
+    for key, name in _DS_FLAGS.items():
+        value = zero.get(key)
+        if value is None or value == "auto":
+            continue
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: zero_optimization.{key}={_shown(value)}: expected true or false")
+        fields[name] = value
+    for key, name in _DS_SIZES.items():
+        for spelled in (f"stage3_{key}", key):
+            value = zero.get(spelled)
+            if value is None or value == "auto":
+                continue
+            integral = isinstance(value, int | float) and not isinstance(value, bool) and float(value).is_integer()
+            low = 1 if key == "reduce_bucket_size" else 0
+            if not integral or not low <= value <= 2**63 - 1:
+                raise ConfigError(f"{where}: zero_optimization.{spelled}={_shown(value)}: expected an integer >= {low}")
+            fields[name] = int(value)
+    fp16_section = raw.get("fp16")
+    bf16_section = raw.get("bf16")
+    fp16 = isinstance(fp16_section, dict) and fp16_section.get("enabled") in (True, "auto")
+    bf16: dict[str, Any] = bf16_section if isinstance(bf16_section, dict) else {}
+    fields["fp16"] = fp16
+    fields["unmodelled"] = _ds_unmodelled_calls(raw, zero)
+    fields["overflow_check"] = fp16 or (
+        bf16.get("enabled") in (True, "auto") and bf16.get("check_grad_overflow") is True
+    )
+    return DeepSpeedEffects(**fields)
+
+
+def _ds_unmodelled_calls(raw: dict[str, Any], zero: dict[str, Any]) -> tuple[str, ...]:
+    """The stated settings that change DeepSpeed's calls beyond ``deepspeed_collectives``'s
+    terms, as ``key=value`` (the terms then report them as not modelled)."""
+    out = [f"{k}={_shown(raw[k])}" for k in ("communication_data_type", "data_types") if k in raw]
+    for key in ("zero_quantized_weights", "zero_quantized_gradients", "use_all_reduce_for_fetch_params"):
+        if zero.get(key) is True:
+            out.append(f"zero_optimization.{key}=true")
+    if isinstance(zero.get("zero_hpz_partition_size"), int) and zero["zero_hpz_partition_size"] > 1:
+        out.append(f"zero_optimization.zero_hpz_partition_size={zero['zero_hpz_partition_size']}")
+    for section in ("offload_optimizer", "offload_param"):
+        body = zero.get(section)
+        if isinstance(body, dict) and body.get("device") not in (None, "none"):
+            out.append(f"zero_optimization.{section}.device={_shown(body['device'])}")
+    return tuple(out)
 
 
 def _ds_uneven(pp: int, model: Model | None, notes: list[Unmapped]) -> bool:

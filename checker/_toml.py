@@ -80,6 +80,7 @@ _STRATEGY_KEYS = {"axis", "description", "source", "P", "O", "G", "A", "compute_
 _OP_KEYS = {"op", "state", "group", "axis", "phase", "reduce", "offset", "scale", "note", "buffer"}
 _DEFAULT_PHASE: dict[OpKind, Phase] = {
     OpKind.ALL_REDUCE: Phase.GRAD_SYNC,
+    OpKind.REDUCE: Phase.GRAD_SYNC,
     OpKind.REDUCE_SCATTER: Phase.GRAD_SYNC,
     OpKind.SCALE: Phase.GRAD_SYNC,
     OpKind.DEVICE_TO_HOST: Phase.GRAD_SYNC,
@@ -329,7 +330,7 @@ def _op(where: str, index: int, body: dict[str, Any]) -> OpSpec:
     kind = _choice(at, "op", body.get("op"), {k.value: k for k in _OP_KINDS})
     default_state = (
         "G"
-        if kind.is_reduction or kind in (OpKind.SCALE, OpKind.DEVICE_TO_HOST)
+        if kind.is_reduction or kind in (OpKind.REDUCE, OpKind.SCALE, OpKind.DEVICE_TO_HOST)
         else ("O" if kind is OpKind.OPTIMIZER_STEP else "P")
     )
     state = _choice(
@@ -352,11 +353,11 @@ def _op(where: str, index: int, body: dict[str, Any]) -> OpSpec:
         raise StrategyFileError(f"{at}: a {kind.value} is local and takes no axis")
     phase = _choice(at, "phase", body.get("phase", _DEFAULT_PHASE[kind].value), {p.value: p for p in Phase})
     reduce = None
-    if kind.is_reduction:
+    if kind.is_reduction or kind.is_rooted:
         default = Reduce.MEAN.value if axis is not None and axis.splits_data else Reduce.SUM.value
         reduce = _choice(at, "reduce", body.get("reduce", default), {r.value: r for r in Reduce})
     elif "reduce" in body:
-        raise StrategyFileError(f"{at}: reduce applies to all_reduce and reduce_scatter, not {kind.value}")
+        raise StrategyFileError(f"{at}: reduce applies to all_reduce, reduce and reduce_scatter, not {kind.value}")
     offset = body.get("offset", 0)
     if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset <= MAX_OFFSET:
         raise StrategyFileError(f"{at}.offset: {_show(offset)} must be an integer from 0 to {MAX_OFFSET}")
@@ -493,7 +494,7 @@ def _spec_op(spec: OpSpec, g: Group, pl: Placement, size: Num, m: Num) -> Op:
                 note=note,
                 buffer=spec.buffer,
             )
-        case OpKind.ALL_REDUCE | OpKind.REDUCE_SCATTER | OpKind.ALL_GATHER | OpKind.BROADCAST:
+        case OpKind.ALL_REDUCE | OpKind.REDUCE | OpKind.REDUCE_SCATTER | OpKind.ALL_GATHER | OpKind.BROADCAST:
             assert spec.axis is not None  # validated when the file was read
             participants = 2 if spec.axis.kind.is_pipeline and g in pl.tied else None
             return Op(

@@ -451,6 +451,9 @@ def check(
     except SolverError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(EXIT_UNKNOWN)
+    except InputError as err:  # an op the verdict does not model (a rooted reduce): refused
+        fail(str(err))
+        return
     validation = None
     if validate is not None:  # PyTorch's own measurements beside the prediction
         if validate == "deepspeed":

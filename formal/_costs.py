@@ -431,11 +431,16 @@ def most_loaded(pl: Placement, model: Model, precision: Precision, sizes: Mappin
 
 
 def ring_factor(kind: OpKind, n: Num) -> Num:
-    """Bytes one device sends per byte of the full tensor, ring algorithms (docs/semantics.md, "Costs")."""
+    """Bytes one device sends per byte of the full tensor, ring algorithms (docs/semantics.md, "Costs").
+
+    A rooted reduce moves (n-1)/n of the buffer per device, the bandwidth lower bound of
+    reduce-to-one (Chan, Heimlich, Purkayastha and van de Geijn 2007, "Collective communication:
+    theory, practice, and experience", the lower bounds table: (p-1)/p n beta), which a pipelined
+    ring or tree reaches for large buffers."""
     match kind:
         case OpKind.ALL_REDUCE:
             return num.ratio(2 * (n - 1), n)
-        case OpKind.REDUCE_SCATTER | OpKind.ALL_GATHER | OpKind.ALL_TO_ALL | OpKind.BROADCAST:
+        case OpKind.REDUCE_SCATTER | OpKind.ALL_GATHER | OpKind.ALL_TO_ALL | OpKind.BROADCAST | OpKind.REDUCE:
             return num.ratio(n - 1, n)
         case OpKind.SEND_RECV:
             return 1

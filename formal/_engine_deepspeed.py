@@ -4,6 +4,7 @@ DeepSpeed source file that holds it. ``checker._torch._deepspeed`` measures them
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from formal._costs import Memory, ceil_int
@@ -12,7 +13,7 @@ from formal._model import Model, Precision, Transformer
 from formal._placement import Placement
 from formal._program import shard_elements
 from formal._tensors import parameter_tensors
-from formal._vocab import Stage, State
+from formal._vocab import OpKind, Stage, State
 from formal.errors import ModelError
 
 P, OPT, G = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS
@@ -45,6 +46,38 @@ class DeepSpeedEffects:
     # placement reduce-scatters; False sends ``reduce`` calls to each slice's owner, a kind the
     # op vocabulary has no name for (reported as not modelled).
     allreduce_gradients: bool = True
+    # ---- the collectives (``deepspeed_collectives``); the zero_optimization keys, defaults of
+    # ``deepspeed/runtime/zero/config.py`` (DeepSpeedZeroConfig)
+    # ``reduce_scatter`` false or ``contiguous_gradients`` false: ZeRO-1/2 all-reduce each
+    # bucket whole (``gradient_reduction_w_predivide``, ``buffered_reduce_fallback``), whatever
+    # ``use_multi_rank_bucket_allreduce`` says.
+    reduce_scatter: bool = True
+    contiguous_gradients: bool = True
+    # ``overlap_comm`` (false for ZeRO-1/2 by default): ZeRO-1 reduces from the gradient hooks in
+    # backward order instead of from ``reduce_gradients`` in registration order.
+    overlap_comm: bool = False
+    # ``compute_grad_norm``: ZeRO-1/2's global gradient norm all-reduce (``get_grad_norm_direct``,
+    # an fp32 scalar; ``gradient_clipping`` only reads it, so clipping adds no call).
+    compute_grad_norm: bool = True
+    # The overflow check all-reduce (a one-byte flag, ``has_overflow``): fp16 always, bf16 when
+    # ``bf16.check_grad_overflow`` (ZeRO-1/2 only; ZeRO-3 checks under fp16 only).
+    overflow_check: bool = False
+    fp16: bool = False
+    # ZeRO-3 (``partitioned_param_coordinator.py``, ``parameter_offload.py``): parameters of at
+    # most ``stage3_param_persistence_threshold`` elements, while their running total stays
+    # within ``stage3_model_persistence_threshold``, are never partitioned for compute
+    # (``mark_persistent_parameters``); a released parameter is kept when the trace uses it
+    # again within ``stage3_max_reuse_distance`` elements (``__params_to_release``);
+    # ``stage3_prefetch_bucket_size`` elements are gathered ahead of their module.
+    param_persistence_threshold: int = 100_000
+    model_persistence_threshold: int = 2**63 - 1
+    max_reuse_distance: int = 1_000_000_000
+    prefetch_bucket_elements: int = 50_000_000
+    round_robin_gradients: bool = False
+    # Settings a config states that change DeepSpeed's calls beyond these terms (offload, ZeRO++
+    # quantisation, hpZ, a communication dtype other than the gradients'): reported as not
+    # modelled beside the collectives, never dropped.
+    unmodelled: tuple[str, ...] = ()
 
 
 # PyTorch builds a module's parameters in fp32 unless told otherwise: what a process holds on
@@ -172,10 +205,252 @@ def deepspeed_terms(
     return out
 
 
+# ---- the collectives ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CollectiveTerm:
+    """The calls of one kind a DeepSpeed engine effect issues in one steady step on one rank:
+    ``calls`` the bytes of each call in issue order, as ``torch.distributed`` is handed them
+    (an all-gather its gathered output, a reduce-scatter its input, the others the tensor)."""
+
+    key: str
+    label: str
+    kind: OpKind
+    ranks: int
+    calls: tuple[int, ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.calls)
+
+
+def _chunks(sizes: Sequence[int], limit: int) -> list[int]:
+    """DeepSpeed's small-bucket rule (``allreduce_and_scatter``, ``allreduce_no_retain``): add
+    tensors until the running total exceeds ``limit``, send, start again; send what is left."""
+    out, total = [], 0
+    for n in sizes:
+        total += n
+        if total > limit:
+            out.append(total)
+            total = 0
+    return out + ([total] if total else [])
+
+
+def _buckets(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """The reduce buckets (``reduce_independent_p_g_buckets_and_remove_grads``, both files): a
+    gradient that would take the bucket past ``limit`` elements sends the bucket first."""
+    out: list[list[int]] = [[]]
+    for i in range(len(sizes)):
+        if out[-1] and sum(sizes[j] for j in out[-1]) + sizes[i] > limit:
+            out.append([])
+        out[-1].append(i)
+    return [b for b in out if b]
+
+
+def _zero12_gradient_calls(
+    sizes: list[int], ranks: int, backward_order: bool, gbytes: int, fx: DeepSpeedEffects
+) -> tuple[OpKind, list[int]]:
+    """ZeRO-1/2's gradient reduction (``stage_1_and_2.py``: ``reduce_ipg_grads``,
+    ``average_tensor``): the flat parameters (registration order, padded to a multiple of
+    ``alignment_elements`` x ranks) are cut into equal partitions; gradients enter the bucket in
+    backward order (the reverse of registration: ZeRO-2, and ZeRO-1 under ``overlap_comm``) or
+    in registration order (ZeRO-1's ``reduce_gradients``); each bucket is all-reduced whole, or,
+    without ``use_multi_rank_bucket_allreduce``, each slice is reduced onto the rank owning it,
+    one ``reduce`` per owner (in the order owners first appear), both under ``_chunks``."""
+    align = fx.alignment_elements * ranks
+    part = -(-sum(sizes) // align) * align // ranks
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    order = list(range(len(sizes)))[::-1] if backward_order else list(range(len(sizes)))
+    limit = fx.reduce_bucket_elements
+    whole = not fx.reduce_scatter or not fx.contiguous_gradients
+    rooted = not whole and not fx.allreduce_gradients
+    calls: list[int] = []
+    for bucket in _buckets([sizes[i] for i in order], limit):
+        tensors = [order[j] for j in bucket]
+        if whole:
+            calls.append(sum(sizes[i] for i in tensors) * gbytes)
+            continue
+        slices: list[tuple[int, int]] = []  # (owner, elements), in bucket order
+        for i in tensors:
+            lo, hi = starts[i], starts[i] + sizes[i]
+            while lo < hi:
+                owner = lo // part
+                cut = min(hi, (owner + 1) * part)
+                slices.append((owner, cut - lo))
+                lo = cut
+        if not rooted:
+            calls += [n * gbytes for n in _chunks([n for _, n in slices], limit)]
+            continue
+        owners = list(dict.fromkeys(o for o, _ in slices))
+        for o in owners:
+            calls += [n * gbytes for n in _chunks([n for w, n in slices if w == o], limit)]
+    return (OpKind.REDUCE if rooted else OpKind.ALL_REDUCE), calls
+
+
+def _modules(model: Transformer) -> list[list[int]]:
+    """The parameter sizes of each module with parameters, in registration order (the forward
+    order of a GPT-style model: embedding, each block's norms and linears, final norm, head)."""
+    out: dict[str, list[int]] = {}
+    for t in parameter_tensors(model):
+        out.setdefault(t.name.rsplit(".", 1)[0], []).append(t.elements)
+    return list(out.values())
+
+
+def _zero3_calls(
+    model: Transformer, ranks: int, pbytes: int, gbytes: int, fx: DeepSpeedEffects
+) -> tuple[list[int], list[int], list[int], list[str]]:
+    """ZeRO-3's fetches, gradient reduce-scatters and post-step gather, as call bytes.
+
+    The trace (``partitioned_param_coordinator.py``) is the modules in forward order then in
+    reverse; a module's parameters that are not available are gathered in one coalesced
+    all-gather (``__all_gather_params``: each parameter's padded shard, ceil(n/ranks) elements,
+    from every rank); after its use a module releases its parameters unless they are persistent
+    or the trace uses them again within ``max_reuse_distance`` elements. Gradients arrive module
+    by module in reverse order, each module's parameters in registration order, and are
+    reduce-scattered per bucket (``stage3.py`` ``__reduce_and_partition_ipg_grads``, through
+    ``reduce_scatter_coalesced``: every tensor padded to a multiple of the ranks). Persistent
+    parameters are gathered after the step (``_post_step``), one all-gather each
+    (``partition_parameters.py`` ``_allgather_params_coalesced`` launches one per parameter)."""
+    modules = _modules(model)
+    ids = [[(m, k) for k in range(len(sizes))] for m, sizes in enumerate(modules)]
+    size = {t: modules[t[0]][t[1]] for ts in ids for t in ts}
+    persistent: set[tuple[int, int]] = set()
+    total = 0
+    for t in (t for ts in ids for t in ts):  # registration order, as ``named_parameters``
+        if size[t] + total > fx.model_persistence_threshold:
+            continue
+        if size[t] <= fx.param_persistence_threshold:
+            persistent.add(t)
+            total += size[t]
+    notes = []
+    if fx.prefetch_bucket_elements > 0 and len(persistent) < len(size):
+        notes.append(
+            f"ZeRO-3 prefetch of {fx.prefetch_bucket_elements} elements (stage3_prefetch_bucket_size):"
+            " which calls it groups is not modelled"
+        )
+
+    def padded(ts: Sequence[tuple[int, int]]) -> int:
+        return ranks * sum(-(-size[t] // ranks) for t in ts)
+
+    trace = list(range(len(modules))) + list(range(len(modules)))[::-1]
+    available = set(persistent)
+    gathers: list[int] = []
+    for step, m in enumerate(trace):
+        fetch = [t for t in ids[m] if t not in available]
+        if fetch:
+            gathers.append(padded(fetch) * pbytes)
+            available |= set(fetch)
+        release = set(ids[m]) - persistent
+        seen = 0
+        for later in trace[step + 1 :]:
+            if seen >= fx.max_reuse_distance:
+                break
+            release -= set(ids[later])
+            seen += sum(size[t] for t in ids[later])
+        available -= release
+    backward = [t for m in reversed(range(len(modules))) for t in ids[m]]
+    scatters = [
+        padded([backward[j] for j in b]) * gbytes
+        for b in _buckets([size[t] for t in backward], fx.reduce_bucket_elements)
+    ]
+    post = [padded([t]) * pbytes for t in sorted(persistent)]
+    return gathers, scatters, post, notes
+
+
+def deepspeed_collectives(
+    pl: Placement, model: Model, precision: Precision, fx: DeepSpeedEffects
+) -> tuple[tuple[CollectiveTerm, ...], tuple[str, ...]]:
+    """The collectives a steady DeepSpeed ZeRO step issues on one rank (0.19.8), as named terms,
+    and what is not modelled (one line each): a ZeRO stage along one data axis of a dense GELU
+    transformer (``parameter_tensors``), one parameter group, one dtype."""
+    stage = zero_stage(pl)
+    axes = [a for a in pl.axes if a.splits_data and pl.degree(a) != 1]
+    if stage == 0 or len(axes) != 1 or not isinstance(model, Transformer):
+        return (), ("DeepSpeed's collectives: modelled for one ZeRO stage along one data axis",)
+    others = [a for a in pl.axes if a not in axes and pl.degree(a) != 1]
+    if others:
+        return (), (f"DeepSpeed's collectives beside {others[0].value}: not modelled",)
+    try:
+        sizes = [t.elements for t in parameter_tensors(model)]
+    except ValueError as err:
+        return (), (f"DeepSpeed's collectives: {err}",)
+    n = int(pl.degree(axes[0]))
+    pbytes, gbytes = int(precision.wire_bytes_of(P)), int(precision.wire_bytes_of(G))
+    out: list[CollectiveTerm] = []
+    notes: list[str] = [f"DeepSpeed's collectives under {u}" for u in fx.unmodelled]
+    if pl.options.micro_batches != 1:
+        notes.append(f"DeepSpeed's collectives over {pl.options.micro_batches} accumulated micro-batches")
+    if stage in (1, 2):
+        if fx.round_robin_gradients:
+            notes.append("round_robin_gradients: the reordered partitions are not modelled")
+        kind, calls = _zero12_gradient_calls(sizes, n, stage == 2 or fx.overlap_comm, gbytes, fx)
+        label = f"DeepSpeed gradient buckets ({fx.reduce_bucket_elements} elements), {kind.value} each"
+        out.append(CollectiveTerm("deepspeed_gradient_buckets", label, kind, n, tuple(calls)))
+    else:
+        gathers, scatters, post, found = _zero3_calls(model, n, pbytes, gbytes, fx)
+        notes += found
+        out.append(
+            CollectiveTerm(
+                "deepspeed_zero3_fetch",
+                "ZeRO-3 module fetches (forward, backward)",
+                OpKind.ALL_GATHER,
+                n,
+                tuple(gathers),
+            )
+        )
+        label = f"ZeRO-3 gradient buckets ({fx.reduce_bucket_elements} elements)"
+        out.append(CollectiveTerm("deepspeed_zero3_reduce_scatter", label, OpKind.REDUCE_SCATTER, n, tuple(scatters)))
+    if fx.fp16 or (fx.overflow_check and stage in (1, 2)):
+        out.append(
+            CollectiveTerm(
+                "deepspeed_overflow_check", "DeepSpeed overflow check (1-byte flag)", OpKind.ALL_REDUCE, n, (1,)
+            )
+        )
+    if stage == 3:
+        # ``stage3.py`` ``get_grad_norm_direct``: the norm accumulates in fp64 (``get_norm_dtype``)
+        out.append(
+            CollectiveTerm("deepspeed_grad_norm", "DeepSpeed gradient norm (fp64 scalar)", OpKind.ALL_REDUCE, n, (8,))
+        )
+        if post:
+            out.append(
+                CollectiveTerm(
+                    "deepspeed_persistent_gather",
+                    "ZeRO-3 persistent parameters gathered after the step",
+                    OpKind.ALL_GATHER,
+                    n,
+                    tuple(post),
+                )
+            )
+    else:
+        if fx.compute_grad_norm:
+            out.append(
+                CollectiveTerm(
+                    "deepspeed_grad_norm", "DeepSpeed gradient norm (fp32 scalar)", OpKind.ALL_REDUCE, n, (4,)
+                )
+            )
+        # ``all_gather_dp_groups``: one ``all_gather_into_tensor`` of the padded flat parameters
+        # (``allgather_bucket_size`` only splits the fallback for torch without that call)
+        align = fx.alignment_elements * n
+        padded = -(-sum(sizes) // align) * align
+        out.append(
+            CollectiveTerm(
+                "deepspeed_parameter_gather",
+                "ZeRO-1/2 updated parameters gathered",
+                OpKind.ALL_GATHER,
+                n,
+                (padded * pbytes,),
+            )
+        )
+    return tuple(out), tuple(notes)
+
+
 __all__ = [
-    "INIT_BYTES",
+    "CollectiveTerm",
     "DeepSpeedEffects",
     "HostMemory",
+    "INIT_BYTES",
+    "deepspeed_collectives",
     "deepspeed_host_memory",
     "deepspeed_partition_gradients",
     "deepspeed_terms",

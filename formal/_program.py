@@ -38,6 +38,7 @@ from formal._vocab import (
     Stage,
     State,
 )
+from formal.errors import InputError
 
 P, O, G, A = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS, State.ACTIVATIONS  # noqa: E741 (the paper's P/O/G/A)
 
@@ -104,6 +105,16 @@ class StepProgram:
 
     def collectives(self) -> tuple[Op, ...]:
         return tuple(op for op in self.ops if op.kind.is_collective)
+
+
+def refuse_rooted_ops(program: StepProgram, by: str) -> None:
+    """Refuse (``InputError``, one line) a program with a rooted reduce when the reader ``by``
+    (the z3 verdict, the simulator) does not model it: their reductions give every rank the
+    reduced value, a ``reduce`` only its destination, so judging it as an all-reduce would pass
+    a program whose other ranks step on their own partial gradients."""
+    for op in program.ops:
+        if op.kind.is_rooted:
+            raise InputError(f"{op}: a {op.kind.value} to one destination rank is not modelled by {by}")
 
 
 def group_sizes(model: Model) -> dict[Group, Num]:
@@ -481,5 +492,6 @@ __all__ = [
     "derive_program",
     "gradient_origins",
     "group_sizes",
+    "refuse_rooted_ops",
     "shard_elements",
 ]

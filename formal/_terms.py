@@ -171,6 +171,10 @@ class OpKind(StrEnum):
     """Collectives, transfers and local steps of a step program."""
 
     ALL_REDUCE = "all_reduce"
+    # A rooted reduction (torch.distributed.reduce, MPI_Reduce): the reduced tensor lands on one
+    # destination rank, every other rank keeps the buffer it sent. DeepSpeed's ZeRO-1/2 send
+    # each gradient slice to its owner this way (``use_multi_rank_bucket_allreduce`` false).
+    REDUCE = "reduce"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_GATHER = "all_gather"
     BROADCAST = "broadcast"
@@ -186,6 +190,7 @@ class OpKind(StrEnum):
     def is_collective(self) -> bool:
         return self in (
             OpKind.ALL_REDUCE,
+            OpKind.REDUCE,
             OpKind.REDUCE_SCATTER,
             OpKind.ALL_GATHER,
             OpKind.BROADCAST,
@@ -199,7 +204,14 @@ class OpKind(StrEnum):
 
     @property
     def is_reduction(self) -> bool:
+        """A collective that every rank receives a reduced value from (all-reduce,
+        reduce-scatter). A rooted ``REDUCE`` is not one: only its destination receives."""
         return self in (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER)
+
+    @property
+    def is_rooted(self) -> bool:
+        """A collective whose result lands on one destination rank (``REDUCE``)."""
+        return self is OpKind.REDUCE
 
 
 class Reduce(StrEnum):

@@ -1,6 +1,7 @@
-"""DeepSpeed as a second real engine: ``deepspeed_terms`` against an independent count, the
-``--validate deepspeed`` refusals, and (``deepspeed`` marker, skipped without the extra) ZeRO 1-3
-on 2 gloo processes measured against the prediction.
+"""DeepSpeed as a second real engine: ``deepspeed_terms`` and ``deepspeed_collectives`` against
+independent counts, the importer's engine settings, the ``--validate deepspeed`` refusals, and
+(``deepspeed`` marker, skipped without the extra) ZeRO 1-3 on 2 and 4 gloo processes measured
+against the prediction: model states and the collectives list, call by call.
 
 Expected bytes come from the validation model's dimensions (``checker._torch._net.NetConfig``:
 a block has two norms, a fused QKV, an output projection and a 4h MLP, 12h^2 + 13h parameters)
@@ -131,8 +132,9 @@ def _check_world(world: int, results: list[Any]) -> None:
         rows = {q: (p, m) for q, p, m in c.rows}
         stage = int(c.composition[4])
         params = part if stage == 3 else full
-        # The prediction equals DeepSpeed's own partitions (the measured side is DeepSpeed's).
-        assert c.model_states_exact and c.bucket_exact, c
+        # The prediction equals DeepSpeed's own partitions and its collectives list, call by
+        # call (kind, group size, bytes, count): the measured side is DeepSpeed's.
+        assert c.model_states_exact and c.bucket_exact and c.calls_equal and c.ok, c
         assert rows["parameters"][1] == params
         if stage != 2:  # ZeRO-2's partition holds straddling parameters whole (checked above)
             assert rows["gradients"][1] == (full if stage == 1 else part)
@@ -144,9 +146,14 @@ def _check_world(world: int, results: list[Any]) -> None:
         assert recorded["all_gather"] == (2 * full if stage == 3 else full)
         if stage == 3:
             assert recorded["reduce_scatter"] == full
+            assert recorded["all_reduce"] == 8  # the fp64 gradient norm
+            assert _counted([b for k, _, b in c.measured_calls if k == "reduce_scatter"]) == ZERO3_BUCKETS
         else:
             assert recorded["all_reduce"] == full + 4  # the buckets and the fp32 gradient norm
-        assert not c.not_modelled  # use_multi_rank_bucket_allreduce (the default): no ``reduce``
+            buckets = ZERO1_BUCKETS if stage == 1 else ZERO2_BUCKETS
+            assert _counted([b for k, _, b in c.measured_calls if k == "all_reduce"]) == buckets | {1: 1}
+        assert not c.not_modelled
+        assert {n for _, n, _ in c.measured_calls} == {world}  # every call over the data ranks
 
 
 @pytest.mark.deepspeed
@@ -165,14 +172,46 @@ def test_zero_stages_on_gloo_processes(world: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs the deepspeed extra")
-def test_reduce_calls_are_reported_not_modelled() -> None:
+def test_reduce_calls_are_modelled() -> None:
     from checker._torch._deepspeed import compare_deepspeed, measure_deepspeed
 
-    results = [compare_deepspeed(m, 2, False) for m in measure_deepspeed(2, ("zero22",), multi_rank_allreduce=False)]
+    texts = ("zero12", "zero22")
+    results = [compare_deepspeed(m, 2, False) for m in measure_deepspeed(2, texts, multi_rank_allreduce=False)]
     for c in results:
-        assert c.not_modelled == ("reduce",) and not c.ok
+        assert c.ok and c.calls_equal and c.model_states_exact, c
         assert c.measured_volume["reduce"] == 4 * PARAMETERS  # each gradient slice sent to its owner
-        assert c.model_states_exact
+        assert c.measured_volume["all_reduce"] == 4  # the norm only
+    zero1 = [b for k, _, b in results[0].measured_calls if k == "reduce"]
+    assert 4 * 64 in zero1  # the bucket cut by the partition boundary (hand count above)
+
+
+@pytest.mark.deepspeed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs the deepspeed extra")
+def test_zero3_defaults_keep_the_small_model_persistent() -> None:
+    from checker._torch._deepspeed import compare_deepspeed, measure_deepspeed
+
+    measured = measure_deepspeed(2, ("zero32",), zero3="defaults")
+    for c in [compare_deepspeed(m, 2, zero3="defaults") for m in measured]:
+        assert c.ok and c.calls_equal, c
+        gathers = [b for k, _, b in c.measured_calls if k == "all_gather"]
+        assert len(gathers) == 1 + 12 * L + 2 + 1 and sum(gathers) == 4 * PARAMETERS  # after the step only
+
+
+@pytest.mark.deepspeed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs the deepspeed extra")
+def test_zero3_reuse_distance_saves_the_gathers_deepspeed_saves() -> None:
+    from checker._torch._deepspeed import compare_deepspeed, measure_deepspeed
+
+    measured = measure_deepspeed(2, ("zero32",), zero3="reuse")
+    for c in [compare_deepspeed(m, 2, zero3="reuse") for m in measured]:
+        assert c.ok and c.calls_equal, c
+        # Fewer gathers than released-after-use (every module twice), more than once each.
+        gathers = [b for k, _, b in c.measured_calls if k == "all_gather"]
+        assert 4 * PARAMETERS < sum(gathers) < 8 * PARAMETERS and len(gathers) < len(MODULES) * 2
 
 
 @pytest.mark.deepspeed
@@ -193,7 +232,228 @@ def test_cli_validate_deepspeed_json_is_clean() -> None:
         timeout=500,
         env=os.environ | {"OMP_NUM_THREADS": "1"},
     )
-    assert run.returncode == 6, run.stderr[-2000:]  # the collective lists differ (bucket cut)
-    ranks = json.loads(run.stdout)["validation"]["ranks"]
-    assert [r["rank"] for r in ranks] == [0, 1]
-    assert all(r["model_states_exact"] and r["bucket_exact"] for r in ranks)
+    assert run.returncode == 0, run.stderr[-2000:]  # valid, and DeepSpeed measured the prediction
+    doc = json.loads(run.stdout)["validation"]
+    assert doc["ok"] and [r["rank"] for r in doc["ranks"]] == [0, 1]
+    assert all(r["model_states_exact"] and r["bucket_exact"] and r["collectives"]["equal"] for r in doc["ranks"])
+
+
+# ---- the collectives list (``deepspeed_collectives``) --------------------------------------
+#
+# The validation's buckets, by hand from the net's tensors (registration order: embedding
+# V*H = 16384; per block ln1 2H = 128, qkv 3H^2 + 3H = 12480, proj H^2 + H = 4160, ln2 128,
+# fc1 4H^2 + 4H = 16640, fc2 4H^2 + H = 16448; final norm 128; head 16384) and DeepSpeed's rule
+# (a gradient that would take the bucket past 20,000 elements sends the bucket first).
+BUCKET = 20_000
+# ZeRO-1 in registration order: [embed, ln1] [qkv, proj, ln2] [fc1] [fc2, next ln1 or final norm] [head]
+ZERO1_BUCKETS = {16384 + 128: 1, 12480 + 4160 + 128: L, 16640: L, 16448 + 128: L, 16384: 1}
+# ZeRO-2 in backward order (reverse registration: a linear's bias before its weight):
+# [head, norm, fc2.b] [fc2.w, fc1.b] [fc1.w, ln2, proj.b] [proj.w, qkv.b, qkv.w, ln1, fc2.b of the
+# block before] ... the first block's last bucket without that bias, then [embed].
+ZERO2_BUCKETS = {
+    16384 + 128 + 64: 1 + L,
+    16384 + 256: L,
+    4096 + 12480 + 128 + 64: L - 1,
+    4096 + 12480 + 128: 1,
+    16384: 1,
+}
+# ZeRO-3, modules in reverse order, each module's tensors together: [head, norm] [fc2] [fc1, ln2]
+# [proj, qkv, ln1] ... [embed]; every module gathered in the forward and again in the backward.
+# ([fc1, ln2] and [proj, qkv, ln1] are both 16,768 elements.)
+ZERO3_BUCKETS = {16384 + 128: 1, 16448: L, 16640 + 128: 2 * L, 16384: 1}
+assert 16640 + 128 == 4160 + 12480 + 128
+MODULES = [16384, *[128, 12480, 4160, 128, 16640, 16448] * L, 128, 16384]
+
+
+def _collectives(text: str, **settings: Any) -> tuple[dict[str, list[int]], tuple[str, ...]]:
+    from formal._engine_deepspeed import deepspeed_collectives
+
+    model = _model()
+    fx = DeepSpeedEffects(**({"reduce_bucket_elements": BUCKET} | settings))
+    terms, notes = deepspeed_collectives(parse(text).placement(model), model, PRECISIONS["fp32-adam"], fx)
+    out: dict[str, list[int]] = {}
+    for t in terms:
+        out.setdefault(t.kind.value, []).extend(t.calls)
+    return out, notes
+
+
+def _counted(calls: list[int], nbytes: int = 4) -> dict[int, int]:
+    from collections import Counter
+
+    return {k // nbytes: v for k, v in Counter(calls).items()}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_zero1_and_zero2_buckets_are_the_hand_counted_ones(n: int) -> None:
+    one, notes = _collectives(f"zero1{n}")
+    assert not notes
+    assert _counted(one["all_reduce"]) == ZERO1_BUCKETS | {1: 1}  # and the fp32 gradient norm
+    assert one["all_gather"] == [4 * PARAMETERS]  # one all_gather_into_tensor of the flat buffer
+    two, _ = _collectives(f"zero2{n}")
+    assert _counted(two["all_reduce"]) == ZERO2_BUCKETS | {1: 1}
+    # ZeRO-1 under overlap_comm reduces from the hooks, in ZeRO-2's order.
+    assert _counted(_collectives(f"zero1{n}", overlap_comm=True)[0]["all_reduce"]) == ZERO2_BUCKETS | {1: 1}
+
+
+def test_zero1_reduce_calls_split_the_bucket_at_the_partition_boundary() -> None:
+    # Two ranks: the boundary is at P/2 = 216,384 = 16384 + 4 blocks of 49,984 + 64, inside
+    # block 4's ln1: the bucket [fc2 of block 3, ln1 of block 4] goes 16448 + 64 elements to
+    # rank 0 and 64 to rank 1; every other bucket to one owner.
+    got, _ = _collectives("zero12", allreduce_gradients=False)
+    expected = dict(ZERO1_BUCKETS)
+    expected[16448 + 128] -= 1
+    expected[16448 + 64] += 1  # the same size as [embed, ln1]
+    assert _counted(got["reduce"]) == expected | {64: 1}
+    assert got["all_reduce"] == [4]  # the norm only
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_zero3_fetches_every_module_twice_without_reuse_or_persistence(n: int) -> None:
+    off = {"param_persistence_threshold": 0, "max_reuse_distance": 0, "prefetch_bucket_elements": 0}
+    got, notes = _collectives(f"zero3{n}", **off)
+    assert not notes
+    assert sorted(got["all_gather"]) == sorted(4 * m for m in MODULES * 2)  # every size divides by n
+    assert _counted(got["reduce_scatter"]) == ZERO3_BUCKETS
+    assert got["all_reduce"] == [8]  # the fp64 gradient norm
+
+
+def test_zero3_reuse_distance_keeps_the_modules_used_again_soon() -> None:
+    # stage3_max_reuse_distance 50,000: after its forward use a module stays gathered when the
+    # trace reaches its backward use within 50,000 elements. The head (used again at once), the
+    # final norm (16384 + 16384 elements between) and the last fc2 (128 + 2 x 16384 + 128 =
+    # 33,024) are; the last fc1 is not (33,024 + 16,448 = 49,472 < 50,000 reaches fc2's backward,
+    # 65,920 after it, before its own). Three backward gathers fewer.
+    from collections import Counter
+
+    off = {"param_persistence_threshold": 0, "max_reuse_distance": 50_000, "prefetch_bucket_elements": 0}
+    got, _ = _collectives("zero32", **off)
+    assert Counter(got["all_gather"]) == Counter(4 * m for m in MODULES * 2) - Counter([4 * 16384, 4 * 128, 4 * 16448])
+
+
+def test_zero3_defaults_keep_a_small_model_persistent() -> None:
+    # Every tensor has at most 1e5 elements: all persistent, no fetch in forward or backward,
+    # one gather per tensor after the step; the buckets are unchanged.
+    from formal._tensors import parameter_tensors
+
+    got, notes = _collectives("zero32")
+    assert not notes
+    assert sorted(got["all_gather"]) == sorted(4 * t.elements for t in parameter_tensors(_model()))
+    assert len(got["all_gather"]) == 1 + 12 * L + 2 + 1  # embedding, 12 a block, final norm, head
+    assert _counted(got["reduce_scatter"]) == ZERO3_BUCKETS
+
+
+def test_zero3_prefetch_of_partitioned_parameters_is_not_modelled() -> None:
+    _, notes = _collectives("zero32", param_persistence_threshold=0)
+    assert len(notes) == 1 and "prefetch" in notes[0] and "not modelled" in notes[0]
+
+
+def test_collectives_outside_one_zero_axis_are_not_modelled() -> None:
+    for text in ("dp4", "tp2xzero22"):
+        terms, notes = _collectives(text)
+        assert not terms and len(notes) == 1 and "modelled" in notes[0], notes
+
+
+def tensor_sizes() -> st.SearchStrategy[list[int]]:
+    return st.lists(st.integers(1, 5000), min_size=1, max_size=30)
+
+
+@given(stages(), data_degrees(), st.integers(1, 200_000), st.booleans())
+def test_every_gradient_is_reduced_once(stage: int, n: int, bucket: int, multi: bool) -> None:
+    # Whatever the bucket, the gradient calls carry every parameter's gradient once (ZeRO-3's
+    # reduce-scatter its padded shards), each call at most a bucket or one tensor's slices.
+    got, _ = _collectives(f"zero{stage}{n}", reduce_bucket_elements=bucket, allreduce_gradients=multi)
+    if stage == 3:
+        assert sum(got["reduce_scatter"]) == 4 * PARAMETERS
+        return
+    kind = "all_reduce" if multi else "reduce"
+    calls = [c for c in got[kind] if c != 4]  # less the norm (no bucket is one element)
+    assert sum(calls) == 4 * PARAMETERS
+    assert max(calls) <= 4 * max(bucket, 16384 + 256)
+    if not multi:  # per owner: at least as many calls as buckets
+        assert len(calls) >= len(
+            [c for c in _collectives(f"zero{stage}{n}", reduce_bucket_elements=bucket)[0]["all_reduce"] if c != 4]
+        )
+
+
+@given(data_degrees(), st.integers(0, 10**7))
+def test_zero3_reuse_distance_only_saves_backward_gathers(n: int, reuse: int) -> None:
+    # Without persistence, each module is gathered in the forward once; the backward re-gathers
+    # a module only if it was released: at most once more. A distance covering the whole trace
+    # keeps every module from its forward use to its backward one.
+    got, _ = _collectives(
+        f"zero3{n}", param_persistence_threshold=0, max_reuse_distance=reuse, prefetch_bucket_elements=0
+    )
+    total = sum(got["all_gather"])
+    assert 4 * PARAMETERS <= total <= 8 * PARAMETERS
+    if reuse >= 2 * PARAMETERS:
+        assert total == 4 * PARAMETERS
+    if reuse == 0:
+        assert total == 8 * PARAMETERS
+
+
+# ---- the importer reads the engine settings -----------------------------------------------
+
+
+def test_importer_reads_the_engine_settings() -> None:
+    from checker._import_deepspeed import deepspeed_effects
+
+    raw = {
+        "bf16": {"enabled": True, "check_grad_overflow": True},
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": 5e7,
+            "stage3_max_reuse_distance": 0,
+            "stage3_param_persistence_threshold": "auto",
+            "use_multi_rank_bucket_allreduce": False,
+        },
+    }
+    fx = deepspeed_effects(raw)
+    assert fx.reduce_bucket_elements == 50_000_000 and fx.max_reuse_distance == 0
+    assert fx.param_persistence_threshold == DeepSpeedEffects().param_persistence_threshold  # "auto": default
+    assert not fx.allreduce_gradients and fx.overlap_comm  # overlap_comm defaults on for ZeRO-3
+    assert fx.overflow_check and not fx.fp16
+    assert not deepspeed_effects({"zero_optimization": {"stage": 2}}).overlap_comm
+
+
+def test_settings_beyond_the_terms_are_reported_not_modelled() -> None:
+    from checker._import_deepspeed import deepspeed_effects
+
+    raw = {
+        "communication_data_type": "fp16",
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "zero_quantized_weights": True},
+    }
+    fx = deepspeed_effects(raw)
+    assert len(fx.unmodelled) == 3
+    _, notes = _collectives("zero32", unmodelled=fx.unmodelled)
+    assert len(notes) == 3 and all("DeepSpeed's collectives under" in n for n in notes)
+    assert not deepspeed_effects({"zero_optimization": {"stage": 3, "offload_param": {"device": "none"}}}).unmodelled
+    # Accumulated micro-batches: the reductions per micro-batch are not modelled.
+    _, notes = _collectives("zero22xm4")
+    assert any("4 accumulated micro-batches" in n for n in notes)
+
+
+@pytest.mark.parametrize(
+    "zero",
+    [{"reduce_bucket_size": 0}, {"reduce_bucket_size": 1.5}, {"overlap_comm": "yes"}, {"max_reuse_distance": -1}],
+)
+def test_importer_refuses_bad_engine_settings(zero: dict[str, Any]) -> None:
+    from checker._import_common import ConfigError
+    from checker._import_deepspeed import deepspeed_effects
+
+    with pytest.raises(ConfigError, match="zero_optimization"):
+        deepspeed_effects({"zero_optimization": {"stage": 2, **zero}})
+
+
+def test_importer_says_what_the_bucket_keys_change() -> None:
+    from checker._import_deepspeed import import_deepspeed
+
+    zero = {"stage": 2, "reduce_bucket_size": 5e8, "use_multi_rank_bucket_allreduce": False, "max_reuse_distance": 0}
+    notes = {
+        u.setting.split("=")[0]: u.why
+        for u in import_deepspeed({"zero_optimization": zero, "train_micro_batch_size_per_gpu": 1}, devices=8).unmapped
+    }
+    for key in ("reduce_bucket_size", "use_multi_rank_bucket_allreduce", "max_reuse_distance"):
+        assert "formal._engine_deepspeed" in notes[f"zero_optimization.{key}"]
+    assert "same volume" not in notes["zero_optimization.use_multi_rank_bucket_allreduce"]
+    engine = import_deepspeed({"zero_optimization": zero, "train_micro_batch_size_per_gpu": 1}, devices=8).deepspeed
+    assert engine is not None and not engine.allreduce_gradients and engine.max_reuse_distance == 0

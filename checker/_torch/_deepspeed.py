@@ -8,8 +8,14 @@ each ZeRO composition (``zero1<n>``, ``zero2<n>``, ``zero3<n>``) of the validati
 * the bytes of the tensors the engine itself holds, by the attribute that holds them (the ZeRO
   optimizer's flat partitions, its gradient buffers, the optimizer's state, ZeRO-3's
   ``ds_tensor`` shards), after the backward (gradients) and after the step (the rest);
-* every collective of one steady step, by wrapping the ``torch.distributed`` functions DeepSpeed's
-  communication layer calls (``deepspeed/comm/torch.py``), ``reduce`` included.
+* every collective of one steady step (the third: ZeRO-3's second step still checks its
+  recorded trace across ranks with broadcasts, ``reset_step`` in
+  ``partitioned_param_coordinator.py``), from torch's dispatcher, ``reduce`` included.
+
+The prediction reads the run's own DeepSpeed config through the importer
+(``checker._import_deepspeed.deepspeed_effects``) and lists the calls with
+``formal._engine_deepspeed.deepspeed_collectives``; the comparison is the list of
+``(kind, group size, bytes)`` with each one's count.
 
 Needs the ``deepspeed`` extra (installed with ``DS_BUILD_OPS=0``: no op is compiled; torch's
 Adam is the client optimizer). Nothing in the core imports this module.
@@ -37,6 +43,21 @@ if TYPE_CHECKING:
 # The bucket DeepSpeed reduces gradients in, in elements (``reduce_bucket_size``; 5e8 by
 # default, 2 GB of fp32 per rank, so the validation states it small and the prediction reads it).
 REDUCE_BUCKET_ELEMENTS = 20_000
+# ZeRO-3's fetch settings by name: every parameter partitioned and released after its use
+# ("released", the placement's ZeRO-3); the same, released parameters kept when used again within
+# REUSE_ELEMENTS ("reuse"); DeepSpeed's defaults ("defaults").
+REUSE_ELEMENTS = 50_000
+_RELEASED = {
+    "stage3_param_persistence_threshold": 0,
+    "stage3_model_persistence_threshold": 0,
+    "stage3_max_reuse_distance": 0,
+    "stage3_prefetch_bucket_size": 0,
+}
+ZERO3_SETTINGS: dict[str, dict[str, int]] = {
+    "released": _RELEASED,
+    "reuse": _RELEASED | {"stage3_max_reuse_distance": REUSE_ELEMENTS},
+    "defaults": {},
+}
 # A wedged collective ends the run instead of hanging it.
 _TIMEOUT = timedelta(minutes=3)
 
@@ -58,12 +79,15 @@ STATE_OF_HOLDER: dict[str, str] = {
 }
 
 
-def ds_config(stage: int, cfg: NetConfig, multi_rank_allreduce: bool = True) -> dict[str, Any]:
+def ds_config(stage: int, cfg: NetConfig, multi_rank_allreduce: bool = True, zero3: str = "released") -> dict[str, Any]:
     """The DeepSpeed config of a ZeRO ``stage`` run: fp32, torch Adam as the client optimizer,
     every parameter partitioned under ZeRO-3 (persistence thresholds 0) and released after
-    its use (``stage3_max_reuse_distance`` 0), the reduce bucket ``REDUCE_BUCKET_ELEMENTS``.
-    ``multi_rank_allreduce`` False: ZeRO-1/2 send each gradient slice to its owner with
-    ``reduce`` (``use_multi_rank_bucket_allreduce``)."""
+    its use (``stage3_max_reuse_distance`` 0, no prefetch), the reduce bucket
+    ``REDUCE_BUCKET_ELEMENTS``. ``multi_rank_allreduce`` False: ZeRO-1/2 send each gradient
+    slice to its owner with ``reduce`` (``use_multi_rank_bucket_allreduce``).
+    ``zero3`` (``ZERO3_SETTINGS``): ``"reuse"`` keeps a released parameter when the trace uses it
+    again within ``REUSE_ELEMENTS``; ``"defaults"`` keeps DeepSpeed's persistence, reuse and
+    prefetch defaults (every parameter of the small model is then persistent)."""
     zero: dict[str, Any] = {
         "stage": stage,
         "reduce_bucket_size": REDUCE_BUCKET_ELEMENTS,
@@ -73,12 +97,7 @@ def ds_config(stage: int, cfg: NetConfig, multi_rank_allreduce: bool = True) -> 
         "use_multi_rank_bucket_allreduce": multi_rank_allreduce,
     }
     if stage == 3:
-        zero |= {
-            "stage3_param_persistence_threshold": 0,
-            "stage3_model_persistence_threshold": 0,
-            "stage3_max_reuse_distance": 0,
-            "stage3_prefetch_bucket_size": 0,
-        }
+        zero |= ZERO3_SETTINGS[zero3]
     return {
         "train_micro_batch_size_per_gpu": cfg.batch,
         "gradient_accumulation_steps": 1,
@@ -242,7 +261,9 @@ def _ipg_bytes(opt: Any) -> int:
     return _bytes_of([f for f in found if f is not None])
 
 
-def _worker(rank: int, world: int, port: int, out: str, texts: list[str], multi_rank_allreduce: bool) -> None:
+def _worker(
+    rank: int, world: int, port: int, out: str, texts: list[str], multi_rank_allreduce: bool, zero3: str
+) -> None:
     os.dup2(2, 1)  # DeepSpeed logs to stdout: keep the parent's stdout (a report, JSON) clean
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -265,7 +286,7 @@ def _worker(rank: int, world: int, port: int, out: str, texts: list[str], multi_
     try:
         for text in texts:
             start = time.perf_counter()
-            held, calls = _run_one(text, rank, world, multi_rank_allreduce)
+            held, calls = _run_one(text, rank, world, multi_rank_allreduce, zero3)
             results.append(DSMeasured(text, rank, held, calls, time.perf_counter() - start))
     finally:
         dist.destroy_process_group()
@@ -283,7 +304,7 @@ def stage_of(text: str, world: int) -> int:
 
 
 def _run_one(
-    text: str, rank: int, world: int, multi_rank_allreduce: bool
+    text: str, rank: int, world: int, multi_rank_allreduce: bool, zero3: str
 ) -> tuple[dict[str, int], tuple[tuple[str, int, int], ...]]:
     import deepspeed  # type: ignore[import-not-found, unused-ignore]
     import torch
@@ -295,9 +316,9 @@ def _run_one(
     net = Net(cfg)
     adam = torch.optim.Adam(net.parameters(), lr=1e-3)
     engine, *_ = deepspeed.initialize(
-        model=net, optimizer=adam, config=ds_config(stage_of(text, world), cfg, multi_rank_allreduce)
+        model=net, optimizer=adam, config=ds_config(stage_of(text, world), cfg, multi_rank_allreduce, zero3)
     )
-    steps = 2  # the second step is a steady one (the optimizer state exists)
+    steps = 3  # the third step is a steady one (optimizer state exists, ZeRO-3's trace checked)
     rec = Recorder(engine)
     for step in range(steps):
         ids, targets = batch(cfg, cfg.batch * world, seed=1000 + step)
@@ -322,14 +343,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def measure_deepspeed(world: int, texts: tuple[str, ...], multi_rank_allreduce: bool = True) -> list[DSMeasured]:
+def measure_deepspeed(
+    world: int, texts: tuple[str, ...], multi_rank_allreduce: bool = True, zero3: str = "released"
+) -> list[DSMeasured]:
     """Run ``texts`` on ``world`` gloo processes (one spawn); every rank's measurements, in
     composition order, then rank order."""
     from checker._torch._isolate import run_world
 
     with tempfile.TemporaryDirectory() as tmp:
         run_world(
-            _worker, (world, _free_port(), tmp, list(texts), multi_rank_allreduce), world, f"deepspeed world {world}"
+            _worker,
+            (world, _free_port(), tmp, list(texts), multi_rank_allreduce, zero3),
+            world,
+            f"deepspeed world {world}",
         )
         per_rank = []
         for r in range(world):
@@ -340,9 +366,13 @@ def measure_deepspeed(world: int, texts: tuple[str, ...], multi_rank_allreduce: 
 
 # ---- the prediction under the ``deepspeed`` engine, and the comparison --------------------
 
-# The collectives a ZeRO step sends, by kind: the program's kinds, and the kinds DeepSpeed uses
-# that the op vocabulary has no name for (``reduce``: reported, never compared as another kind).
-VOCABULARY_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv"})
+
+def _vocabulary_kinds() -> frozenset[str]:
+    """The collective kinds of the op vocabulary; a recorded call of another kind is reported as
+    not modelled, never compared as one of these."""
+    from formal._vocab import OpKind
+
+    return frozenset(k.value for k in OpKind if k.is_collective)
 
 
 @dataclass(frozen=True)
@@ -359,9 +389,10 @@ class DSComparison:
     measured_calls: tuple[tuple[str, int, int], ...]
     predicted_volume: dict[str, int]
     measured_volume: dict[str, int]
-    not_modelled: tuple[str, ...]  # measured calls of kinds the vocabulary lacks
+    not_modelled: tuple[str, ...]  # recorded kinds the vocabulary lacks, settings the terms lack
     seconds: float
     terms: tuple[Any, ...]
+    collective_terms: tuple[Any, ...] = ()
 
     @property
     def model_states_exact(self) -> bool:
@@ -386,24 +417,39 @@ class DSComparison:
         return self.model_states_exact and self.bucket_exact and self.calls_equal and not self.not_modelled
 
 
+@dataclass(frozen=True)
+class DSPrediction:
+    """``predict_deepspeed``'s answer: per-rank bytes, the collective calls (sorted), the memory
+    terms and collective terms behind them, and what the terms do not model."""
+
+    states: dict[str, int]
+    calls: tuple[tuple[str, int, int], ...]
+    terms: tuple[Any, ...]
+    collective_terms: tuple[Any, ...]
+    not_modelled: tuple[str, ...]
+
+
 def predict_deepspeed(
-    text: str, world: int, rank: int = 0, multi_rank_allreduce: bool = True
-) -> tuple[dict[str, int], tuple[tuple[str, int, int], ...], tuple[Any, ...]]:
+    text: str, world: int, rank: int = 0, multi_rank_allreduce: bool = True, zero3: str = "released"
+) -> DSPrediction:
     """Per-rank bytes (parameters, gradients, optimizer, reduce bucket) and collective calls of
-    ``text`` under the ``deepspeed`` engine: the placement's memory and step program, and
-    ``deepspeed_terms`` with the validation's ``reduce_bucket_size``."""
+    ``text`` under the ``deepspeed`` engine: the placement's memory, ``deepspeed_terms`` and
+    ``deepspeed_collectives``, with the engine settings the importer reads from the run's own
+    config (``ds_config``)."""
+    from checker._import_deepspeed import deepspeed_effects
     from checker._torch._net import NetConfig
     from checker._torch._predict import harness_precision
     from formal._costs import memory
-    from formal._engine_deepspeed import DeepSpeedEffects, deepspeed_terms, zero_stage
+    from formal._engine_deepspeed import deepspeed_collectives, deepspeed_terms
     from formal._exact import exact_int
-    from formal._program import derive_program, group_sizes
+    from formal._program import group_sizes
 
-    model = NetConfig().formal()
+    cfg = NetConfig()
+    model = cfg.formal()
     precision = harness_precision()
     pl = parse(text, devices=world).placement(model)
     mem = memory(pl, model, precision, group_sizes(model))
-    fx = DeepSpeedEffects(reduce_bucket_elements=REDUCE_BUCKET_ELEMENTS, allreduce_gradients=multi_rank_allreduce)
+    fx = deepspeed_effects(ds_config(stage_of(text, world), cfg, multi_rank_allreduce, zero3), "ds_config")
     terms = tuple(t for t in deepspeed_terms(pl, model, precision, mem, fx, data_rank=rank) if t.bytes)
 
     def add(state: str) -> int:
@@ -415,17 +461,9 @@ def predict_deepspeed(
         "optimizer": exact_int(mem.optimizer.total) + add("optimizer"),
         "reduce bucket": add("buffers"),
     }
-    calls: list[tuple[str, int, int]] = []
-    stage = zero_stage(pl)
-    for op in derive_program(pl, model).ops:
-        if not op.kind.is_collective or op.axis is None:
-            continue
-        kind = op.kind.value
-        if stage in (1, 2) and kind == "reduce_scatter" and fx.allreduce_gradients:
-            kind = "all_reduce"  # DeepSpeed all-reduces the gradient buckets
-        n = int(op.participants if op.participants is not None else pl.degree(op.axis))
-        calls += [(kind, n, exact_int(op.elements) * precision.wire_bytes_of(op.state))] * exact_int(op.count)
-    return states, tuple(sorted(calls)), terms
+    collectives, notes = deepspeed_collectives(pl, model, precision, fx)
+    calls = sorted((t.kind.value, t.ranks, b) for t in collectives for b in t.calls)
+    return DSPrediction(states, tuple(calls), terms, collectives, notes)
 
 
 def _volume(calls: tuple[tuple[str, int, int], ...]) -> dict[str, int]:
@@ -435,9 +473,12 @@ def _volume(calls: tuple[tuple[str, int, int], ...]) -> dict[str, int]:
     return out
 
 
-def compare_deepspeed(m: DSMeasured, world: int, multi_rank_allreduce: bool = True) -> DSComparison:
-    """``m`` against ``predict_deepspeed`` for its rank (``multi_rank_allreduce`` as it ran)."""
-    states, calls, terms = predict_deepspeed(m.composition, world, m.rank, multi_rank_allreduce)
+def compare_deepspeed(
+    m: DSMeasured, world: int, multi_rank_allreduce: bool = True, zero3: str = "released"
+) -> DSComparison:
+    """``m`` against ``predict_deepspeed`` for its rank (the settings as it ran)."""
+    pred = predict_deepspeed(m.composition, world, m.rank, multi_rank_allreduce, zero3)
+    states, calls, terms = pred.states, pred.calls, pred.terms
     stage = stage_of(m.composition, world)
     measured = {
         "parameters": m.holders.get("ds_tensor shards", 0) if stage == 3 else m.holders["module parameters"],
@@ -449,7 +490,9 @@ def compare_deepspeed(m: DSMeasured, world: int, multi_rank_allreduce: bool = Tr
     }
     rows = tuple((q, states[q], measured[q]) for q in ("parameters", "gradients", "optimizer", "reduce bucket"))
     rows = (*rows[:3], ("model states", sum(r[1] for r in rows[:3]), sum(r[2] for r in rows[:3])), rows[3])
-    not_modelled = tuple(sorted({c[0] for c in m.calls if c[0] not in VOCABULARY_KINDS}))
+    kinds = _vocabulary_kinds()
+    unknown = sorted({c[0] for c in m.calls if c[0] not in kinds})
+    not_modelled = (*(f"{k} (no such kind in the op vocabulary)" for k in unknown), *pred.not_modelled)
     return DSComparison(
         m.composition,
         m.rank,
@@ -462,31 +505,43 @@ def compare_deepspeed(m: DSMeasured, world: int, multi_rank_allreduce: bool = Tr
         not_modelled,
         m.seconds,
         terms,
+        pred.collective_terms,
     )
 
 
+def _differences(c: DSComparison) -> list[str]:
+    """The ``(kind, group size, bytes)`` entries whose counts differ: predicted, recorded."""
+    from collections import Counter
+
+    p, m = Counter(c.predicted_calls), Counter(c.measured_calls)
+    keys = sorted(k for k in set(p) | set(m) if p[k] != m[k])
+    return [f"  {k[0]:<15} {k[1]:>3} ranks {k[2]:>10} B: {p[k]:>4} predicted, {m[k]:>4} recorded" for k in keys]
+
+
 def format_deepspeed(results: list[DSComparison]) -> str:
-    """Per composition and rank: model states and bucket predicted against measured, and the
-    collectives' bytes per kind (fits 80 columns)."""
+    """Per composition and rank: model states and bucket predicted against measured, the
+    collectives per kind (calls and bytes), the differing calls, the terms (fits 80 columns)."""
     lines = []
     for c in results:
         lines.append(f"{c.composition} on deepspeed, rank {c.rank} of {c.world} (gloo), {c.seconds:.1f} s")
         lines.append(f"  {'bytes per rank':<16}{'predicted':>12}{'measured':>12}")
         lines += [f"  {q:<16}{p:>12}{mm:>12}{'' if p == mm else '   <- differs'}" for q, p, mm in c.rows]
-        lines.append(f"  {'collective bytes':<16}{'predicted':>12}{'recorded':>12}")
+        lines.append(f"  {'collectives':<16}{'calls':>7}{'recorded':>9}{'bytes':>12}{'recorded':>12}")
         for kind in sorted(set(c.predicted_volume) | set(c.measured_volume)):
+            n_p = sum(1 for k, _, _ in c.predicted_calls if k == kind)
+            n_m = sum(1 for k, _, _ in c.measured_calls if k == kind)
             p, mm = c.predicted_volume.get(kind, 0), c.measured_volume.get(kind, 0)
-            lines.append(f"  {kind:<16}{p:>12}{mm:>12}{'' if p == mm else '   <- differs'}")
+            same = p == mm and n_p == n_m
+            lines.append(f"  {kind:<16}{n_p:>7}{n_m:>9}{p:>12}{mm:>12}{'' if same else '  <- differs'}")
+        differing = _differences(c)
+        lines += differing[:8] + ([f"  ... {len(differing) - 8} more"] if len(differing) > 8 else [])
         lines.append(
-            f"  calls predicted {len(c.predicted_calls)}, recorded {len(c.measured_calls)}; list equal: {c.calls_equal}"
+            f"  collectives list equal: {c.calls_equal}; model states exact: {c.model_states_exact}; "
+            f"bucket exact: {c.bucket_exact}"
         )
-        lines.append(
-            f"  model states exact: {c.model_states_exact}; bucket exact: {c.bucket_exact}; "
-            f"bytes per kind equal: {c.volumes_equal}"
-        )
-        if c.not_modelled:
-            lines.append(f"  not modelled: {', '.join(c.not_modelled)} (no such kind in the op vocabulary)")
+        lines += [f"  not modelled: {line}" for line in c.not_modelled]
         lines += [f"  + {t.label}: {t.bytes} B, {t.moment}" for t in c.terms]
+        lines += [f"  + {t.label}: {len(t.calls)} x {t.kind.value}, {t.bytes} B" for t in c.collective_terms]
     return "\n".join(lines)
 
 
@@ -508,6 +563,10 @@ def as_json(c: DSComparison) -> dict[str, Any]:
         "bucket_exact": c.bucket_exact,
         "ok": c.ok,
         "terms": [{"name": t.key, "label": t.label, "bytes": t.bytes, "moment": t.moment} for t in c.terms],
+        "collective_terms": [
+            {"name": t.key, "label": t.label, "kind": t.kind.value, "ranks": t.ranks, "calls": list(t.calls)}
+            for t in c.collective_terms
+        ],
     }
 
 

@@ -257,7 +257,10 @@ def stage_shipped() -> Outcome:
         return program.with_ops(
             [
                 Op(OpKind.BROADCAST, op.state, op.group, op.axis, op.phase, op.elements, op.count)
-                if op.phase is Phase.REFRESH and op.axis is Axis.PP and op.kind is OpKind.ALL_GATHER
+                if op.phase is Phase.REFRESH
+                and op.axis is not None
+                and op.axis.kind.is_pipeline
+                and op.kind is OpKind.ALL_GATHER
                 else op
                 for op in program.ops
             ]

@@ -14,6 +14,7 @@ from typing import Any
 
 from checker._layout import Layout
 from checker._numbers import MAX_DEGREE
+from formal._engine_deepspeed import DeepSpeedEffects
 from formal._input import Schema, check_schema, printable
 from formal._model import Transformer
 from formal._presets import DEFAULT_DEVICES
@@ -62,6 +63,8 @@ class Imported:
     unmapped: tuple[Unmapped, ...] = field(default=())
     # The model the config describes when no preset has its dimensions (Megatron's size arguments).
     transformer: Transformer | None = None
+    # DeepSpeed's buffer settings the config states (``reduce_bucket_size``, ``overlap_comm``).
+    deepspeed: DeepSpeedEffects | None = None
 
     @property
     def text(self) -> str:

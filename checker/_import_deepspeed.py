@@ -8,6 +8,7 @@ pipeline engine.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from checker._import_common import (
@@ -24,6 +25,7 @@ from checker._import_common import (
 from checker._import_scalars import deepspeed_scalars
 from checker._layout import DataSharding, Layout
 from checker._numbers import MAX_BATCH, MAX_DEGREE, MAX_MICRO_BATCH
+from formal._engine_deepspeed import DeepSpeedEffects
 from formal._input import OBJECT, TEXT, Expect, Schema, integer, printable
 from formal._model import Model, Transformer
 from formal._placement import Options, Recompute
@@ -93,7 +95,6 @@ _DS_IGNORED = (
 _BUFFERS = "a communication buffer; buffers are not counted (0 bytes)"
 _REUSE = "gathered parameters kept for reuse: neither the memory nor the saved gathers are counted"
 _DS_ZERO_EFFECTS = {
-    "reduce_bucket_size": f"elements reduced at once: {_BUFFERS}",
     "allgather_bucket_size": f"elements gathered at once: {_BUFFERS}",
     "stage3_prefetch_bucket_size": f"parameters fetched ahead: {_BUFFERS}",
     "prefetch_bucket_size": f"parameters fetched ahead: {_BUFFERS}",
@@ -106,7 +107,6 @@ _DS_ZERO_EFFECTS = {
     "stage3_model_persistence_threshold": "parameters kept unpartitioned: counted as partitioned",
     "model_persistence_threshold": "parameters kept unpartitioned: counted as partitioned",
     "sub_group_size": f"optimizer step in groups of this many elements: {_BUFFERS}",
-    "overlap_comm": "overlapped reduction keeps more buckets alive: buffers are not counted",
     "contiguous_gradients": f"gradients copied into a contiguous buffer: {_BUFFERS}",
     "reduce_scatter": "false reduces gradients with all-reduce instead of reduce-scatter: the traffic counted is "
     "reduce-scatter's",
@@ -223,6 +223,7 @@ DEEPSPEED_SCHEMA: Schema = {
     "zero_optimization.offload_optimizer.device": TEXT,
     "zero_optimization.offload_param": _DS_OFFLOAD,
     "zero_optimization.offload_param.device": TEXT,
+    "zero_optimization.overlap_comm": Expect("true, false or null", (bool,), nullable=True),
     "pipeline": OBJECT,
     "pipeline.stages": _DS_BATCH,
     "pipeline.activation_checkpoint_interval": integer(),
@@ -257,6 +258,7 @@ def import_deepspeed(
     if not isinstance(zero, dict):
         raise ConfigError(f"{where}: zero_optimization must be an object")
     _ds_effects(raw, zero, notes)
+    fx = _ds_buffers(zero, where, model, notes)
     for key, why in _DS_ZERO_REFUSED.items():
         if key in zero and zero[key] not in (None, 0, 1, False):
             raise ConfigError(f"{where}: zero_optimization.{key}={zero[key]!r}: {why}")
@@ -355,13 +357,44 @@ def import_deepspeed(
         layout = Layout(
             "zero3", DataSharding.FULL, node, dpr=dp // node, tp=tp, pp=pp, options=options, replicate="hpz-dpr"
         )
-        return imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, notes)
+        found = imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, notes)
+        return replace(found, deepspeed=fx)
     layout = Layout(_DS_STAGES[stage], _DS_SHARDING[stage], dp, tp=tp, pp=pp, options=options)
-    return imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, notes)
+    return replace(imported(Framework.DEEPSPEED, layout, devices, micro, None, precision, None, notes), deepspeed=fx)
 
 
 def _shown(value: Any) -> str:
     return printable(json.dumps(value, sort_keys=True) if not isinstance(value, str) else value, 60)
+
+
+def _ds_buffers(zero: dict[str, Any], where: str, model: Model | None, notes: list[Unmapped]) -> DeepSpeedEffects:
+    """The buffer settings DeepSpeed's terms read (``formal._engine_deepspeed``), defaults as
+    DeepSpeed's ``runtime/zero/config.py``: ``reduce_bucket_size`` 5e8 elements (a JSON number
+    such as 5e8 or 500000000; DeepSpeed's ``pp_int`` reads integral floats), ``overlap_comm``
+    None (True for ZeRO-3 only). ``"auto"`` is Hugging Face Trainer's: it fills the bucket with
+    hidden x hidden elements (transformers' ``integrations/deepspeed.py``,
+    ``trainer_config_finalize``), known only with the model."""
+    default = DeepSpeedEffects().reduce_bucket_elements
+    size = zero.get("reduce_bucket_size", default)
+    if size == "auto":
+        if isinstance(model, Transformer):
+            size = model.hidden * model.hidden
+        else:
+            size = default
+            why = f"Hugging Face fills it with hidden^2 elements; without the model {default:,} (DeepSpeed's default)"
+            notes.append(Unmapped("zero_optimization.reduce_bucket_size=auto", why))
+    if isinstance(size, bool) or not isinstance(size, int | float) or size != int(size) or size < 1:
+        raise ConfigError(f"{where}: zero_optimization.reduce_bucket_size={_shown(size)}: a positive whole number")
+    if int(size) > MAX_BUCKET:
+        raise ConfigError(f"{where}: zero_optimization.reduce_bucket_size={_shown(size)}: at most {MAX_BUCKET:.0e}")
+    overlap = zero.get("overlap_comm")
+    if overlap is not None and not isinstance(overlap, bool):
+        raise ConfigError(f"{where}: zero_optimization.overlap_comm={_shown(overlap)}: true, false or null")
+    return DeepSpeedEffects(reduce_bucket_elements=int(size), overlap_comm=overlap)
+
+
+# The largest bucket read (elements): beyond any device's memory, so a typo is caught.
+MAX_BUCKET = 10**13
 
 
 def _ds_effects(raw: dict[str, Any], zero: dict[str, Any], notes: list[Unmapped]) -> None:

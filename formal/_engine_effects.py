@@ -23,17 +23,18 @@ largest being the peak:
 
 The CLI (``check-composition --engine``) prints these terms; the PyTorch validator
 (``checker/_torch/_predict.py``) reads the same terms, so the number a user reads is the number
-that is validated. Engines whose effects are not modelled here (DeepSpeed, Megatron-LM) get the
-placement's figure, and say so (``EnginePrediction.modelled``). DeepSpeed's ZeRO effects are
-stated in ``formal._engine_deepspeed`` (the fp32 master partition, the reduce bucket, ZeRO-2's
-straddling gradients), validated by ``--validate deepspeed``
-(``checker/_torch/_deepspeed.py``); the CLI's ``--engine deepspeed`` does not add them yet.
+that is validated. DeepSpeed's ZeRO effects are stated in ``formal._engine_deepspeed`` (the fp32
+master partition, the reduce bucket, ZeRO-2's straddling gradients): ``engine_prediction`` adds
+them for ``Engine.DEEPSPEED``, and ``--validate deepspeed`` (``checker/_torch/_deepspeed.py``)
+reads the same terms. Megatron-LM's own effects are not modelled: it gets the placement's figure
+and the token ids, and says so (``EnginePrediction.modelled``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from formal._axes import TENSOR
 from formal._costs import Memory, ceil_int, holds_io_activations, in_flight_micro_batches, stage_in_flight
@@ -60,6 +61,9 @@ from formal._vocab import (
     State,
 )
 from formal.errors import ModelError
+
+if TYPE_CHECKING:
+    from formal._engine_deepspeed import DeepSpeedEffects
 
 P, G, OPT, A = State.PARAMETERS, State.GRADIENTS, State.OPTIMIZER, State.ACTIVATIONS
 MiB = 2**20
@@ -157,15 +161,17 @@ NO_EFFECTS = EngineEffects(
 
 
 def effects_for(engine: Engine) -> EngineEffects:
-    """The effects an engine has: PyTorch's (FSDP2, DDP: the same DTensor and pipelining
-    stack) are modelled; DeepSpeed's and Megatron-LM's are not yet (``modelled`` is False)."""
+    """The PyTorch effects an engine has: PyTorch's (FSDP2, DDP: the same DTensor and
+    pipelining stack) all of them; DeepSpeed (its own terms: ``formal._engine_deepspeed``) and
+    Megatron-LM (not modelled) none."""
     if engine in (Engine.FSDP2, Engine.DDP):
         return EngineEffects()
     return NO_EFFECTS
 
 
 def modelled(engine: Engine) -> bool:
-    return engine in (Engine.FSDP2, Engine.DDP)
+    """Whether the engine's own buffers are terms of the prediction (Megatron-LM's are not)."""
+    return engine in (Engine.FSDP2, Engine.DDP, Engine.DEEPSPEED)
 
 
 # The moments of a step at which a peak can fall: the end of a forward, the loss's backward, the
@@ -283,26 +289,37 @@ def engine_prediction(
     index: int | None = None,
     effects: EngineEffects | None = None,
     data_rank: int | None = None,
+    deepspeed: DeepSpeedEffects | None = None,
 ) -> EnginePrediction:
     """The engine's terms on one device of ``stage`` (pipeline stage ``index`` when given),
     added to ``placement`` (``formal._costs.memory`` of that stage, its activations for that
     stage). ``effects`` overrides the engine's own (``effects_for``). ``data_rank``: the device's
     rank along the data axis, for effects that differ between its ranks (ZeRO-1's whole-tensor
-    partition); None: the most loaded of them."""
+    partition, ZeRO-2's straddling gradients); None: the most loaded of them. ``deepspeed``:
+    DeepSpeed's settings under ``Engine.DEEPSPEED`` (None: DeepSpeed's defaults)."""
     fx = effects_for(engine) if effects is None else effects
     buffers = 0 if placement.buffers is None else ceil_int(placement.buffers)
     total = ceil_int(placement.total)
     terms: list[Term] = []
     fsdp = engine is Engine.FSDP2 and any(_data_axes(pl, P, g) for g in pl.groups(P))
-    known = modelled(engine) or effects is not None
-    if known:
+    torch = engine in (Engine.FSDP2, Engine.DDP) or effects is not None  # PyTorch's stack
+    known = torch
+    if torch:
         terms += _gradient_terms(pl, model, precision, fx, stage, engine is Engine.DDP)
     notes: list[str] = []
-    if known and engine is Engine.DDP and fx.zero_redundancy_whole_tensors and isinstance(model, Transformer):
+    if torch and engine is Engine.DDP and fx.zero_redundancy_whole_tensors and isinstance(model, Transformer):
         terms += _whole_tensor_partition(pl, model, precision, placement, data_rank, notes)
+    if engine is Engine.DEEPSPEED:
+        # Imported here: formal._engine_deepspeed builds on this module's Term.
+        from formal._engine_deepspeed import DeepSpeedEffects, deepspeed_notes, deepspeed_terms, zero_stage
+
+        ds = DeepSpeedEffects() if deepspeed is None else deepspeed
+        terms += deepspeed_terms(pl, model, precision, placement, ds, data_rank)
+        notes += deepspeed_notes(pl, model, precision, ds)
+        known = zero_stage(pl) != 0
     if isinstance(model, Transformer):
         terms += _token_id_terms(pl, model, fx, stage, index)
-    if known and isinstance(model, Transformer):
+    if torch and isinstance(model, Transformer):
         terms += _activation_terms(pl, model, precision, fx, stage, index)
         if fsdp:
             terms += _fsdp_terms(pl, model, precision, fx, stage)

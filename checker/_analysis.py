@@ -23,6 +23,7 @@ from formal._costs import (
     total_bytes,
     transfers,
 )
+from formal._engine_deepspeed import DeepSpeedEffects
 from formal._engine_effects import Engine, EnginePrediction, engine_prediction
 from formal._exact import exact
 from formal._model import DEFAULT_PRECISION, Model, Precision
@@ -47,6 +48,7 @@ class Analysis:
     traffic_stage: Stage = Stage.FIRST  # the pipeline stage whose device sends the most (``traffic``'s)
     reserve: int = 0  # bytes of device memory kept back for the runtime (``--reserve``)
     engine: EnginePrediction | None = None  # the declared engine's terms on its most-loaded device
+    deepspeed: DeepSpeedEffects | None = None  # DeepSpeed's settings (an imported config's; None: defaults)
 
     @property
     def peak(self) -> int:
@@ -97,6 +99,7 @@ def analyze(
     program: StepProgram | None = None,
     reserve: int = 0,
     engine: Engine | None = None,
+    deepspeed: DeepSpeedEffects | None = None,
 ) -> Analysis:
     """Placement, step program, memory (the most-loaded pipeline stage) and communication (the
     stage that sends the most) of ``composition`` on ``model``, bytes per ``precision``
@@ -109,6 +112,7 @@ def analyze(
     expressions are read (``Analysis.symbolic_memory``).
     ``engine``: the training engine whose effects are added (``formal._engine_effects``), on the
     pipeline stage where placement and effects together are largest; None: the placement only.
+    ``deepspeed``: DeepSpeed's settings for ``Engine.DEEPSPEED`` (None: DeepSpeed's defaults).
     """
     if program is None:
         placement = composition.placement(model)
@@ -118,7 +122,7 @@ def analyze(
     sizes = group_sizes(model)
     mem = most_loaded(placement, model, precision, sizes)
     traffic_stage, traffic = busiest_stage_traffic(program, precision)
-    engine_pred = None if engine is None else engine_peak(placement, model, precision, sizes, engine)
+    engine_pred = None if engine is None else engine_peak(placement, model, precision, sizes, engine, deepspeed)
     return Analysis(
         composition=composition,
         model=model,
@@ -132,17 +136,31 @@ def analyze(
         traffic_stage=traffic_stage,
         reserve=reserve,
         engine=engine_pred,
+        deepspeed=deepspeed,
     )
 
 
 def engine_peak(
-    placement: Placement, model: Model, precision: Precision, sizes: Mapping[Group, Num], engine: Engine
+    placement: Placement,
+    model: Model,
+    precision: Precision,
+    sizes: Mapping[Group, Num],
+    engine: Engine,
+    deepspeed: DeepSpeedEffects | None = None,
 ) -> EnginePrediction:
     """The engine's prediction on the device with the largest peak (first or last pipeline
     stage; without a pipeline the one kind of device)."""
     stages = (Stage.FIRST, Stage.LAST) if placement.pipelined and placement.pipeline_degree != 1 else (Stage.FIRST,)
     candidates = [
-        engine_prediction(placement, model, precision, memory(placement, model, precision, sizes, st), engine, st)
+        engine_prediction(
+            placement,
+            model,
+            precision,
+            memory(placement, model, precision, sizes, st),
+            engine,
+            st,
+            deepspeed=deepspeed,
+        )
         for st in stages
     ]
     return max(candidates, key=lambda e: e.total)

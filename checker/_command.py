@@ -149,8 +149,8 @@ class Request:
 
 
 ENGINE_HELP = (
-    "The training engine whose own buffers the peak includes (fsdp2, ddp: PyTorch's, modelled; "
-    "deepspeed, megatron: the placement's figure). Default: by the composition (fsdp/hsdp: fsdp2, "
+    "The training engine whose own buffers the peak includes (fsdp2, ddp: PyTorch's; deepspeed: its "
+    "reduce bucket and fp32 master; megatron: the placement's figure). Default: by the composition (fsdp/hsdp: fsdp2, "
     "dp/ddp: ddp, zero*: deepspeed, otherwise megatron) or the imported config's framework."
 )
 ENGINES = tuple(e.value for e in Engine)
@@ -292,6 +292,7 @@ def analysis_of(req: Request) -> Analysis:
         program=program,
         reserve=req.reserve,
         engine=req.engine,
+        deepspeed=None if req.imported is None else req.imported.deepspeed,
     )
 
 

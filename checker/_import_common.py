@@ -63,8 +63,8 @@ class Imported:
     unmapped: tuple[Unmapped, ...] = field(default=())
     # The model the config describes when no preset has its dimensions (Megatron's size arguments).
     transformer: Transformer | None = None
-    # A DeepSpeed config's engine settings (buckets, persistence, reuse, reduction flags): what
-    # ``formal._engine_deepspeed``'s terms read; None for other frameworks.
+    # A DeepSpeed config's engine settings (buckets, persistence, reuse, reduction flags,
+    # ``overlap_comm``): what ``formal._engine_deepspeed``'s terms read; None for other frameworks.
     deepspeed: DeepSpeedEffects | None = None
 
     @property

@@ -102,9 +102,6 @@ _PERSIST = (
     "after the step (formal._engine_deepspeed); the placement counts them partitioned"
 )
 _DS_ZERO_EFFECTS = {
-    "reduce_bucket_size": "gradients reduced in buckets of this many elements: the deepspeed engine's "
-    "collectives and reduce bucket (formal._engine_deepspeed) count them; the placement's traffic is one "
-    "call a group",
     "allgather_bucket_size": "splits ZeRO-1/2's parameter gather only where torch lacks all_gather_into_tensor "
     "(DeepSpeed's all_gather_dp_groups): one gather a step",
     "stage3_prefetch_bucket_size": f"parameters fetched ahead: {_BUFFERS}",
@@ -118,8 +115,6 @@ _DS_ZERO_EFFECTS = {
     "stage3_model_persistence_threshold": _PERSIST,
     "model_persistence_threshold": _PERSIST,
     "sub_group_size": f"optimizer step in groups of this many elements: {_BUFFERS}",
-    "overlap_comm": "overlapped reduction keeps more buckets alive (not counted); ZeRO-1 then reduces in backward "
-    "order (the deepspeed engine's collectives)",
     "contiguous_gradients": f"gradients copied into a contiguous buffer: {_BUFFERS}",
     "reduce_scatter": "false reduces gradients with all-reduce instead of reduce-scatter: the traffic counted is "
     "reduce-scatter's",
@@ -238,6 +233,7 @@ DEEPSPEED_SCHEMA: Schema = {
     "zero_optimization.offload_optimizer.device": TEXT,
     "zero_optimization.offload_param": _DS_OFFLOAD,
     "zero_optimization.offload_param.device": TEXT,
+    "zero_optimization.overlap_comm": Expect("true, false or null", (bool,), nullable=True),
     "pipeline": OBJECT,
     "pipeline.stages": _DS_BATCH,
     "pipeline.activation_checkpoint_interval": integer(),
@@ -273,6 +269,8 @@ def import_deepspeed(
         raise ConfigError(f"{where}: zero_optimization must be an object")
     _ds_effects(raw, zero, notes)
     engine = deepspeed_effects(raw, where)  # its engine settings (bad values refused here)
+    # the reduce bucket as the model sizes it ("auto": Hugging Face's hidden^2)
+    engine = replace(engine, reduce_bucket_elements=_ds_buffers(zero, where, model, notes).reduce_bucket_elements)
     for key, why in _DS_ZERO_REFUSED.items():
         if key in zero and zero[key] not in (None, 0, 1, False):
             raise ConfigError(f"{where}: zero_optimization.{key}={zero[key]!r}: {why}")
@@ -382,6 +380,36 @@ def import_deepspeed(
 
 def _shown(value: Any) -> str:
     return printable(json.dumps(value, sort_keys=True) if not isinstance(value, str) else value, 60)
+
+
+def _ds_buffers(zero: dict[str, Any], where: str, model: Model | None, notes: list[Unmapped]) -> DeepSpeedEffects:
+    """The buffer settings DeepSpeed's terms read (``formal._engine_deepspeed``), defaults as
+    DeepSpeed's ``runtime/zero/config.py``: ``reduce_bucket_size`` 5e8 elements (a JSON number
+    such as 5e8 or 500000000; DeepSpeed's ``pp_int`` reads integral floats), ``overlap_comm``
+    None (True for ZeRO-3 only). ``"auto"`` is Hugging Face Trainer's: it fills the bucket with
+    hidden x hidden elements (transformers' ``integrations/deepspeed.py``,
+    ``trainer_config_finalize``), known only with the model."""
+    default = DeepSpeedEffects().reduce_bucket_elements
+    size = zero.get("reduce_bucket_size", default)
+    if size == "auto":
+        if isinstance(model, Transformer):
+            size = model.hidden * model.hidden
+        else:
+            size = default
+            why = f"Hugging Face fills it with hidden^2 elements; without the model {default:,} (DeepSpeed's default)"
+            notes.append(Unmapped("zero_optimization.reduce_bucket_size=auto", why))
+    if isinstance(size, bool) or not isinstance(size, int | float) or size != int(size) or size < 1:
+        raise ConfigError(f"{where}: zero_optimization.reduce_bucket_size={_shown(size)}: a positive whole number")
+    if int(size) > MAX_BUCKET:
+        raise ConfigError(f"{where}: zero_optimization.reduce_bucket_size={_shown(size)}: at most {MAX_BUCKET:.0e}")
+    overlap = zero.get("overlap_comm")
+    if overlap is not None and not isinstance(overlap, bool):
+        raise ConfigError(f"{where}: zero_optimization.overlap_comm={_shown(overlap)}: true, false or null")
+    return DeepSpeedEffects(reduce_bucket_elements=int(size), overlap_comm=overlap)
+
+
+# The largest bucket read (elements): beyond any device's memory, so a typo is caught.
+MAX_BUCKET = 10**13
 
 
 def _ds_effects(raw: dict[str, Any], zero: dict[str, Any], notes: list[Unmapped]) -> None:

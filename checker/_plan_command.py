@@ -70,6 +70,10 @@ def _print_plan(result: Plan) -> None:
         + (f", {result.cache_hits} from the cache" if result.cache_hits else "")
         + f"; {result.seconds['total']:.2f} s"
     )
+    console.print(
+        "memory: the peak under each candidate's engine, as check prints it (zero*: deepspeed, "
+        "fsdp/hsdp: fsdp2, dp: ddp, else megatron); screened on the placement's figure"
+    )
     title = "Best compositions (GB = 1e9 bytes; ms per step: compute + bubble + comm + host)"
     columns = (
         Column("#", True),
@@ -131,7 +135,7 @@ def _print_front(result: Plan, echo: Callable[..., None], shown: int = 6) -> Non
     picks = sorted({round(i * (front.size - 1) / max(shown - 1, 1)) for i in range(min(shown, front.size))})
     for i in picks:
         c = result.candidate(int(front[i]))
-        head = gb(result.cluster.usable_memory - c.memory)
+        head = gb(result.cluster.usable_memory - result.peak(int(front[i])).total)
         step = f"{c.step_s * 1e3:>9,.0f} ms" if c.timed else f"{'-':>12}"
         numbers = f"  {step}  {head:>8} spare  {gb(c.communication):>8}/step  b{c.micro_batch}"
         if len(numbers) + 1 + len(c.text) <= 80:

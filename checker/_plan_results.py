@@ -11,7 +11,7 @@ import csv
 import io
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,7 @@ from checker._plan_space import (
     RankBy,
     Workload,
 )
+from formal._engine_effects import EnginePrediction, default_engine
 from formal._hardware import Hardware
 from formal._model import Model, ParameterCount, Precision, Transformer
 from formal._rules import framework_notes, setting_for
@@ -55,7 +56,7 @@ class Candidate:
     degrees: tuple[int, ...]  # in AXES order
     micro_batch: int  # b, sequences per micro-batch per replica
     micro_batches: int  # m per step
-    memory: float  # bytes on the most-loaded device (vectorized; exact below when confirmed)
+    memory: float  # the placement's bytes on the most-loaded device (vectorized: the screen)
     stage: str
     traffic: tuple[float, ...]  # bytes per device per step, per axis (AXES order)
     host: float
@@ -64,8 +65,10 @@ class Candidate:
     communication_s: float
     host_s: float
     rank: int = 0
-    exact_memory: int | None = None
+    exact_memory: int | None = None  # the engine's peak (``engine_peak_of``): what ``check`` prints
     exact_communication: int | None = None
+    placement_memory: int | None = None  # the placement's exact figure (the paper's number)
+    engine: str = ""  # the engine the peak is for (``default_engine`` of the composition's names)
     status: Status | None = None
     verdict_note: str = ""
 
@@ -111,6 +114,10 @@ class Candidate:
             "micro_batch_size": self.micro_batch,
             "micro_batches": self.micro_batches,
             "memory_bytes": self.exact_memory if self.exact_memory is not None else round(self.memory),
+            "placement_memory_bytes": self.placement_memory
+            if self.placement_memory is not None
+            else round(self.memory),
+            "engine": self.engine,
             "most_loaded_stage": self.stage,
             "communication_bytes": (
                 self.exact_communication if self.exact_communication is not None else round(self.communication)
@@ -193,6 +200,17 @@ class Plan:
     moves: tuple[tuple[str, float, Efficiency], ...] = ()  # constants moved by their uncertainty
     cache_hits: int = 0  # z3 verdicts read from the on-disk cache instead of decided
     hardware_assumed: bool = False  # ``hardware`` is the preset assumed from the device memory
+    peaks: dict[int, EnginePrediction] = field(default_factory=dict)  # row -> its engine's peak, once computed
+
+    def peak(self, row: int) -> EnginePrediction:
+        """The row's per-device peak under its engine, as ``check`` computes it (cached)."""
+        if row not in self.peaks:
+            self.peaks[row] = engine_peak_of(self.candidate(row), self.model, self.precision)
+        return self.peaks[row]
+
+    def fits_exactly(self, row: int) -> bool:
+        """Whether the row's engine peak plus the reserve fits the device memory."""
+        return self.peak(row).total <= self.cluster.usable_memory
 
     @property
     def hardware_note(self) -> str:
@@ -249,6 +267,8 @@ class Plan:
             return rows
         t = self.table
         step = np.nan_to_num(t.step_s[rows], nan=0.0)  # untimed (no layers): headroom and traffic
+        # The front is found on the screen's figure; its members are kept when their engine's
+        # peak fits too, and their headroom is read from that peak.
         points = np.column_stack([step, t.memory[rows], t.traffic[rows].sum(axis=1)])
         keep: list[int] = []
         front = np.zeros((0, 3))
@@ -258,7 +278,7 @@ class Plan:
                 continue  # an earlier point is no worse on every objective (ties included)
             keep.append(int(rows[i]))
             front = np.vstack([front, p])
-        return np.array(keep, dtype=np.int64)
+        return np.array([r for r in keep if self.fits_exactly(r)], dtype=np.int64)
 
     def sensitivity(self, k: int = 5) -> list[dict[str, Any]]:
         """How the cost ranking's top ``k`` (before z3) changes when each calibrated constant
@@ -298,6 +318,7 @@ class Plan:
             "global_batch": self.global_batch,
             "precision": self.precision.name,
             "rank_by": self.rank_by.value,
+            "engine": ENGINE_RULE,
             "warnings": self.warnings,
             "counts": {
                 "families": len(self.families),
@@ -328,10 +349,11 @@ class Plan:
                     "composition": c.text,
                     "micro_batch_size": c.micro_batch,
                     "step_seconds": c.step_s if c.timed else None,
-                    "headroom_bytes": round(self.cluster.usable_memory - c.memory),
+                    "headroom_bytes": self.cluster.usable_memory - self.peak(int(r)).total,
+                    "engine": self.peak(int(r)).engine.value,
                     "communication_bytes": round(c.communication),
                 }
-                for c in (self.candidate(int(r)) for r in self.pareto())
+                for r, c in ((r, self.candidate(int(r))) for r in self.pareto())
             ],
             "sensitivity": self.sensitivity(max(len(self.top), 1)),
         }
@@ -346,7 +368,7 @@ class Plan:
                 "composition",
                 "micro_batch_size",
                 "micro_batches",
-                "memory_bytes",
+                "placement_memory_bytes",
                 "stage",
                 "communication_bytes",
                 *[f"bytes_{a.value}" for a in AXES],
@@ -379,6 +401,25 @@ class Plan:
                 ]
             )
         return buf.getvalue()
+
+
+# The engine each candidate's peak is for: ``check``'s default by the composition's names.
+ENGINE_RULE = (
+    "each candidate's default engine, as check-composition prints it "
+    "(zero*: deepspeed, fsdp/hsdp: fsdp2, dp: ddp, otherwise megatron)"
+)
+
+
+def engine_peak_of(candidate: Candidate, model: Model, precision: Precision) -> EnginePrediction:
+    """The candidate's per-device peak under its default engine: ``checker._analysis.engine_peak``
+    on its placement, the number ``check-composition`` prints for the same composition."""
+    from checker._analysis import engine_peak
+    from formal._program import group_sizes
+
+    comp = candidate.composition()
+    sized = model.with_micro_batch(candidate.micro_batch)
+    engine = default_engine(tuple(s.name for s in comp.strategies))
+    return engine_peak(comp.placement(sized), sized, precision, group_sizes(sized), engine)
 
 
 def _candidate(plan: Plan, row: int) -> Candidate:
@@ -495,6 +536,10 @@ def _popular(cluster: Cluster, model: Model) -> list[_Shape]:
     return out
 
 
+# How many of a shape's screened rows (best first) are checked against their engine's peak.
+_ALTERNATIVE_TRIES = 20
+
+
 def _alternatives(result: Plan) -> list[Alternative]:
     t = result.table
     out: list[Alternative] = []
@@ -529,13 +574,17 @@ def _alternatives(result: Plan) -> list[Alternative]:
             )
             continue
         fitting = rows[result.fits[rows]]
+        # The best-placed screened row whose engine peak fits too (a few tried, best first).
+        fitting = fitting[np.argsort(position[fitting], kind="stable")]
+        fitting = np.array([r for r in fitting[:_ALTERNATIVE_TRIES] if result.fits_exactly(int(r))], dtype=np.int64)
         if fitting.size == 0:
             lightest = int(rows[np.argmin(t.memory[rows])])
             c = result.candidate(lightest)
             out.append(
                 Alternative(
                     shape.label,
-                    f"{c.readable}: {gb(c.memory)} per device + {gb(result.cluster.reserve)} reserve > "
+                    f"{c.readable}: {gb(result.peak(lightest).total)} per device + "
+                    f"{gb(result.cluster.reserve)} reserve > "
                     f"{gb(result.cluster.device_memory)} (the lightest variant: "
                     f"b={c.micro_batch}, recompute {c.family.recompute.value})",
                     c,

@@ -463,10 +463,18 @@ def _prove_top(
         fi = int(result.table.family[row])
         if fi in refuted_families:
             continue
-        mem, comm, stage, program = exact_costs(cand, result.model, result.precision)
-        if mem > result.cluster.usable_memory:
-            continue  # within float rounding of the capacity, and over it exactly
-        cand = replace(cand, exact_memory=mem, exact_communication=comm, stage=stage)
+        mem, comm, _, program = exact_costs(cand, result.model, result.precision)
+        peak = result.peak(int(row))  # what check-composition prints for this composition
+        if peak.total > result.cluster.usable_memory:
+            continue  # over the capacity exactly, with its engine's own buffers
+        cand = replace(
+            cand,
+            exact_memory=peak.total,
+            placement_memory=mem,
+            engine=peak.engine.value,
+            exact_communication=comm,
+            stage=peak.stage,
+        )
         if decide is None:
             result.top.append(
                 replace(cand, rank=len(result.top) + 1, status=None, verdict_note="unproved: " + result.solver)

@@ -22,7 +22,7 @@ from checker._numbers import gb
 from checker._output import Column, fitted_table
 from checker._parse import readable
 from formal._costs import activation_breakdown, ceil_int, deferred_layer_activations, stage_memory
-from formal._engine_effects import modelled
+from formal._engine_effects import Engine
 from formal._exact import exact
 from formal._input import printable
 from formal._model import ParameterCount, Transformer
@@ -220,7 +220,13 @@ def _with_modifier(analysis: Analysis, modifier: str) -> WhatIf:
     changed = replace(c, options=replace(c.options, recompute=recompute), modifiers=(*c.modifiers, modifier))
     engine = None if analysis.engine is None else analysis.engine.engine
     other = analyze(
-        changed, analysis.model, analysis.precision, analysis.device_memory, reserve=analysis.reserve, engine=engine
+        changed,
+        analysis.model,
+        analysis.precision,
+        analysis.device_memory,
+        reserve=analysis.reserve,
+        engine=engine,
+        deepspeed=analysis.deepspeed,
     )
     return WhatIf(modifier, other.peak, other.fits)
 
@@ -320,7 +326,7 @@ def engine_summary(analysis: Analysis) -> list[str]:
     if e is None:
         return []
     if not e.modelled:
-        if modelled(e.engine):  # a modelled engine on a bare parameter count: no layers to place
+        if e.engine in (Engine.FSDP2, Engine.DDP):  # PyTorch's units on a bare parameter count: no layers
             return [f"engine   {e.engine.value}: its units need the model's layers (placement only)"]
         return [f"engine   {e.engine.value}: its own buffers not modelled (placement only)"]
     added = e.total - e.placement_total

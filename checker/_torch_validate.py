@@ -3,7 +3,9 @@
 ``python -m checker._torch_validate --table`` prints the table for every strategy at world
 size 8 on the fake process group; ``--equivalence`` runs the bit-for-bit and fault runs on 2
 and 4 real gloo processes; ``--gloo`` measures every rank on 2 and 4 gloo processes against
-the prediction and the fake group; ``check-composition COMPOSITION --validate torch`` validates one.
+the prediction and the fake group; ``--ddp-tracker`` measures DDP's per-device peak under
+``MemTracker`` on 2 gloo processes; ``--large`` a 0.5 B-parameter model under FakeTensorMode;
+``check-composition COMPOSITION --validate torch`` validates one.
 Needs the torch extra (``pip install -e '.[torch]'``); nothing in the core imports this module.
 """
 
@@ -224,13 +226,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="measure every rank on 2 and 4 gloo processes, against the prediction and the fake group",
     )
     parser.add_argument(
+        "--ddp-tracker",
+        action="store_true",
+        help="DDP, ZeRO-1 and accumulation on 2 gloo processes under MemTracker (checker._torch._ddp_tracked)",
+    )
+    parser.add_argument(
         "--large",
         action="store_true",
         help="a 0.5 B-parameter model under FakeTensorMode with MemTracker (checker._torch._large)",
     )
     args = parser.parse_args(argv)
     ok = True
-    if args.table or not (args.compositions or args.equivalence or args.gloo or args.large):
+    if args.table or not (args.compositions or args.equivalence or args.gloo or args.large or args.ddp_tracker):
         comparisons = [validate(t, rank=r) for t, r in TABLE_RUNS]
         print(format_table(comparisons))
         ok &= all(c.ok for c in comparisons)
@@ -251,6 +258,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         large = [compare_large(t, rank=r) for t, r in LARGE_RUNS]
         print(format_large(large))
         ok &= all(large_ok(c, r) for c, r in large)
+    if args.ddp_tracker:
+        from checker._torch._ddp_tracked import compare, ddp_ok, format_ddp, measure_world
+
+        ddp = [compare(m) for m in measure_world()]
+        print(format_ddp(ddp))
+        ok &= all(ddp_ok(c) for c in ddp)
     return 0 if ok else 1
 
 

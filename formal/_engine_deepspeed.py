@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from formal._costs import Memory, ceil_int
-from formal._engine_effects import Term, _data_axes
+from formal._engine_terms import Term
+from formal._engine_terms import data_axes as _data_axes
 from formal._model import Model, Precision, Transformer
 from formal._placement import Placement
 from formal._program import shard_elements
@@ -31,9 +32,13 @@ class DeepSpeedEffects:
     fp32_master: bool = True
     # ``reduce_bucket_size`` (``config.py``: 5e8 elements by default): ZeRO-1/2 reduce gradients
     # through an ``ipg_buffer`` of that many elements allocated for backward
-    # (``stage_1_and_2.py``); ZeRO-3 keeps its flat reduce bucket of that many elements for the
-    # whole run (``stage3.py``, the ``ipg_bucket`` buffer).
+    # (``stage_1_and_2.py`` ``setup_buckets``); ZeRO-3 keeps its flat reduce bucket of that many
+    # elements for the whole run (``stage3.py``, the ``ipg_bucket`` buffer).
     reduce_bucket_elements: int = 500_000_000
+    # ``overlap_comm`` (``config.py``: None means True for ZeRO-3 only): ZeRO-1/2 then allocate a
+    # second bucket of ``reduce_bucket_size`` elements so backward fills one while the other is
+    # reduced (``setup_buckets``: ``buf_1``); ZeRO-3 keeps one bucket either way.
+    overlap_comm: bool | None = None
     # ZeRO-2 (``stage_1_and_2.py``): the flat parameters, padded to a multiple of
     # ``nccl_start_alignment_factor`` (2) times the ranks, are cut into equal partitions, and the
     # rank's gradient buffer (``grads_in_partition``) holds every parameter that overlaps its
@@ -53,9 +58,8 @@ class DeepSpeedEffects:
     # ``use_multi_rank_bucket_allreduce`` says.
     reduce_scatter: bool = True
     contiguous_gradients: bool = True
-    # ``overlap_comm`` (false for ZeRO-1/2 by default): ZeRO-1 reduces from the gradient hooks in
-    # backward order instead of from ``reduce_gradients`` in registration order.
-    overlap_comm: bool = False
+    # (``overlap_comm``, above, also makes ZeRO-1 reduce from the gradient hooks in backward
+    # order instead of from ``reduce_gradients`` in registration order.)
     # ``compute_grad_norm``: ZeRO-1/2's global gradient norm all-reduce (``get_grad_norm_direct``,
     # an fp32 scalar; ``gradient_clipping`` only reads it, so clipping adds no call).
     compute_grad_norm: bool = True
@@ -160,6 +164,37 @@ def deepspeed_partition_gradients(model: Transformer, ranks: int, fx: DeepSpeedE
     return out
 
 
+def _straddling_modelled(pl: Placement, model: Model) -> bool:
+    """Whether ZeRO-2's partition of the flat buffer is computable: the model's whole tensors
+    (``parameter_tensors``: a Transformer, no model-parallel axis cutting them), one data axis."""
+    whole = isinstance(model, Transformer) and all(pl.degree(a) == 1 for a in pl.axes if not a.splits_data)
+    if not whole or len([a for a in pl.axes if a.splits_data and pl.degree(a) != 1]) != 1:
+        return False
+    try:
+        parameter_tensors(model)  # type: ignore[arg-type]
+    except ModelError:  # a block the tensor layout does not describe (a gated MLP)
+        return False
+    return True
+
+
+def deepspeed_notes(pl: Placement, model: Model, precision: Precision, fx: DeepSpeedEffects) -> list[str]:
+    """What DeepSpeed does on this placement that ``deepspeed_terms`` does not count, said."""
+    stage = zero_stage(pl)
+    if stage == 0:
+        return ["no ZeRO stage on a data axis: DeepSpeed's own buffers not modelled"]
+    out: list[str] = []
+    if stage >= 2 and pl.pipelined and pl.pipeline_degree != 1:
+        # ``runtime/pipe/engine.py``: PipelineEngine asserts the ZeRO stage is below 2.
+        out.append("DeepSpeed's pipeline engine refuses ZeRO-2/3 (runtime/pipe/engine.py)")
+    if stage == 3:
+        out.append("ZeRO-3 prefetch, live-parameter limits: the placement's gathers stand")
+    if stage == 2 and not pl.options.offload_optimizer and not _straddling_modelled(pl, model):
+        out.append("ZeRO-2 straddling gradients need whole tensors: even split counted")
+    if fx.fp32_master and precision.parameters == 4 and pl.options.offload_optimizer:
+        out.append("offloaded: the fp32 master partition is on the host, not counted")
+    return out
+
+
 def deepspeed_terms(
     pl: Placement,
     model: Model,
@@ -179,29 +214,28 @@ def deepspeed_terms(
     partition = sum(ceil_int(shard_elements(pl, OPT, g, sizes[g], None, Stage.FIRST)) for g in pl.groups(OPT))
     # A mixed-precision recipe's optimizer bytes already count the fp32 master (16-bit
     # parameters); with fp32 parameters the recipe's optimizer state is the moments alone.
-    if fx.fp32_master and precision.parameters == 4:
+    if fx.fp32_master and precision.parameters == 4 and not pl.options.offload_optimizer:
         out.append(
             Term("deepspeed_fp32_master", "DeepSpeed fp32 master partition", 4 * partition, "persistent", "optimizer")
         )
-    axes = [a for a in pl.axes if a.splits_data and pl.degree(a) != 1]
-    if fx.zero2_whole_straddling_gradients and stage == 2 and isinstance(model, Transformer) and len(axes) == 1:
-        n = int(pl.degree(axes[0]))
+    # Offloaded, ZeRO-2's gradient partition is copied to the host's fp32 partition instead.
+    straddling = fx.zero2_whole_straddling_gradients and stage == 2 and not pl.options.offload_optimizer
+    straddling = straddling and _straddling_modelled(pl, model)
+    if straddling and isinstance(model, Transformer):
+        n = int(next(pl.degree(a) for a in pl.axes if a.splits_data and pl.degree(a) != 1))
         held = deepspeed_partition_gradients(model, n, fx)
         rank = max(range(n), key=lambda r: held[r]) if data_rank is None else data_rank % n
         extra = held[rank] * precision.bytes_of(G) - ceil_int(placement.gradients.total)
         label = f"ZeRO-2 straddling gradients whole (rank {rank}/{n})"
         out.append(Term("deepspeed_straddling_gradients", label, extra, "persistent", "gradients"))
-    bucket = fx.reduce_bucket_elements * precision.bytes_of(G)
+    overlap = stage == 3 if fx.overlap_comm is None else fx.overlap_comm
+    buckets = 2 if overlap and stage != 3 else 1
+    bucket = buckets * fx.reduce_bucket_elements * precision.bytes_of(G)
     moment = "persistent" if stage == 3 else "backward"
-    out.append(
-        Term(
-            "deepspeed_reduce_bucket",
-            f"DeepSpeed reduce bucket ({fx.reduce_bucket_elements} elements)",
-            bucket,
-            moment,
-            "buffers",
-        )
-    )
+    n = fx.reduce_bucket_elements
+    label = f"DeepSpeed reduce buckets (2 x {n} elements, overlap_comm)" if buckets == 2 else ""
+    label = label or f"DeepSpeed reduce bucket ({n} elements)"
+    out.append(Term("deepspeed_reduce_bucket", label, bucket, moment, "buffers"))
     return out
 
 
@@ -384,7 +418,7 @@ def deepspeed_collectives(
     if stage in (1, 2):
         if fx.round_robin_gradients:
             notes.append("round_robin_gradients: the reordered partitions are not modelled")
-        kind, calls = _zero12_gradient_calls(sizes, n, stage == 2 or fx.overlap_comm, gbytes, fx)
+        kind, calls = _zero12_gradient_calls(sizes, n, stage == 2 or bool(fx.overlap_comm), gbytes, fx)
         label = f"DeepSpeed gradient buckets ({fx.reduce_bucket_elements} elements), {kind.value} each"
         out.append(CollectiveTerm("deepspeed_gradient_buckets", label, kind, n, tuple(calls)))
     else:
@@ -452,6 +486,7 @@ __all__ = [
     "INIT_BYTES",
     "deepspeed_collectives",
     "deepspeed_host_memory",
+    "deepspeed_notes",
     "deepspeed_partition_gradients",
     "deepspeed_terms",
     "largest_unit",

@@ -23,11 +23,11 @@ largest being the peak:
 
 The CLI (``check-composition --engine``) prints these terms; the PyTorch validator
 (``checker/_torch/_predict.py``) reads the same terms, so the number a user reads is the number
-that is validated. Engines whose effects are not modelled here (DeepSpeed, Megatron-LM) get the
-placement's figure, and say so (``EnginePrediction.modelled``). DeepSpeed's ZeRO effects are
-stated in ``formal._engine_deepspeed`` (the fp32 master partition, the reduce bucket, ZeRO-2's
-straddling gradients), validated by ``--validate deepspeed``
-(``checker/_torch/_deepspeed.py``); the CLI's ``--engine deepspeed`` does not add them yet.
+that is validated. DeepSpeed's ZeRO effects are stated in ``formal._engine_deepspeed`` (the fp32
+master partition, the reduce bucket, ZeRO-2's straddling gradients): ``engine_prediction`` adds
+them for ``Engine.DEEPSPEED``, and ``--validate deepspeed`` (``checker/_torch/_deepspeed.py``)
+reads the same terms. Megatron-LM's own effects are not modelled: it gets the placement's figure
+and the token ids, and says so (``EnginePrediction.modelled``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ from enum import StrEnum
 from formal._axes import TENSOR
 from formal._costs import Memory, ceil_int, holds_io_activations, in_flight_micro_batches, stage_in_flight
 from formal._costs import _tensor_factor as tensor_factor
+from formal._engine_deepspeed import DeepSpeedEffects, deepspeed_notes, deepspeed_terms, zero_stage
+from formal._engine_terms import Term
+from formal._engine_terms import data_axes as _data_axes
 from formal._model import Model, Precision, Transformer
 from formal._placement import Placement
 from formal._program import shard_elements
@@ -157,35 +160,22 @@ NO_EFFECTS = EngineEffects(
 
 
 def effects_for(engine: Engine) -> EngineEffects:
-    """The effects an engine has: PyTorch's (FSDP2, DDP: the same DTensor and pipelining
-    stack) are modelled; DeepSpeed's and Megatron-LM's are not yet (``modelled`` is False)."""
+    """The PyTorch effects an engine has: PyTorch's (FSDP2, DDP: the same DTensor and
+    pipelining stack) all of them; DeepSpeed (its own terms: ``formal._engine_deepspeed``) and
+    Megatron-LM (not modelled) none."""
     if engine in (Engine.FSDP2, Engine.DDP):
         return EngineEffects()
     return NO_EFFECTS
 
 
 def modelled(engine: Engine) -> bool:
-    return engine in (Engine.FSDP2, Engine.DDP)
+    """Whether the engine's own buffers are terms of the prediction (Megatron-LM's are not)."""
+    return engine in (Engine.FSDP2, Engine.DDP, Engine.DEEPSPEED)
 
 
 # The moments of a step at which a peak can fall: the end of a forward, the loss's backward, the
 # first block's backward.
 MOMENTS = ("forward", "loss", "backward")
-
-
-@dataclass(frozen=True)
-class Term:
-    """One engine effect on one device: its name, what it holds, bytes, and when.
-
-    ``moment``: ``persistent`` (held through the step: counted at every moment), ``forward``,
-    ``loss`` or ``backward`` (held at that moment only, ``MOMENTS``). ``state``: which row of
-    the memory table it adds to (``gradients``, ``optimizer``, ``activations``, ``buffers``)."""
-
-    key: str
-    label: str
-    bytes: int
-    moment: str
-    state: str
 
 
 @dataclass(frozen=True)
@@ -263,11 +253,6 @@ def pytorch_engine(strategy_names: tuple[str, ...]) -> Engine:
     return Engine.DDP if set(strategy_names) & {"dp", "ddp", "zero1"} else Engine.FSDP2
 
 
-def _data_axes(pl: Placement, state: State, group: Group) -> list[Axis]:
-    """Data axes along which ``group``'s ``state`` is sharded (FSDP's shard dimension)."""
-    return [a for a in pl.axes if a.splits_data and pl.mode(state, group, a).is_sharded]
-
-
 def _whole_along_data(pl: Placement, state: State, group: Group, size: int, stage: Stage) -> int:
     axes = _data_axes(pl, state, group)
     return ceil_int(shard_elements(pl, state, group, size, axes, stage)) if axes else 0
@@ -283,26 +268,34 @@ def engine_prediction(
     index: int | None = None,
     effects: EngineEffects | None = None,
     data_rank: int | None = None,
+    deepspeed: DeepSpeedEffects | None = None,
 ) -> EnginePrediction:
     """The engine's terms on one device of ``stage`` (pipeline stage ``index`` when given),
     added to ``placement`` (``formal._costs.memory`` of that stage, its activations for that
     stage). ``effects`` overrides the engine's own (``effects_for``). ``data_rank``: the device's
     rank along the data axis, for effects that differ between its ranks (ZeRO-1's whole-tensor
-    partition); None: the most loaded of them."""
+    partition, ZeRO-2's straddling gradients); None: the most loaded of them. ``deepspeed``:
+    DeepSpeed's settings under ``Engine.DEEPSPEED`` (None: DeepSpeed's defaults)."""
     fx = effects_for(engine) if effects is None else effects
     buffers = 0 if placement.buffers is None else ceil_int(placement.buffers)
     total = ceil_int(placement.total)
     terms: list[Term] = []
     fsdp = engine is Engine.FSDP2 and any(_data_axes(pl, P, g) for g in pl.groups(P))
-    known = modelled(engine) or effects is not None
-    if known:
+    torch = engine in (Engine.FSDP2, Engine.DDP) or effects is not None  # PyTorch's stack
+    known = torch
+    if torch:
         terms += _gradient_terms(pl, model, precision, fx, stage, engine is Engine.DDP)
     notes: list[str] = []
-    if known and engine is Engine.DDP and fx.zero_redundancy_whole_tensors and isinstance(model, Transformer):
+    if torch and engine is Engine.DDP and fx.zero_redundancy_whole_tensors and isinstance(model, Transformer):
         terms += _whole_tensor_partition(pl, model, precision, placement, data_rank, notes)
+    if engine is Engine.DEEPSPEED:
+        ds = DeepSpeedEffects() if deepspeed is None else deepspeed
+        terms += deepspeed_terms(pl, model, precision, placement, ds, data_rank)
+        notes += deepspeed_notes(pl, model, precision, ds)
+        known = zero_stage(pl) != 0
     if isinstance(model, Transformer):
         terms += _token_id_terms(pl, model, fx, stage, index)
-    if known and isinstance(model, Transformer):
+    if torch and isinstance(model, Transformer):
         terms += _activation_terms(pl, model, precision, fx, stage, index)
         if fsdp:
             terms += _fsdp_terms(pl, model, precision, fx, stage)

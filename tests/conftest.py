@@ -47,6 +47,7 @@ _GROUPS = {
         "test_torch_large",
         "test_torch_validation",
         "test_torch_isolation",
+        "test_torch_ddp_tracker",
     ),
     "proofs": ("test_proofs",),
     "differential": ("test_differential",),

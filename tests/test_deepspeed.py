@@ -13,6 +13,7 @@ reduce bucket), never read back from the module under test.
 from __future__ import annotations
 
 import importlib.util
+import json
 from typing import Any
 
 import pytest
@@ -24,7 +25,9 @@ from checker._parse import parse
 from checker.cli import main
 from formal._costs import memory
 from formal._engine_deepspeed import DeepSpeedEffects, deepspeed_partition_gradients, deepspeed_terms, zero_stage
+from formal._engine_effects import Engine
 from formal._model import PRECISIONS, Transformer
+from formal._presets import PRESETS
 from formal._program import group_sizes
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -121,6 +124,118 @@ def test_zero2_partition_holds_whole_straddling_parameters(n: int) -> None:
         assert part <= h <= part + 2 * max(sizes)
     assert sum(held) >= PARAMETERS
     assert len(held) == n
+
+
+# --- the CLI's --engine deepspeed: the same terms, printed and in the peak ---------------------
+
+# DeepSpeed's defaults (deepspeed/runtime/zero/config.py): ``reduce_bucket_size`` 5e8 elements;
+# ``overlap_comm`` None, True for ZeRO-3 only (``overlap_comm_valid``).
+DEFAULT_BUCKET = 500_000_000
+
+
+def precisions() -> st.SearchStrategy[str]:
+    return st.sampled_from(["zero", "fp32-adam"])
+
+
+def _token_ids(model: Transformer) -> int:
+    """The int64 token ids and targets one micro-batch keeps (no pipeline: one in flight)."""
+    return 2 * 8 * model.seq * model.micro_batch
+
+
+@given(stages(), data_degrees(), precisions())
+def test_cli_peak_adds_deepspeeds_terms(stage: int, n: int, precision: str) -> None:
+    from checker._analysis import analyze
+
+    model = _model()
+    prec = PRECISIONS[precision]
+    comp = parse(f"zero{stage}{n}")
+    a = analyze(comp, model, prec, engine=Engine.DEEPSPEED)
+    placement = int(analyze(comp, model, prec).memory.total)
+    assert a.engine is not None and a.engine.modelled
+    got = {t.key: t.bytes for t in a.engine.terms}
+    bucket = DEFAULT_BUCKET * prec.gradients  # one bucket: overlap_comm is off for ZeRO-1/2 by default
+    master = 4 * PARAMETERS // n if prec.parameters == 4 else 0  # fp32 model: a second fp32 copy
+    straddling = got.get("deepspeed_straddling_gradients", 0)
+    if stage == 2:  # at most the two parameters cut by the rank's boundaries, whole (see above)
+        assert 0 <= straddling <= 2 * 4 * H * H * 4 * prec.gradients
+    else:
+        assert straddling == 0
+    assert got["deepspeed_reduce_bucket"] == bucket
+    assert got.get("deepspeed_fp32_master", 0) == master
+    assert a.peak == placement + bucket + master + straddling + _token_ids(model)
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    r = CliRunner(env={"COLUMNS": "80"}).invoke(main, list(args))
+    assert "Traceback" not in r.output, r.output
+    return r.exit_code, r.output
+
+
+def test_cli_prints_the_reduce_bucket_as_its_own_line_and_in_json() -> None:
+    code, out = _cli("check", "zero3", "--devices", "8", "--model", "gpt3-1.3b")
+    assert code == 0
+    # ZeRO-3 by name runs on DeepSpeed; 5e8 elements of 2-byte gradients: 1.0 GB
+    assert "  DeepSpeed reduce bucket (500000000 elements): 1.0 GB" in out.splitlines()
+    assert "engine   deepspeed: +1.0 GB on the placement's" in out
+    code, text = _cli("check", "zero3", "--devices", "8", "--model", "gpt3-1.3b", "--json")
+    doc = json.loads(text)
+    terms = {t["name"]: t for t in doc["memory"]["engine"]["terms"]}
+    assert terms["deepspeed_reduce_bucket"]["bytes"] == DEFAULT_BUCKET * 2
+    assert terms["deepspeed_reduce_bucket"]["moment"] == "persistent"
+    gpt = PRESETS["gpt3-1.3b"]
+    assert isinstance(gpt, Transformer)
+    assert doc["memory"]["peak"] == doc["memory"]["per_device"]["total"] + DEFAULT_BUCKET * 2 + _token_ids(gpt)
+
+
+def test_deepspeed_notes_what_it_does_not_count() -> None:
+    code, out = _cli("check", "zero2xpp2", "--devices", "4", "--model", "gpt3-1.3b")
+    assert code in (0, 1)
+    assert "note: DeepSpeed's pipeline engine refuses ZeRO-2/3 (runtime/pipe/engine.py)" in out
+    _, out = _cli("check", "tp8", "--engine", "deepspeed")  # no ZeRO stage: nothing of DeepSpeed's counted
+    assert "engine   deepspeed: its own buffers not modelled (placement only)" in out
+
+
+def _imported(zero: dict[str, Any], model: Transformer | None = None) -> Any:
+    from checker._import_deepspeed import import_deepspeed
+
+    return import_deepspeed({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, devices=8, model=model)
+
+
+@given(st.sampled_from([1, 2]), st.integers(1, 10**10), st.booleans())
+def test_imported_bucket_settings_reach_the_terms(stage: int, size: int, overlap: bool) -> None:
+    from checker._analysis import analyze
+
+    imp = _imported({"stage": stage, "reduce_bucket_size": size, "overlap_comm": overlap})
+    a = analyze(imp.composition, _model(), PRECISIONS["zero"], engine=Engine.DEEPSPEED, deepspeed=imp.deepspeed)
+    assert a.engine is not None
+    got = {t.key: t.bytes for t in a.engine.terms}
+    # ZeRO-1/2 with overlap_comm: a second bucket (stage_1_and_2.py setup_buckets, buf_1)
+    assert got["deepspeed_reduce_bucket"] == (2 if overlap else 1) * size * PRECISIONS["zero"].gradients
+
+
+def test_imported_zero3_keeps_one_bucket_and_reads_float_and_auto_sizes() -> None:
+    imp = _imported({"stage": 3, "reduce_bucket_size": 1.6e7, "overlap_comm": True})
+    assert imp.deepspeed.reduce_bucket_elements == 16_000_000  # a JSON float DeepSpeed's pp_int reads
+    pl = imp.composition.placement(_model())
+    mem = memory(pl, _model(), PRECISIONS["zero"], group_sizes(_model()))
+    got = {t.key: t.bytes for t in deepspeed_terms(pl, _model(), PRECISIONS["zero"], mem, imp.deepspeed)}
+    assert got["deepspeed_reduce_bucket"] == 16_000_000 * 2  # ZeRO-3: one bucket whatever overlap_comm
+    # Hugging Face's "auto": hidden x hidden elements (transformers integrations/deepspeed.py)
+    assert _imported({"stage": 2, "reduce_bucket_size": "auto"}, _model()).deepspeed.reduce_bucket_elements == H * H
+    without = _imported({"stage": 2, "reduce_bucket_size": "auto"})
+    assert without.deepspeed.reduce_bucket_elements == DEFAULT_BUCKET
+    assert any(u.setting == "zero_optimization.reduce_bucket_size=auto" for u in without.unmapped)
+    assert not any("reduce_bucket_size" in u.setting for u in _imported({"stage": 2, "reduce_bucket_size": 9}).unmapped)
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, "big", True, 10**14])
+def test_bad_bucket_sizes_are_one_line_exit_2(bad: Any, tmp_path: Any) -> None:
+    config = tmp_path / "ds.json"
+    config.write_text(
+        json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "reduce_bucket_size": bad}})
+    )
+    code, out = _cli("check", "--from", str(config), "--devices", "8")
+    assert code == 2 and len(out.strip().splitlines()) == 1 and "reduce_bucket_size" in out, out
 
 
 def _check_world(world: int, results: list[Any]) -> None:
@@ -452,8 +567,10 @@ def test_importer_says_what_the_bucket_keys_change() -> None:
         u.setting.split("=")[0]: u.why
         for u in import_deepspeed({"zero_optimization": zero, "train_micro_batch_size_per_gpu": 1}, devices=8).unmapped
     }
-    for key in ("reduce_bucket_size", "use_multi_rank_bucket_allreduce", "max_reuse_distance"):
+    for key in ("use_multi_rank_bucket_allreduce", "max_reuse_distance"):
         assert "formal._engine_deepspeed" in notes[f"zero_optimization.{key}"]
+    # the bucket is read into the engine's terms (memory and collectives), so it is not a note
+    assert "zero_optimization.reduce_bucket_size" not in notes
     assert "same volume" not in notes["zero_optimization.use_multi_rank_bucket_allreduce"]
     engine = import_deepspeed({"zero_optimization": zero, "train_micro_batch_size_per_gpu": 1}, devices=8).deepspeed
     assert engine is not None and not engine.allreduce_gradients and engine.max_reuse_distance == 0

@@ -359,3 +359,33 @@ def test_a_bare_parameter_count_is_ranked_by_bytes_moved_untimed() -> None:
     assert np.all(np.diff(moved) >= 0)
     first = result.candidate(int(result.order[0]))
     assert first.host <= min(t.host[result.order])  # here nothing that fits needs the host
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--model", "gpt3-1.3b", "--devices", "8"),  # FSDP2 (fsdp-sgo, hsdp) and DeepSpeed (zero3) candidates
+        ("--model", "gpt3-1.3b", "--devices", "8", "--data", "dp,zero1"),  # DDP and DeepSpeed ZeRO-1
+        ("--model", "gpt3-1.3b", "--devices", "8", "--fix", "pp=2", "--data", "dp"),  # a pipeline's last stage
+        ("--params", "7e9", "--devices", "8", "--data", "zero2,zero3"),  # a bare parameter count
+    ],
+    ids=["fsdp-zero3", "ddp-zero1", "pipeline", "params"],
+)
+def test_plan_memory_is_what_check_prints_for_the_same_candidate(args: tuple[str, ...]) -> None:
+    """The plan's memory figure is the peak the first screen prints (``check``'s ``memory.peak``,
+    with the engine's terms), for every shown candidate under the engine the plan names."""
+    ran = CliRunner().invoke(main, ["plan", *args, "--top", "3", "--no-cache", "--json"])
+    assert ran.exit_code == 0, ran.output
+    doc = json.loads(ran.stdout)
+    assert "default engine" in doc["engine"]
+    assert doc["candidates"]
+    given = list(args[:4])
+    for c in doc["candidates"]:
+        b = ["--micro-batch", str(c["micro_batch_size"])] if "--model" in args else []
+        checked = CliRunner().invoke(main, ["check", c["composition"], *given, *b, "--json"])
+        assert checked.exit_code in (0, 1), checked.output
+        memory = json.loads(checked.stdout)["memory"]
+        assert c["memory_bytes"] == memory["peak"], c["composition"]
+        assert c["engine"] == memory["engine"]["engine"], c["composition"]
+        assert c["placement_memory_bytes"] == memory["per_device"]["total"], c["composition"]
+        assert c["memory_bytes"] + doc["reserve"] <= doc["device_memory"]

@@ -118,6 +118,7 @@ class Runner:
         self.engine = engine_for(self.comp)
         self.mesh = {a: d for a, d in self.comp.mesh().items() if d > 1}
         self.bucket_bytes: dict[int, int] = {}
+        self.bucket_buffers: dict[int, torch.Tensor] = {}  # the flat buffers themselves, by index
 
     # ---- building ---------------------------------------------------------------------
     def build(self) -> tuple[nn.Module, Any]:
@@ -161,13 +162,14 @@ class Runner:
 
         model = DDP(net, gradient_as_bucket_view=self.gradient_as_bucket_view)
         world = self.world
-        buckets = self.bucket_bytes
+        buckets, buffers = self.bucket_bytes, self.bucket_buffers
 
         def hook(_state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
             # The default hook's all-reduce, run synchronously: the fake group's future carries
             # no value (pytorch-ground-truth.md). It also reveals DDP's bucket buffers.
             t = bucket.buffer()
             buckets[bucket.index()] = t.untyped_storage().nbytes()
+            buffers[bucket.index()] = t
             t.div_(world)
             dist.all_reduce(t)
             fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()

@@ -236,7 +236,10 @@ def _tracker(runner: Runner, model: nn.Module, opt: torch.optim.Optimizer) -> An
         pass
 
     t = _Plain()
-    t.track_external(model, opt)
+    # ZeroRedundancyOptimizer keeps the rank's state in its local optimizer (``optim``), which
+    # the tracker must be given too: it reads an optimizer's state where it is registered.
+    inner = getattr(opt, "optim", None)
+    t.track_external(model, opt, *([inner] if isinstance(inner, torch.optim.Optimizer) else []))
     return t
 
 

@@ -19,6 +19,7 @@ from formal._scalars import ScalarSettings
 from formal._schedules import DEFAULT_SCHEDULE, PipelineSchedule, Schedule, schedule_of
 from formal._vocab import (
     LAYER_GROUPS,
+    PARAMETER_GROUPS,
     Axis,
     AxisKind,
     Group,
@@ -102,7 +103,25 @@ class Strategy:
             if state is State.GRADIENTS and entry.mode is Mode.MATERIALIZED:
                 where = "" if group is None else f" ({group.name})"
                 return f"G = 'M'{where}: a gradient cannot be materialized along an axis (hold it R or S)"
-        return self.pipeline_problem()
+        return self.pipeline_problem() or self.split_offset_problem()
+
+    def split_offset_problem(self) -> str | None:
+        """An offset (``@k``) on a state of a group whose computation the axis splits (tp's
+        matrices, ep's experts): there a rank's shard is its own slice (Megatron-LM's column- and
+        row-parallel weights, GShard's experts), and a shifted assignment, rank ``k + i`` holding
+        rank ``i``'s slice, is not a layout the model represents (the simulator places slices
+        by structure, without offsets)."""
+        if not (self.axis.kind.splits_matrices or self.axis.kind.places_experts):
+            return None
+        for state in (State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS):
+            for group in PARAMETER_GROUPS:
+                entry = self.entry(state, group)
+                if entry.offset and entry.mode.is_sharded and self.computes_sharded(group):
+                    return (
+                        f"{state.value}.{group.name} = {str(entry)!r} along {self.axis.value}, where {group.name} is "
+                        "computed split: each rank's shard is its own slice, so an offset is not modelled"
+                    )
+        return None
 
     def pipeline_problem(self) -> str | None:
         """Why this strategy, along a pipeline axis, is not a pipeline the model represents, or

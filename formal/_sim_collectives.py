@@ -121,22 +121,6 @@ class _StateOps:
             )
             for g in states.groups
         }
-        # The axes the refresh all-gathers each group's replicated parameters along (the
-        # optimizer updated only its shard of them): the gathers assemble the pieces of the
-        # partition they make together, as the reduce-scatters cut it.
-        self.refresh_axes: dict[Group, frozenset[Axis]] = {
-            g: frozenset(
-                op.axis
-                for op in self.ops
-                if op.group == g
-                and op.state is P
-                and op.phase is Phase.REFRESH
-                and op.kind is OpKind.ALL_GATHER
-                and op.axis is not None
-                and not self.pl.entry(P, g, op.axis).mode.is_sharded
-            )
-            for g in states.groups
-        }
 
     def _wire(self, state: State) -> int:
         return self.precision.wire_bytes_of(state)
@@ -166,10 +150,15 @@ class _StateOps:
         if op.state is G and op.kind is OpKind.REDUCE_SCATTER:
             # those it nests in: scattered before and not gathered back since, and those to come
             forced = frozenset((scattered - regathered) | whole | {axis})
-        elif op.state is P and op.kind is OpKind.ALL_GATHER and op.phase is Phase.REFRESH:
-            forced = self.refresh_axes[op.group]
+        # The refresh's all-gathers of parameters replicated along the axis assemble what the
+        # optimizer updated: the pieces are the optimizer state's partition (its tp slices, its
+        # nested flat shards), made whole along the axes gathered so far.
+        holder = op.state
+        if op.state is P and op.kind is OpKind.ALL_GATHER and op.phase is Phase.REFRESH:
+            if not self.pl.entry(P, op.group, axis).mode.is_sharded:
+                holder = O
         for peers in self.mesh.groups(axis, self.mesh.devices):
-            bases = {d: self.layout.holding(op.state, op.group, d, skip=whole | {axis}, force=forced) for d in peers}
+            bases = {d: self.layout.holding(holder, op.group, d, skip=whole | {axis}, force=forced) for d in peers}
             if op.state is G and op.kind is not OpKind.ALL_REDUCE and self._split_elsewhere(op.group, axis):
                 # A gradient exists only on the slice the device computes (a pipeline stage's
                 # layers, its tp slice), whatever G's mode there: a reduce-scatter or gather along
@@ -207,7 +196,7 @@ class _StateOps:
                     return _chunk(bases[d], len(members), (members.index(d) - op.offset) % len(members))
                 if whole:  # its shard along the axis, whole along the others made whole
                     piece = self.layout.holding(
-                        op.state, op.group, d, skip=whole, offsets={axis: op.offset}, force=forced | {axis}
+                        holder, op.group, d, skip=whole, offsets={axis: op.offset}, force=forced | {axis}
                     )
                     return np.intersect1d(piece, bases[d], assume_unique=True)
                 return _chunk(bases[d], deg, (self.mesh.coord(d, axis) - op.offset) % deg)

@@ -143,7 +143,12 @@ def _consistency_case(index: _Index, group: Group, axis: Axis) -> _ConsistencyCa
         (index.entry(P, group, axis), index.entry(O, group, axis), index.entry(G, group, axis)),
         (index.local.get((P, group)), index.local.get((O, group)), index.local.get((G, group))),
         _micro_batches_unrolled(
-            [op for op in index.ops.get(group, []) if op.state in (P, O, G) and op.axis in (None, axis)],
+            # a scale multiplies every device's copy whatever axis it names: every axis sees it
+            [
+                op
+                for op in index.ops.get(group, [])
+                if op.state in (P, O, G) and (op.axis in (None, axis) or op.kind is OpKind.SCALE)
+            ],
             index.micro_batches,
         ),
         index.placement.computes_sharded(axis, group),

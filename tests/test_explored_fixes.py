@@ -474,3 +474,64 @@ def test_a_broadcast_along_the_stages_sends_the_first_stage_s_copy(group: str, r
 
     expected = (Status.PROVED, True) if right else (Status.REFUTED, False)
     assert _judged("pp2", change=broadcast) == expected
+
+
+# --- the refresh assembles the optimizer's partition; scales act on every axis --------------
+
+TP_ZERO1 = """
+[strategies.zero1-tp]
+axis = "tp"
+P = "R"
+O = "S"
+G = "R"
+A = "R"
+compute_sharded = "all"
+"""
+
+
+def test_the_refresh_gathers_the_optimizer_partition_of_split_and_flat_axes() -> None:
+    """The distributed optimizer along dp inside a tp whose matrices are split while the
+    parameters stay replicated: each rank updates its dp shard of its own tp slice, and the
+    refresh's gathers along dp then tp assemble that partition. The simulator cut the dp pieces
+    from the whole tensor, not from the tp slice (simulator wrong)."""
+    assert _judged("distopt4xzero1-tp2xoffload", TP_ZERO1) == (Status.PROVED, True)
+
+    def no_tp_refresh(program: StepProgram, model: Model) -> StepProgram:
+        return program.with_ops([op for op in program.ops if not (op.phase is Phase.REFRESH and op.axis is Axis.TP)])
+
+    assert _judged("distopt4xzero1-tp2xoffload", TP_ZERO1, no_tp_refresh) == (Status.REFUTED, False)
+
+
+def _optimizer_state_scales(*scales: tuple[Axis, Phase, sp.Rational]) -> Change:
+    def change(program: StepProgram, model: Model) -> StepProgram:
+        ops = list(program.ops)
+        step = next(i for i, op in enumerate(ops) if op.kind is OpKind.OPTIMIZER_STEP and op.group.name == "embedding")
+        group = ops[step].group
+        for axis, phase, factor in scales:
+            op = Op(OpKind.SCALE, State.OPTIMIZER, group, axis, phase, 0, sp.Integer(1), scale=factor)
+            at = next(i for i, o in enumerate(ops) if o.phase is Phase.OPTIMIZER)
+            ops.insert(at, op)  # before every update: the moment the update reads
+        return program.with_ops(ops)
+
+    return change
+
+
+def test_scales_of_the_optimizer_state_multiply_whatever_axis_they_name() -> None:
+    """x2 named along dpr and x1/2 named along dp, both before the update: the moment is as it
+    was. A scale multiplies every device's copy; z3 applied each one on its own axis only, so
+    each axis saw half the product (z3 wrong). One of them alone is refuted on both sides."""
+    both = _optimizer_state_scales(
+        (Axis.DPR, Phase.GRAD_SYNC, sp.Integer(2)), (Axis.DP, Phase.OPTIMIZER, sp.Rational(1, 2))
+    )
+    assert _judged("hsdp2xdpr2", change=both, tied=True) == (Status.PROVED, True)
+    one = _optimizer_state_scales((Axis.DPR, Phase.GRAD_SYNC, sp.Integer(2)))
+    assert _judged("hsdp2xdpr2", change=one, tied=True) == (Status.REFUTED, False)
+
+
+def test_an_offset_along_an_axis_that_splits_the_computation_is_refused() -> None:
+    """Along tp (or ep) a rank's shard of a group computed split is its own slice: rank ``i + k``
+    holding rank ``i``'s slice is not a layout the model represents, so it is refused on load
+    (z3 judged the shift, the simulator placed slices without it)."""
+    with pytest.raises(InputError, match="offset is not modelled"):
+        loads('[strategies.shifted]\naxis = "tp"\nP = "S*@1"\nO = "S"\ncompute_sharded = "all"\n')
+    loads('[strategies.shifted]\naxis = "dp"\nP = "S*@1"\nO = "S"\n')  # along dp an offset is a layout

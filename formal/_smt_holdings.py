@@ -456,8 +456,8 @@ class _AxisRun:
         later reductions reduce); a parameter or an optimizer moment keeps the rest of what it
         held, as ``reduce_scatter_tensor`` leaves its input buffer (the simulator alike)."""
         if self.case.stage_group:
-            for i in self.ends:
-                piece = {k: self.combined(op, k) for k in self.piece(i, op.offset)}
+            pieces = {i: {k: self.combined(op, k) for k in self.piece(i, op.offset)} for i in self.ends}
+            for i, piece in pieces.items():
                 if op.state is G:
                     self.hold[(False, i, op.state)] = piece
                 else:

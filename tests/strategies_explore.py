@@ -300,8 +300,9 @@ FOUND_CLASSES: dict[str, tuple[str, Callable[[Explored], bool]]] = {
         _sequence_region_computed_sharded,
     ),
     "13": (
-        "a P or O collective along pp of a group living on one stage (z3 cuts the group into pp "
-        "blocks and refutes; the simulator keeps it whole on its stage and matches: z3 judged wrong)",
+        "a P or O collective along pp of a group living on one stage (z3 cut the group into pp "
+        "blocks and refuted; the simulator keeps it whole on its stage and matched: z3 was wrong, "
+        "now whole where held on both sides)",
         _one_stage_group_moved_along_pp,
     ),
     "14": (
@@ -312,8 +313,8 @@ FOUND_CLASSES: dict[str, tuple[str, Callable[[Explored], bool]]] = {
     ),
     "15": (
         "nested shards of one group cut along different sets of axes by P, O and G (the simulator "
-        "cuts axis after axis, in mesh order, and a refresh from O's shard misses P's; z3 judges "
-        "each axis alone and proves it: z3 wrong, not yet fixed)",
+        "cut a later reduce-scatter, and the refresh's gathers, as if the earlier ones had not run, "
+        "and diverged where z3 proved it: the simulator was wrong, now fixed)",
         _nested_shards_cut_differently,
     ),
 }

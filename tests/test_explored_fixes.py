@@ -34,7 +34,13 @@ Which side was wrong, case by case (``docs/semantics.md`` states each rule):
   outside the shard (simulator wrong);
 * a group outside the layers along pp lives whole where its mode puts it (the first stage, the
   last, or both): z3 cut it into per-stage chunks and let any rank be a broadcast's source (z3
-  wrong).
+  wrong);
+* the refresh's gathers of replicated parameters assemble the optimizer state's partition (its tp
+  slices, its nested shards): the simulator cut them from the whole tensor (simulator wrong);
+* a scale multiplies every device's copy whatever axis it names: z3 applied a scale of P or O on
+  its own axis only (z3 wrong);
+* an offset along an axis that splits the computation: not a layout the model represents,
+  refused on load (z3 judged the shift, the simulator placed slices without it).
 """
 
 from __future__ import annotations

@@ -419,6 +419,86 @@ def _split_compute_rule(axis: Axis) -> Rule:
     )
 
 
+def _flat_shard_axes(s: Setting, state: State, group: Group) -> list[Axis]:
+    """The axes along which ``state`` of ``group`` is cut into flat shards, outer first: dpr first
+    (ep first for a group whose experts ep splits), then mesh order, as ``formal._sim_mesh``
+    cuts them (the replicate axis outer, as in PyTorch's HSDP mesh ("replicate", "shard"));
+    along a pipeline axis, or an axis that splits the group's computation, the pieces are
+    slices, not flat shards."""
+    strategies = list(s.strategies)
+    expert_split = any(st.axis.kind.places_experts and st.computes_sharded(group) for st in strategies)
+    first = Axis.EP if expert_split else Axis.DPR
+    out = []
+    for st in sorted(strategies, key=lambda st: st.axis is not first):
+        axis = st.axis
+        structural = axis.kind.is_pipeline or (axis.kind.splits_matrices and st.computes_sharded(group))
+        if not structural and st.entry(state, group).mode.is_sharded and axis not in out:
+            out.append(axis)
+    return out
+
+
+def _misnested(s: Setting, outer: Axis, inner: Axis) -> tuple[tuple[Group, State], ...]:
+    """(group, P or G) whose flat shard is cut along ``inner`` but not ``outer``, while the
+    optimizer state's is cut along both with ``outer`` outside: each device's optimizer piece
+    (block ``c_outer * d_inner + c_inner``) is then not inside its parameter or gradient shard
+    (block ``c_inner`` of ``d_inner``), so the update reads and writes elements the device does
+    not hold. An optimizer state cut along axes the other state is not cut along is right only
+    when those axes nest inside (ZeRO-1 over dp under HSDP's replicate axis needs the replicate
+    axis inner, which the mesh order does not give)."""
+    out = []
+    for g in s.model.group_elements():
+        o_axes = _flat_shard_axes(s, State.OPTIMIZER, g)
+        if outer not in o_axes or inner not in o_axes or o_axes.index(outer) > o_axes.index(inner):
+            continue
+        for state in (State.PARAMETERS, State.GRADIENTS):
+            x_axes = _flat_shard_axes(s, state, g)
+            if inner in x_axes and outer not in x_axes and set(x_axes) <= set(o_axes):
+                out.append((g, state))
+    return tuple(out)
+
+
+def _nesting_rule(outer: Axis, inner: Axis) -> Rule:
+    """Nested shards. A state cut into flat shards along several axes is cut outer axis first
+    (``_flat_shard_axes``); the optimizer reads and writes P and G at its own piece, so that
+    piece must lie inside the device's P and G shards. Cut along ``outer`` and ``inner`` while P
+    (or G) is cut along ``inner`` alone, it does not: the pieces nest the other way."""
+    count = f"misnested_{outer.value}_{inner.value}"
+
+    def explain(mesh: Mapping[Axis, int], s: Setting) -> str:
+        g, state = _misnested(s, outer, inner)[0]
+        d_outer, d_inner = mesh.get(outer, 2), mesh.get(inner, 2)
+        return (
+            f"O.{g.name} is sharded along {outer.value} and {inner.value} ({outer.value} outer), "
+            f"{state.value}.{g.name} along {inner.value} alone: the device at {outer.value}=0, "
+            f"{inner.value}=1 updates block 1 of {d_outer * d_inner}, outside its {state.value} shard (blocks "
+            f"{d_outer} to {2 * d_outer - 1}), so it reads elements it does not hold; shard "
+            f"{state.value} along {outer.value} too, or O along {inner.value} alone"
+        )
+
+    def witness(mesh: Mapping[Axis, int], s: Setting) -> dict[str, Any]:
+        g, state = _misnested(s, outer, inner)[0]
+        return {
+            "state": state.value,
+            "group": g.name,
+            "outer": outer.value,
+            "inner": inner.value,
+            "optimizer_axes": [a.value for a in _flat_shard_axes(s, State.OPTIMIZER, g)],
+            "state_axes": [a.value for a in _flat_shard_axes(s, state, g)],
+        }
+
+    return Rule(
+        f"nested_shards[{outer.value}, {inner.value}]",
+        Provenance.CORRECTNESS,
+        None,
+        lambda s: outer in s.axes and inner in s.axes and bool(_misnested(s, outer, inner)),
+        lambda t, s: t.implies(
+            t.degree(outer) > 1, t.implies(t.degree(inner) > 1, t.size(count, len(_misnested(s, outer, inner))) == 0)
+        ),
+        explain,
+        witness,
+    )
+
+
 def _same_data(s: Setting, axis: Axis) -> tuple[Group, ...]:
     """Activation groups the axis's strategy replicates: along a data axis, every rank on the same data."""
     st = _strategy_on(s, axis)
@@ -523,6 +603,7 @@ RULES: tuple[Rule, ...] = (
     *(_cp_needs_attention(cp) for cp in _SEQUENCE),
     *(r for pp in _PIPELINE for r in _interleaved_rules(pp)),
     *(_split_compute_rule(a) for a in Axis),
+    *(_nesting_rule(u, v) for u in Axis for v in Axis if u is not v and not (u.kind.is_pipeline or v.kind.is_pipeline)),
     *(_data_rule(a) for a in Axis if a.kind.splits_data),
 )
 

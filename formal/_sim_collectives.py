@@ -22,7 +22,7 @@ from formal._reference import Array, IndexArray, Numbers, Optimizer
 from formal._sim_mesh import Device, _chunk, _Layout, _Mesh
 from formal._sim_results import OpTraffic, _Judge
 from formal._sim_states import Masks, _States
-from formal._vocab import Axis, Group, OpKind, Phase, Reduce, State
+from formal._vocab import LAYER_GROUPS, Axis, Group, OpKind, Phase, Reduce, State
 from formal.errors import SimulationError
 
 P, O, G = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS  # noqa: E741
@@ -117,7 +117,11 @@ class _StateOps:
             g: frozenset(
                 op.axis
                 for op in self.ops
-                if op.group == g and op.state is G and op.axis is not None and op.kind is OpKind.REDUCE_SCATTER
+                if op.group == g
+                and op.state is G
+                and op.axis is not None
+                and op.kind is OpKind.REDUCE_SCATTER
+                and op.phase is not Phase.FORWARD  # the backward's gradient is whole again
             )
             for g in states.groups
         }
@@ -217,7 +221,12 @@ class _StateOps:
                     total = n.sum_of([arrays[d][..., union] for d in members])
                     if op.reduce is Reduce.MEAN:
                         total = n.scale(total, Fraction(1, k))
-                    if op.state is G and not per_mb and (op.phase is not Phase.FORWARD or self.states.accumulated):
+                    # A stage that does not compute a group outside the layers has no gradient
+                    # buffer for it at all, fresh or accumulated (docs/semantics.md, "Groups
+                    # outside the layers along a pipeline").
+                    absent = per_mb and axis.kind.is_pipeline and op.group not in LAYER_GROUPS
+                    after_backward = op.phase is not Phase.FORWARD or self.states.accumulated
+                    if op.state is G and (absent or (not per_mb and after_backward)):
                         # After a backward, where a member's ``.grad`` holds no current value
                         # (freed outside its shard by the synchronisation, or by a reduce-scatter
                         # of an earlier micro-batch), the sum has none either: z3's junk. Zeros

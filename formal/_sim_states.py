@@ -157,9 +157,11 @@ class _States:
             for g in self.groups:
                 self.G[dev][g] = self.n.add(self.G[dev][g], self.fresh[dev][g])
                 self.live[dev][g] |= self.live_fresh[dev][g]
+        # ``.grad`` is now cut as the micro-batch's gradient was (whole, or scattered as produced):
+        # what ops on the earlier buffer scattered is summed with a whole gradient.
         for g in self.groups:
-            self.scattered.setdefault((False, g), set()).update(self.scattered.get((True, g), ()))
-            self.regathered.setdefault((False, g), set()).update(self.regathered.get((True, g), ()))
+            self.scattered[(False, g)] = set(self.scattered.get((True, g), ()))
+            self.regathered[(False, g)] = set(self.regathered.get((True, g), ()))
 
     def free_parameters(self, after_backward: bool) -> None:
         """Gathered copies are freed after the forward, or after the backward if kept through it."""

@@ -256,6 +256,25 @@ def _reduces_complete_split_gradient(e: Explored) -> bool:
     )
 
 
+def _scattered_after_its_reduction(e: Explored) -> bool:
+    """Class 16: a reduce-scatter of a gradient replicated along its axis, placed after a
+    reduction of that gradient along the same axis (the buffer already holds the reduced value
+    everywhere)."""
+    ops = e.program.ops
+    pl = e.program.placement
+    return any(
+        op.state is State.GRADIENTS
+        and op.kind is OpKind.REDUCE_SCATTER
+        and op.axis is not None
+        and not pl.entry(State.GRADIENTS, op.group, op.axis).mode.is_sharded
+        and any(
+            o.state is State.GRADIENTS and o.group == op.group and o.axis is op.axis and o.kind.is_reduction
+            for o in ops[:i]
+        )
+        for i, op in enumerate(ops)
+    )
+
+
 def _nested_shards_cut_differently(e: Explored) -> bool:
     """Class 15: a group sharded along two or more split flat axes (not pipeline stages or tp
     slices of a split computation) by one of its states, while another of P, O, G is sharded
@@ -316,6 +335,13 @@ FOUND_CLASSES: dict[str, tuple[str, Callable[[Explored], bool]]] = {
         "cut a later reduce-scatter, and the refresh's gathers, as if the earlier ones had not run, "
         "and diverged where z3 proved it: the simulator was wrong, now fixed)",
         _nested_shards_cut_differently,
+    ),
+    "16": (
+        "a reduce-scatter of an already reduced, replicated gradient, then an update that reads "
+        "the whole buffer (reduce_scatter_tensor leaves its input, so every element is still the "
+        "reduced one: the simulator matches; z3's consistency run keeps only the scattered piece "
+        "of a gradient and refutes: z3 is wrong, not yet fixed)",
+        _scattered_after_its_reduction,
     ),
 }
 

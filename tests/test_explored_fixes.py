@@ -541,3 +541,53 @@ def test_an_offset_along_an_axis_that_splits_the_computation_is_refused() -> Non
     with pytest.raises(InputError, match="offset is not modelled"):
         loads('[strategies.shifted]\naxis = "tp"\nP = "S*@1"\nO = "S"\ncompute_sharded = "all"\n')
     loads('[strategies.shifted]\naxis = "dp"\nP = "S*@1"\nO = "S"\n')  # along dp an offset is a layout
+
+
+# --- nested shards must nest; stages without a group have no buffer for it ------------------
+
+ZERO1_CP = '[strategies.zero1-cp]\naxis = "cp"\nP = "R"\nO = "S"\nG = "R"\n'
+
+
+@pytest.mark.parametrize(("text", "right"), [("zero1-cp2xfsdp2", False), ("fsdp2xzero1-cp2", True)])
+def test_an_optimizer_piece_outside_the_parameter_shard_is_refuted(text: str, right: bool) -> None:
+    """The optimizer state cut along cp and dp, the parameters and gradients (FSDP) along dp
+    alone. Flat shards nest in mesh order: with cp first, a device's optimizer piece lies outside
+    its dp shard, and the update reads elements it does not hold; with dp first it lies inside.
+    z3 judged each axis alone and proved both (z3 wrong): ``nested_shards[cp, dp]``."""
+    status, matches = _judged(text, ZERO1_CP)
+    assert (status is Status.PROVED, matches) == (right, right)
+    if not right:
+        composition = parse(text, loads(ZERO1_CP).factories())
+        model = reference_for(composition, ReferenceModel()).transformer()
+        verdict = decide(composition, derive_program(composition.placement(model), model), model)
+        assert any(v.rule == "nested_shards[cp, dp]" for v in verdict.violations)
+
+
+def test_a_sum_of_the_head_gradient_with_the_first_stage_is_refuted_and_diverges() -> None:
+    """The head lives on the last stage; the first stage has no gradient buffer for it. A sum
+    all-reduce of the head's gradient along pp adds memory that is not there: the simulator's
+    zeroed micro-batch buffer made it pass (simulator wrong)."""
+
+    def head_sum(program: StepProgram, model: Model) -> StepProgram:
+        at = max(i for i, op in enumerate(program.ops) if op.phase is Phase.BACKWARD) + 1
+        return _inserted(OpKind.ALL_REDUCE, State.GRADIENTS, "head", Axis.PP, Phase.BACKWARD, Reduce.SUM, at)(
+            program, model
+        )
+
+    assert _judged("zero12xpp2", change=head_sum) == (Status.REFUTED, False)
+    assert _judged("zero12xpp2") == (Status.PROVED, True)
+
+
+def test_a_forward_reduce_scatter_of_an_empty_gradient_does_not_cut_the_backward_s() -> None:
+    """With one micro-batch ``.grad`` is empty in the forward: a reduce-scatter there changes
+    nothing, and the backward's gradient is whole again. The simulator counted the forward
+    reduce-scatter among the step's scatters, so the later dp reduce-scatter was cut as nested
+    in cp (simulator wrong)."""
+
+    def forward_scatter(program: StepProgram, model: Model) -> StepProgram:
+        at = next(i for i, op in enumerate(program.ops) if op.phase is Phase.BACKWARD)
+        return _inserted(OpKind.REDUCE_SCATTER, State.GRADIENTS, "attention", Axis.CP, Phase.FORWARD, Reduce.SUM, at)(
+            program, model
+        )
+
+    assert _judged("cp2xfsdp-sgo4xoffload-params", change=forward_scatter) == (Status.PROVED, True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from formal._axes import Origin
 from formal._placement import Entry
 from formal._program import Op
 from formal._smt_common import MAX_CONSISTENCY_DEVICES, PHASE_ORDER, PLACEHOLDER, G, O, P, _fraction, _Index
@@ -134,6 +135,7 @@ class _ConsistencyCase:
     stage_group: bool = False  # along a pipeline axis, a group outside the layers (lives on one or two stages)
     first_stage: bool = False  # ... used by the first stage (the embedding); else by the last (head, final norm)
     tied: bool = False  # ... used by the first and the last stage (a tied embedding)
+    complete: bool = True  # the backward's gradient is complete along the axis (not a partial sum)
 
 
 def _consistency_case(index: _Index, group: Group, axis: Axis) -> _ConsistencyCase:
@@ -157,6 +159,7 @@ def _consistency_case(index: _Index, group: Group, axis: Axis) -> _ConsistencyCa
         axis.kind.is_pipeline and group not in LAYER_GROUPS,
         axis.kind.is_pipeline and group in FIRST_STAGE_GROUPS,
         axis.kind.is_pipeline and group in index.placement.tied,
+        index.origins.get((group, axis), Origin.COMPLETE) is not Origin.PARTIAL,
     )
 
 
@@ -212,6 +215,10 @@ class _AxisRun:
         }
         self.ref: dict[State, list[_T]] = {st: [_T(f"{st.value}0", k) for k in range(self.d)] for st in (P, O)}
         self.junk = 0
+        # Per device, the gradient chunks reduced along the axis (or complete when produced): a
+        # reduce-scatter leaves them in the buffer, as ``reduce_scatter_tensor`` leaves its input,
+        # and drops the partial sums it did not reduce (what an update must not read).
+        self.reduced: dict[int, set[int]] = {i: set() for i in range(self.d)}
         self.names = {
             "P": f"P.{self.group.name}, {self.axis.value}",
             "O": f"O.{self.group.name}, {self.axis.value}",
@@ -357,6 +364,8 @@ class _AxisRun:
                     case OpKind.BROADCAST:
                         for i in self.ends[1:] if self.case.stage_group else range(1, self.d):
                             self.hold[(False, i, op.state)] = dict(self.hold[(False, 0, op.state)])
+                            if op.state is G:
+                                self.reduced[i] = set(self.reduced[0])
                     case OpKind.HOST_TO_DEVICE:
                         for i in range(self.d):
                             self.hold[(False, i, op.state)].update(self.hold[(True, i, op.state)])
@@ -417,6 +426,7 @@ class _AxisRun:
                 self.hold[(False, i, G)] = {}
                 continue
             self.hold[(False, i, G)] = {k: gradient[k] for k in ([i] if split else range(self.d))}
+            self.reduced[i] = set(self.hold[(False, i, G)]) if self.case.complete else set()
 
     def free_outside_shard(self) -> None:
         """After gradient synchronisation a sharded gradient is kept only on its shard."""
@@ -434,8 +444,11 @@ class _AxisRun:
             return
         o = self.off(op.offset)
         values = {k: self.contribute((False, (k + o) % self.d, op.state), k) for k in range(self.d)}
+        reduced = {k for k in range(self.d) if k in self.reduced[(k + o) % self.d]}
         for i in range(self.d):
             self.hold[(False, i, op.state)] = dict(values)
+            if op.state is G:
+                self.reduced[i] = set(reduced)
 
     def combined(self, op: Op, chunk: int) -> _T:
         """A reduction's result for a chunk: junk unless every device holds the same value. A
@@ -452,9 +465,11 @@ class _AxisRun:
         return first.scaled(Fraction(len(held) if self.case.stage_group else self.degree))
 
     def reduce_scatter(self, op: Op) -> None:
-        """Each device's piece gets the reduced chunk. A gradient keeps only its piece (what the
-        later reductions reduce); a parameter or an optimizer moment keeps the rest of what it
-        held, as ``reduce_scatter_tensor`` leaves its input buffer (the simulator alike)."""
+        """Each device's piece gets the reduced chunk. The rest of the buffer stays as it was, as
+        ``reduce_scatter_tensor`` leaves its input (the simulator alike): a parameter or an
+        optimizer moment keeps it; a gradient keeps the chunks already reduced along the axis
+        and loses its partial sums there (no update may read them, and later reductions reduce
+        the piece)."""
         if self.case.stage_group:
             pieces = {i: {k: self.combined(op, k) for k in self.piece(i, op.offset)} for i in self.ends}
             for i, piece in pieces.items():
@@ -468,7 +483,10 @@ class _AxisRun:
         values = {i: self.combined(op, mine[i]) for i in range(self.d)}
         for i in range(self.d):
             if op.state is G:
-                self.hold[(False, i, op.state)] = {mine[i]: values[i]}
+                held = self.hold[(False, i, op.state)]
+                kept = {k: v for k, v in held.items() if k in self.reduced[i] and k != mine[i]}
+                self.hold[(False, i, op.state)] = {**kept, mine[i]: values[i]}
+                self.reduced[i] = {*kept, mine[i]}
             else:
                 self.hold[(False, i, op.state)][mine[i]] = values[i]
 
@@ -484,6 +502,8 @@ class _AxisRun:
             held = self.hold[(False, i, op.state)]
             for k in list(held):
                 held[k] = values[k]
+            if op.state is G:
+                self.reduced[i] = set(held)
 
     def compute(self, op: Op, gradient: list[_T], where: dict[str, Any]) -> None:
         full = self.needs_all(self.axis in op.full or self.case.stage_group)
@@ -504,6 +524,7 @@ class _AxisRun:
             if op.phase is Phase.BACKWARD:
                 split = self.axis not in op.full and self.split_gradient()
                 self.hold[(False, i, G)] = {k: gradient[k] for k in ([i] if split else needed)}
+                self.reduced[i] = set(self.hold[(False, i, G)]) if self.case.complete else set()
 
     def free_parameters(self, after_backward: bool) -> None:
         """At the end of the forward and of the backward: transient copies are freed (gathered

@@ -339,8 +339,8 @@ FOUND_CLASSES: dict[str, tuple[str, Callable[[Explored], bool]]] = {
     "16": (
         "a reduce-scatter of an already reduced, replicated gradient, then an update that reads "
         "the whole buffer (reduce_scatter_tensor leaves its input, so every element is still the "
-        "reduced one: the simulator matches; z3's consistency run keeps only the scattered piece "
-        "of a gradient and refutes: z3 is wrong, not yet fixed)",
+        "reduced one: the simulator matches; z3's consistency run kept only the scattered piece "
+        "of a gradient and refuted: z3 was wrong, now it keeps the reduced chunks)",
         _scattered_after_its_reduction,
     ),
 }

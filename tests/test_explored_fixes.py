@@ -40,7 +40,13 @@ Which side was wrong, case by case (``docs/semantics.md`` states each rule):
 * a scale multiplies every device's copy whatever axis it names: z3 applied a scale of P or O on
   its own axis only (z3 wrong);
 * an offset along an axis that splits the computation: not a layout the model represents,
-  refused on load (z3 judged the shift, the simulator placed slices without it).
+  refused on load (z3 judged the shift, the simulator placed slices without it);
+* an optimizer piece outside its P or G shard (shards nested the other way): z3 judged each
+  axis alone (z3 wrong: the ``nested_shards`` rule);
+* a stage without a group has no buffer for it, and a forward reduce-scatter of the empty
+  ``.grad`` does not cut the backward's gradient (simulator wrong);
+* a reduce-scatter leaves the already reduced chunks of a gradient in its buffer: z3 kept only
+  the piece (z3 wrong).
 """
 
 from __future__ import annotations
@@ -591,3 +597,24 @@ def test_a_forward_reduce_scatter_of_an_empty_gradient_does_not_cut_the_backward
         )
 
     assert _judged("cp2xfsdp-sgo4xoffload-params", change=forward_scatter) == (Status.PROVED, True)
+
+
+@pytest.mark.parametrize(("reduced_first", "right"), [(True, True), (False, False)])
+def test_a_reduce_scatter_leaves_reduced_gradient_chunks_in_the_buffer(reduced_first: bool, right: bool) -> None:
+    """DDP's mean all-reduce, then a reduce-scatter of the same replicated gradient before the
+    (replicated) update: ``reduce_scatter_tensor`` leaves its input, which already holds the mean
+    everywhere, so the update reads the right gradient. z3 kept only the scattered piece of a
+    gradient and refuted (z3 wrong). Without the all-reduce the rest of the buffer is the device's
+    own partial sum: both sides refute it."""
+
+    def scatter(program: StepProgram, model: Model) -> StepProgram:
+        ops = list(program.ops)
+        if not reduced_first:
+            ops = [op for op in ops if not (op.kind is OpKind.ALL_REDUCE and op.group.name == "mlp")]
+        at = next(i for i, op in enumerate(ops) if op.kind is OpKind.OPTIMIZER_STEP)
+        return _inserted(OpKind.REDUCE_SCATTER, State.GRADIENTS, "mlp", Axis.DP, Phase.OPTIMIZER, Reduce.MEAN, at)(
+            program.with_ops(ops), model
+        )
+
+    expected = (Status.PROVED, True) if right else (Status.REFUTED, False)
+    assert _judged("dp2", change=scatter, tied=True) == expected

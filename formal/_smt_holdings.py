@@ -467,9 +467,9 @@ class _AxisRun:
     def reduce_scatter(self, op: Op) -> None:
         """Each device's piece gets the reduced chunk. The rest of the buffer stays as it was, as
         ``reduce_scatter_tensor`` leaves its input (the simulator alike): a parameter or an
-        optimizer moment keeps it; a gradient keeps the chunks already reduced along the axis
-        and loses its partial sums there (no update may read them, and later reductions reduce
-        the piece)."""
+        optimizer moment keeps it; a gradient keeps the piece alone within the backward and the
+        synchronisation (which free the rest), and after them also the chunks already reduced
+        along the axis (its partial sums are never readable)."""
         if self.case.stage_group:
             pieces = {i: {k: self.combined(op, k) for k in self.piece(i, op.offset)} for i in self.ends}
             for i, piece in pieces.items():
@@ -484,7 +484,11 @@ class _AxisRun:
         for i in range(self.d):
             if op.state is G:
                 held = self.hold[(False, i, op.state)]
-                kept = {k: v for k, v in held.items() if k in self.reduced[i] and k != mine[i]}
+                # Within the backward and the synchronisation the rest is freed with it (only
+                # the piece a reduce-scatter left is held after synchronisation); after it nothing
+                # frees the input buffer, whose reduced chunks stay readable.
+                after_sync = op.phase in (Phase.OPTIMIZER, Phase.REFRESH)
+                kept = {k: v for k, v in held.items() if after_sync and k in self.reduced[i] and k != mine[i]}
                 self.hold[(False, i, op.state)] = {**kept, mine[i]: values[i]}
                 self.reduced[i] = {*kept, mine[i]}
             else:

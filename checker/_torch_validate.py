@@ -253,9 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.gloo:
         ok &= _print_gloo()
     if args.large:
-        from checker._torch._large import LARGE_RUNS, compare_large, format_large, large_ok
+        from checker._torch._large import LARGE_RUNS, RECOMPUTE_RUNS, compare_large, format_large, large_ok
 
-        large = [compare_large(t, rank=r) for t, r in LARGE_RUNS]
+        large = [compare_large(t, rank=r) for t, r in (*LARGE_RUNS, *RECOMPUTE_RUNS)]
         print(format_large(large))
         ok &= all(large_ok(c, r) for c, r in large)
     if args.ddp_tracker:

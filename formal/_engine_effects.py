@@ -19,7 +19,12 @@ largest being the peak:
   temporaries;
 * ``backward``: the first transformer block's backward (the last block of the stage); the output
   layer's activations are freed, but an FSDP engine holds the root's first gradients unsharded,
-  two gathered blocks (the one computing and the one prefetched) and the block's gradient.
+  two gathered blocks (the one computing and the one prefetched) and the block's gradient; under
+  recomputation the block's recomputed activations are held too;
+* ``second_block``: the next block's backward: what the first block's backward held (the terms
+  of ``backward`` count here too), less that block's saved activations, plus FSDP2's
+  reduce-scatter input of the first block, kept until this block's gradients are reduced. Where
+  a layer keeps little (recomputation), this is the step's peak.
 
 The CLI (``check-composition --engine``) prints these terms; the PyTorch validator
 (``checker/_torch/_predict.py``) reads the same terms, so the number a user reads is the number
@@ -36,16 +41,24 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from formal._axes import TENSOR
-from formal._costs import Memory, ceil_int, holds_io_activations, in_flight_micro_batches, stage_in_flight
+from formal._costs import (
+    Memory,
+    ceil_int,
+    holds_io_activations,
+    in_flight_micro_batches,
+    layer_activations,
+    stage_in_flight,
+)
 from formal._costs import _tensor_factor as tensor_factor
 from formal._engine_deepspeed import DeepSpeedEffects, deepspeed_notes, deepspeed_terms, zero_stage
 from formal._engine_terms import Term
 from formal._engine_terms import data_axes as _data_axes
 from formal._model import Model, Precision, Transformer
-from formal._placement import Placement
+from formal._placement import Placement, Recompute
 from formal._program import shard_elements
 from formal._tensors import parameter_tensors
 from formal._vocab import (
+    ACTIVATION_GROUPS,
     EMBEDDING,
     EMBEDDING_IO,
     FINAL_NORM,
@@ -138,6 +151,17 @@ class EngineEffects:
     # kept per micro-batch in flight by every engine (Megatron-LM's embedding and
     # vocabulary-parallel cross-entropy save them too).
     token_id_bytes: int = 8
+    # ``torch.utils.checkpoint`` (non-reentrant, torch/utils/checkpoint.py): the first tensor the
+    # backward unpacks from a checkpointed region runs its forward again and keeps every tensor it
+    # saves (``_CheckpointFrame.recomputed``) until the region's backward has unpacked each: one
+    # layer's recomputed activations (the whole layer under full recomputation, the attention core
+    # under selective) are held during its backward, beyond the checkpoints the placement counts.
+    recompute_working_set: bool = True
+    # FSDP2 keeps the last reduce-scatter's input alive until the next module's post-backward
+    # (``reduce_scatter_max_input_buffers`` = 1, ``FSDPCommContext.reduce_scatter_states`` in
+    # torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py): during the second block's
+    # backward the first block's unsharded gradient is still held.
+    fsdp_reduce_scatter_held: bool = True
 
 
 # Every effect off: the placement's own figure.
@@ -156,6 +180,8 @@ NO_EFFECTS = EngineEffects(
     loss_backward_temporaries=0,
     pipeline_keeps_outputs=False,
     pipeline_receive_buffers=False,
+    recompute_working_set=False,
+    fsdp_reduce_scatter_held=False,
 )
 
 
@@ -174,8 +200,16 @@ def modelled(engine: Engine) -> bool:
 
 
 # The moments of a step at which a peak can fall: the end of a forward, the loss's backward, the
-# first block's backward.
-MOMENTS = ("forward", "loss", "backward")
+# first block's backward, the second block's backward (which holds the first's terms too).
+MOMENTS = ("forward", "loss", "backward", "second_block")
+# The moments whose terms a moment holds besides its own and the persistent ones.
+_ALSO_HELD = {"second_block": ("backward",)}
+
+
+def held_at(term: Term, moment: str) -> bool:
+    """Whether ``term`` is held at ``moment`` (persistent terms always; ``second_block`` holds the
+    first block's backward terms too)."""
+    return term.moment in ("persistent", moment, *_ALSO_HELD.get(moment, ()))
 
 
 @dataclass(frozen=True)
@@ -192,7 +226,7 @@ class EnginePrediction:
     notes: tuple[str, ...] = ()  # effects of the engine this prediction could not model, said
 
     def moment_total(self, moment: str) -> int:
-        return self.base + sum(t.bytes for t in self.terms if t.moment in ("persistent", moment))
+        return self.base + sum(t.bytes for t in self.terms if held_at(t, moment))
 
     @property
     def moments(self) -> dict[str, int]:
@@ -480,6 +514,16 @@ def _activation_terms(
                 "activations",
             )
         )
+    if fx.recompute_working_set and pl.options.recompute is not Recompute.NONE:
+        out.append(
+            Term(
+                "recompute_working_set",
+                f"checkpoint: one layer's recomputed activations ({pl.options.recompute.value})",
+                recomputed_layer_bytes(pl, model, precision),
+                "backward",
+                "activations",
+            )
+        )
     io = model.io_activation_bytes(precision.activations, precision.mask_bytes, precision.logits_bytes)
     last = holds_io_activations(pl, LOGITS, stage)
     logits = ceil_int(io[LOGITS] * tensor_factor(pl, LOGITS)) if last else 0
@@ -549,6 +593,26 @@ def _activation_terms(
     return out
 
 
+def recomputed_layer_bytes(pl: Placement, model: Transformer, precision: Precision) -> int:
+    """The bytes one layer's recomputation makes for one micro-batch on a device: the activation
+    groups the placement does not keep (``M``, materialised again in backward), through the
+    placement's tensor-parallel split."""
+    per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
+    total = sum(
+        (per_layer[g] * tensor_factor(pl, g) for g in ACTIVATION_GROUPS if pl.local_mode(A, g) is Mode.MATERIALIZED),
+        start=0,
+    )
+    return ceil_int(total)
+
+
+def kept_layer_bytes(pl: Placement, model: Transformer, precision: Precision) -> int:
+    """The bytes one layer keeps for one micro-batch on a device through the placement (its
+    checkpoint under full recomputation): what the first block's backward frees."""
+    per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
+    sbh = model.seq * model.micro_batch * model.hidden
+    return ceil_int(layer_activations(pl, per_layer, sbh, precision))
+
+
 def _fsdp_terms(pl: Placement, model: Transformer, precision: Precision, fx: EngineEffects, stage: Stage) -> list[Term]:
     """FSDP2's unsharded parameters and gradients (the placement's ``S*`` buffers replaced)."""
     out: list[Term] = []
@@ -586,6 +650,26 @@ def _fsdp_terms(pl: Placement, model: Transformer, precision: Precision, fx: Eng
                 block * (1 + k),
                 "backward",
                 "buffers",
+            )
+        )
+    if fx.fsdp_reduce_scatter_held and layers > 1 and any(_data_axes(pl, G, g) for g in block_groups):
+        rs = sum(_whole_along_data(pl, G, g, sizes[g], stage) for g in block_groups if g in pl.groups(G))
+        out.append(
+            Term(
+                "fsdp_reduce_scatter_held",
+                "FSDP2 previous block's reduce-scatter input held",
+                rs * width_g // layers,
+                "second_block",
+                "buffers",
+            )
+        )
+        out.append(
+            Term(
+                "first_block_freed",
+                "first block's saved activations freed (second block's backward)",
+                -kept_layer_bytes(pl, model, precision),
+                "second_block",
+                "activations",
             )
         )
     if fx.fsdp_unsharded_gradients:
@@ -635,6 +719,7 @@ __all__ = [
     "default_engine",
     "effects_for",
     "engine_prediction",
+    "held_at",
     "modelled",
     "pytorch_engine",
     "whole_tensor_owners",

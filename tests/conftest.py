@@ -48,6 +48,7 @@ _GROUPS = {
         "test_torch_validation",
         "test_torch_isolation",
         "test_torch_ddp_tracker",
+        "test_torch_recompute",
     ),
     "proofs": ("test_proofs",),
     "differential": ("test_differential",),

@@ -225,3 +225,40 @@ def test_compare_shows_the_peak_beside_the_placement_total() -> None:
     plain = json.loads(cli("compare", "dp8", "--devices", "8", "--engine", "megatron", "--json")[1])
     ids = 2 * 8 * LLAMA.seq * LLAMA.micro_batch
     assert plain[0]["peak_bytes"] == plain[0]["total_bytes"] + ids
+
+
+# A GPT model as Korthikanti et al. 2022 count it (FFN 4h, dropout, multi-head attention).
+GPT = Transformer(
+    "gpt-test", layers=8, hidden=1024, heads=16, vocab=32000, seq=2048, micro_batch=2, learned_positions=False
+)
+
+
+def test_recomputation_holds_one_layer_recomputed_in_its_backward() -> None:
+    """``torch.utils.checkpoint`` keeps what the recomputed forward saves until the region's
+    backward: Korthikanti's whole layer, ``sbh(34 + 5as/h)`` bytes at 16 bits, under full
+    recomputation; the attention core, ``5as^2b``, under selective; split by tp."""
+    s, b, h, a = GPT.seq, GPT.micro_batch, GPT.hidden, GPT.heads
+    layer, core = 34 * s * b * h + 5 * a * s * s * b, 5 * a * s * s * b
+    assert terms("fsdp8xrecompute", GPT, Engine.FSDP2)["recompute_working_set"] == layer
+    assert terms("fsdp8xselective", GPT, Engine.FSDP2)["recompute_working_set"] == core
+    assert terms("tp8xspxselective", GPT, Engine.FSDP2)["recompute_working_set"] == core // 8
+    assert "recompute_working_set" not in terms("fsdp8", GPT, Engine.FSDP2)
+
+
+def test_fsdp2_second_block_holds_the_first_blocks_reduce_scatter_input() -> None:
+    """At the second block's backward the first block's gradient (reduce-scatter input, one
+    block's elements at the gradient's wire width) is still held and the first block's saved
+    activations are freed: its checkpoint, ``2sbh``, under full recomputation. With a layer's
+    small checkpoint that moment holds more than the first block's backward."""
+    s, b, h = GPT.seq, GPT.micro_batch, GPT.hidden
+    block = 12 * h * h + 13 * h  # QKV, projection, two FFN matrices, their biases, two LayerNorms
+    a = analyze(parse("fsdp8xrecompute"), GPT, MIXED, engine=Engine.FSDP2)
+    assert a.engine is not None
+    got = {t.key: t.bytes for t in a.engine.terms}
+    assert got["fsdp_reduce_scatter_held"] == block * MIXED.gradient_wire
+    assert got["first_block_freed"] == -2 * s * b * h
+    moments = a.engine.moments
+    assert moments["second_block"] == moments["backward"] + block * MIXED.gradient_wire - 2 * s * b * h
+    # without recomputation the first block's backward holds more (a whole layer is freed)
+    plain = analyze(parse("fsdp8"), GPT, MIXED, engine=Engine.FSDP2).engine
+    assert plain is not None and plain.moments["second_block"] < plain.moments["backward"]

@@ -5,6 +5,8 @@ The composition decides which engine runs (``engine_for``): DDP, FSDP2 ``fully_s
 parallelism (``tp``, with ``sp`` sequence parallelism), FSDP+TP, HSDP (``hsdp`` with ``dpr``) and
 ``torch.distributed.pipelining`` (``pp``, GPipe or 1F1B). Each is applied by one small function in
 a fixed order, as torchtitan's ``parallelize`` does: tensor parallel, then data parallel.
+Recomputation (``recompute``, ``selective``) is ``torch.utils.checkpoint`` on each block or on
+each block's attention core (``checker._torch._net.Block``); offload has no engine here.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from checker._torch._net import Net, NetConfig, batch, init_exact_, loss_fn
+from checker._torch._net import Block, Net, NetConfig, batch, init_exact_, loss_fn
 from checker._torch._record import Call, CommRecorder, SavedActivations, local, storage_bytes
 from formal._axes import DATA, DATA_REPLICATE, PIPELINE, TENSOR
 from formal._strategies import Composition
@@ -44,8 +46,8 @@ def engine_for(comp: Composition) -> Engine:
     names = {s.axis.kind: s.name for s in comp.strategies if (s.degree or 1) > 1}
     kinds = {a.kind for a in mesh}  # the harness has an engine per set of parallelism kinds
     dp_name = names.get(DATA)
-    if comp.options.offload_optimizer or comp.options.offload_parameters or comp.options.recompute.value != "none":
-        raise CompositionError(f"{comp}: offload and recomputation have no engine in this harness")
+    if comp.options.offload_optimizer or comp.options.offload_parameters:
+        raise CompositionError(f"{comp}: offload has no engine in this harness")
     if kinds == {PIPELINE}:
         if comp.options.pipeline_schedule.pytorch is None:
             raise CompositionError(f"{comp}: {comp.options.schedule.value} schedules are not run by this harness")
@@ -126,6 +128,9 @@ class Runner:
         net = Net(self.cfg)
         if self.cfg.exact:
             init_exact_(net, self.seed)
+        for block in net.layers.values():  # torch.utils.checkpoint on each block or its attention core
+            assert isinstance(block, Block)
+            block.recompute = self.comp.options.recompute.value
         match self.engine:
             case Engine.DDP | Engine.ZERO1:
                 return self._ddp(net), None

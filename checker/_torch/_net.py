@@ -75,10 +75,17 @@ class Norm(nn.Module):
 
 
 class Block(nn.Module):
+    """One decoder block. ``recompute`` (set by the engine harness from the composition):
+    ``"full"`` checkpoints the whole block (``torch.utils.checkpoint``, non-reentrant: only its
+    input is kept, the forward runs again in backward); ``"selective"`` checkpoints the attention
+    core alone, ``QK^T``, softmax, dropout and the product with V (Korthikanti et al. 2022,
+    section 5: the part whose saved tensors grow with ``s^2``), keeping Q, K and V."""
+
     def __init__(self, cfg: NetConfig) -> None:
         super().__init__()
         h = cfg.hidden
         self.cfg = cfg
+        self.recompute = "none"
         self.ln1 = Norm(h, cfg.exact)
         self.qkv = nn.Linear(h, 3 * h)  # rows ordered (head, q/k/v, head_dim), as Megatron
         self.proj = nn.Linear(h, h)
@@ -95,15 +102,26 @@ class Block(nn.Module):
         b, s, width = qkv.shape  # width = 3 * local heads * head_dim (local under tp)
         heads = width // (3 * cfg.head_dim)
         q, k, v = qkv.view(b, s, heads, 3, cfg.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
-        if cfg.exact:
+        if self.recompute == "selective":
+            from torch.utils.checkpoint import checkpoint
+
+            core = checkpoint(self.core, q, k, v, use_reentrant=False)
+        else:
+            core = self.core(q, k, v)
+        out = core.transpose(1, 2).reshape(b, s, heads * cfg.head_dim)
+        return self._dropout(self.proj(out))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core: scores, softmax, dropout, the product with V."""
+        b, heads, s, _ = q.shape
+        if self.cfg.exact:
             # Uniform attention, 1/s with s a power of two: exact, and of degree one, so values
             # keep few significant bits over several steps (q and k get zero gradients).
             probs = torch.full((b, heads, s, s), 1.0 / s, dtype=v.dtype)
         else:
-            probs = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(cfg.head_dim), dim=-1)
+            probs = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(self.cfg.head_dim), dim=-1)
         probs = self._dropout(probs)
-        out = (probs @ v).transpose(1, 2).reshape(b, s, heads * cfg.head_dim)
-        return self._dropout(self.proj(out))
+        return probs @ v
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         inner = self.fc1(x)
@@ -111,6 +129,14 @@ class Block(nn.Module):
         return self._dropout(self.fc2(inner))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "full":
+            from torch.utils.checkpoint import checkpoint
+
+            out: torch.Tensor = checkpoint(self.body, x, use_reentrant=False)
+            return out
+        return self.body(x)
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 

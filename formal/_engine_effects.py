@@ -56,9 +56,11 @@ from formal._engine_terms import data_axes as _data_axes
 from formal._model import Model, Precision, Transformer
 from formal._placement import Placement, Recompute
 from formal._program import shard_elements
+from formal._schedules import Schedule
 from formal._tensors import parameter_tensors
 from formal._vocab import (
     ACTIVATION_GROUPS,
+    ATTN_SCORES,
     EMBEDDING,
     EMBEDDING_IO,
     FINAL_NORM,
@@ -162,6 +164,22 @@ class EngineEffects:
     # torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py): during the second block's
     # backward the first block's unsharded gradient is still held.
     fsdp_reduce_scatter_held: bool = True
+    # ``torch.distributed.pipelining`` with FSDP2 (``_PipelineStageBase.backward_maybe_with_nosync``
+    # in torch/distributed/pipelining/stage.py): every micro-batch's backward runs with
+    # ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)``, so the
+    # stage's gradients accumulate unsharded and are reduce-scattered once, after the last
+    # micro-batch (``perform_reduce_grad``): the stage's whole gradients are held through the
+    # step's micro-batches, where FSDP2 alone holds one block's.
+    pipeline_fsdp_deferred_reduction: bool = True
+    # Softmax's backward (``aten::_softmax_backward_data``) reads the attention probabilities'
+    # gradient and writes the scores' gradient: two ``a s^2 b`` tensors at the activation width,
+    # alive together during a block's backward (none where the attention is one fused kernel).
+    attention_backward_temporaries: int = 2
+    # DTensor's ``ColwiseParallel`` converts its module's input on its own (``_prepare_input_fn``):
+    # without sequence parallelism each column-parallel module all-reduces its input's gradient
+    # in backward, so a Llama layout's separate q, k, v and gate, up make three and two calls
+    # where a fused QKV and FC1 make one each (calls only).
+    tp_input_collective_per_module: bool = True
 
 
 # Every effect off: the placement's own figure.
@@ -182,6 +200,9 @@ NO_EFFECTS = EngineEffects(
     pipeline_receive_buffers=False,
     recompute_working_set=False,
     fsdp_reduce_scatter_held=False,
+    pipeline_fsdp_deferred_reduction=False,
+    attention_backward_temporaries=0,
+    tp_input_collective_per_module=False,
 )
 
 
@@ -332,7 +353,7 @@ def engine_prediction(
     if torch and isinstance(model, Transformer):
         terms += _activation_terms(pl, model, precision, fx, stage, index)
         if fsdp:
-            terms += _fsdp_terms(pl, model, precision, fx, stage)
+            terms += _fsdp_terms(pl, model, precision, fx, stage, index, notes)
     # A bare parameter count has no layers: FSDP2's units (root, blocks) are unknown.
     known = known and (isinstance(model, Transformer) or not fsdp)
     base = total - buffers if fsdp and known else total  # FSDP2's own buffers replace the modes' generic ones
@@ -514,12 +535,24 @@ def _activation_terms(
                 "activations",
             )
         )
-    if fx.recompute_working_set and pl.options.recompute is not Recompute.NONE:
+    fused = pl.options.recompute is Recompute.SELECTIVE and pl.options.fused_attention  # nothing recomputed
+    if fx.recompute_working_set and pl.options.recompute is not Recompute.NONE and not fused:
         out.append(
             Term(
                 "recompute_working_set",
                 f"checkpoint: one layer's recomputed activations ({pl.options.recompute.value})",
                 recomputed_layer_bytes(pl, model, precision),
+                "backward",
+                "activations",
+            )
+        )
+    if fx.attention_backward_temporaries and not pl.options.fused_attention and pl.stage_layers(model.layers) != 0:
+        scores = model.heads * model.seq * model.seq * model.micro_batch * precision.activations
+        out.append(
+            Term(
+                "attention_backward_temporaries",
+                f"softmax backward: {fx.attention_backward_temporaries} score-sized gradients",
+                ceil_int(fx.attention_backward_temporaries * scores * tensor_factor(pl, ATTN_SCORES)),
                 "backward",
                 "activations",
             )
@@ -613,7 +646,30 @@ def kept_layer_bytes(pl: Placement, model: Transformer, precision: Precision) ->
     return ceil_int(layer_activations(pl, per_layer, sbh, precision))
 
 
-def _fsdp_terms(pl: Placement, model: Transformer, precision: Precision, fx: EngineEffects, stage: Stage) -> list[Term]:
+def stage_actions(pl: Placement, index: int) -> list[str]:
+    """The order in which pipeline stage ``index`` runs its micro-batches' forwards (``F``) and
+    backwards (``B``) in one step: GPipe every forward then every backward; 1F1B ``min(p - i,
+    m)`` warm-up forwards, then a backward and a forward in turn, then the remaining backwards
+    (``torch.distributed.pipelining.Schedule1F1B``; Narayanan et al. 2021, section 2.2)."""
+    p, m = int(pl.pipeline_degree), int(pl.options.micro_batches)
+    kind = pl.options.pipeline_schedule.kind
+    if kind is Schedule.GPIPE:
+        return ["F"] * m + ["B"] * m
+    if kind is not Schedule.ONE_F_ONE_B:
+        raise ModelError(f"the {kind.value} schedule's order of forwards and backwards is not modelled")
+    warm = min(p - index, m)
+    return ["F"] * warm + ["B", "F"] * (m - warm) + ["B"] * warm
+
+
+def _fsdp_terms(
+    pl: Placement,
+    model: Transformer,
+    precision: Precision,
+    fx: EngineEffects,
+    stage: Stage,
+    index: int | None,
+    notes: list[str],
+) -> list[Term]:
     """FSDP2's unsharded parameters and gradients (the placement's ``S*`` buffers replaced)."""
     out: list[Term] = []
     sizes = model.group_elements()
@@ -652,7 +708,29 @@ def _fsdp_terms(pl: Placement, model: Transformer, precision: Precision, fx: Eng
                 "buffers",
             )
         )
-    if fx.fsdp_reduce_scatter_held and layers > 1 and any(_data_axes(pl, G, g) for g in block_groups):
+    deferred = fx.pipeline_fsdp_deferred_reduction and pl.pipelined and pl.pipeline_degree != 1
+    # A forward after a backward (1F1B's steady state) holds the stage's micro-batches in flight
+    # again with every gradient unsharded; without one (GPipe) the activations peak before any
+    # backward, and the first backward holds what FSDP2 alone holds (below).
+    try:
+        steady = deferred and "BF" in "".join(stage_actions(pl, _stage_index(pl, stage, index)))
+    except ModelError as err:
+        notes.append(f"pipelining + FSDP2's unsharded gradients not modelled: {err}")
+        steady = False
+    if steady:
+        stage_groups = [g for g in pl.groups(G) if g in LAYER_GROUPS or _on_stage(pl, g, stage)]
+        whole = sum(_whole_along_data(pl, G, g, sizes[g], stage) for g in stage_groups) * width_g
+        out.append(
+            Term(
+                "pipeline_fsdp_unsharded_gradients",
+                "pipelining + FSDP2: the stage's gradients unsharded until the last micro-batch",
+                whole,
+                "persistent",
+                "buffers",
+            )
+        )
+        return out
+    if not deferred and fx.fsdp_reduce_scatter_held and layers > 1 and any(_data_axes(pl, G, g) for g in block_groups):
         rs = sum(_whole_along_data(pl, G, g, sizes[g], stage) for g in block_groups if g in pl.groups(G))
         out.append(
             Term(
@@ -699,6 +777,14 @@ def _fsdp_terms(pl: Placement, model: Transformer, precision: Precision, fx: Eng
     return out
 
 
+def _stage_index(pl: Placement, stage: Stage, index: int | None) -> int:
+    """Pipeline stage ``index``, or without one the first or last stage's (a middle stage: the
+    first's, the most loaded)."""
+    if index is not None:
+        return index
+    return int(pl.pipeline_degree) - 1 if stage == Stage.LAST else 0
+
+
 def _on_stage(pl: Placement, group: Group, stage: Stage) -> bool:
     if not pl.pipelined or pl.pipeline_degree == 1 or group in pl.tied:
         return True
@@ -722,6 +808,7 @@ __all__ = [
     "held_at",
     "modelled",
     "pytorch_engine",
+    "stage_actions",
     "whole_tensor_owners",
     "zero1_axis",
 ]

@@ -262,3 +262,29 @@ def test_fsdp2_second_block_holds_the_first_blocks_reduce_scatter_input() -> Non
     # without recomputation the first block's backward holds more (a whole layer is freed)
     plain = analyze(parse("fsdp8"), GPT, MIXED, engine=Engine.FSDP2).engine
     assert plain is not None and plain.moments["second_block"] < plain.moments["backward"]
+
+
+def test_softmax_backward_holds_two_score_sized_gradients_unless_attention_is_fused() -> None:
+    """``aten::_softmax_backward_data`` reads the probabilities' gradient and writes the scores':
+    two ``a s^2 b`` tensors at the activation width in a block's backward, split by tp; none
+    where the attention is one fused kernel (``flash``), which never materialises the scores."""
+    s, b, a = GPT.seq, GPT.micro_batch, GPT.heads
+    scores = a * s * s * b * MIXED.activations
+    assert terms("fsdp8", GPT, Engine.FSDP2)["attention_backward_temporaries"] == 2 * scores
+    assert terms("tp8", GPT, Engine.FSDP2)["attention_backward_temporaries"] == 2 * scores // 8
+    flash = terms("fsdp8xflash", GPT, Engine.FSDP2)
+    assert "attention_backward_temporaries" not in flash and "recompute_working_set" not in flash
+
+
+def test_pipelining_with_fsdp2_holds_the_stage_gradients_unsharded() -> None:
+    """``torch.distributed.pipelining`` turns FSDP2's gradient synchronisation off for every
+    micro-batch and reduce-scatters once after the last: a stage's whole gradients (its layers,
+    and the embedding on the first stage) are held through the step, not one block's."""
+    h, v = GPT.hidden, GPT.vocab
+    block = 12 * h * h + 13 * h
+    a = analyze(parse("pp4xfsdp2xm8"), GPT, MIXED, engine=Engine.FSDP2)
+    assert a.engine is not None
+    got = {t.key: t.bytes for t in a.engine.terms}
+    layers = GPT.layers // 4
+    assert got["pipeline_fsdp_unsharded_gradients"] == (layers * block + v * h) * MIXED.gradient_wire
+    assert "fsdp_block_gradient" not in got and "fsdp_reduce_scatter_held" not in got

@@ -70,6 +70,22 @@ RECOMPUTE_RUNS: tuple[tuple[str, int], ...] = (
     ("tp8xspxselective", 0),
 )
 
+# Pipelining with data parallelism: each stage wrapped with FSDP2 on a 2-D (pp, dp) mesh, pp
+# outer; the first and the last stage (ranks 0 and 7), both schedules.
+PIPELINE_DATA_RUNS: tuple[tuple[str, int], ...] = (
+    ("pp4xfsdp2xm8", 0),
+    ("pp4xfsdp2xm8", 7),
+    ("pp4xfsdp2xm8xgpipe", 0),
+    ("pp4xfsdp2xm8xgpipe", 7),
+)
+
+# A Llama-style model (``checker._torch._net.LlamaBlock``: separate q/k/v, SwiGLU, RMSNorm,
+# grouped-query attention with 8 K/V heads of 16, no biases, no dropout): 0.51 B parameters.
+LLAMA = NetConfig(
+    layers=8, hidden=2048, heads=16, kv_heads=8, ffn=5632, vocab=32000, seq=1024, batch=1, dropout=0.0, llama=True
+)
+LLAMA_RUNS: tuple[tuple[str, int], ...] = (("fsdp8", 0), ("tp8", 0))
+
 
 @dataclass
 class Tracked:
@@ -234,10 +250,22 @@ def _tracker(runner: Runner, model: nn.Module, opt: torch.optim.Optimizer) -> An
                 self.activation_max = max(self.activation_max, snap.get(_act_key(snap), 0))
             super()._update_peak_stats(peak_state)  # type: ignore[misc]
 
-    if runner.engine in (Engine.FSDP, Engine.FSDP_TP, Engine.HSDP):
+    if runner.engine in (Engine.FSDP, Engine.FSDP_TP, Engine.HSDP, Engine.PIPELINE_FSDP):
 
         class _FSDP(_Max, FSDPMemTracker):  # type: ignore[no-untyped-call]
-            pass
+            def _fsdp_state_pre_forward(self, fsdp_mod: Any, orig: Any) -> Any:
+                # The same restart for FSDP2's own pre-forward hook (a pipeline stage's root).
+                inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+                def restarted(*args: Any, **kwargs: Any) -> Any:
+                    tracking, modules = self.memory_tracking, self._mod_tracker
+                    if fsdp_mod in tracking and not modules.is_bw:
+                        name = modules.get_known_fqn(fsdp_mod)  # type: ignore[no-untyped-call]
+                        if set(modules.parents) - {name} == {"Global"}:
+                            del tracking[fsdp_mod]
+                    return inner(*args, **kwargs)
+
+                return restarted
 
         return _FSDP(model, opt)
 
@@ -274,7 +302,7 @@ def measure_large(text: str, cfg: NetConfig = LARGE, rank: int = 0) -> LargeResu
     teardown = fake_group(comp.devices, rank)
     try:
         runner = Runner(comp, cfg, rank, comp.devices, fake=True)
-        if runner.engine in (Engine.DDP, Engine.ZERO1):
+        if runner.engine in (Engine.DDP, Engine.ZERO1, Engine.PIPELINE_DDP):
             raise ValueError(f"{text}: {runner.engine.value} is not measured under FakeTensorMode here")
         with FakeTensorMode(allow_non_fake_inputs=True):
             model, schedule = runner.build()
@@ -448,7 +476,10 @@ __all__ = [
     "LARGE",
     "LARGE_COMPOSITIONS",
     "LARGE_RUNS",
+    "LLAMA",
+    "LLAMA_RUNS",
     "LargeResult",
+    "PIPELINE_DATA_RUNS",
     "RECOMPUTE_RUNS",
     "Saved",
     "Tracked",

@@ -53,7 +53,7 @@ from formal._costs import _tensor_factor as tensor_factor
 from formal._engine_deepspeed import DeepSpeedEffects, deepspeed_notes, deepspeed_terms, zero_stage
 from formal._engine_terms import Term
 from formal._engine_terms import data_axes as _data_axes
-from formal._model import Model, Precision, Transformer
+from formal._model import Ffn, Model, Precision, Transformer
 from formal._placement import Placement, Recompute
 from formal._program import shard_elements
 from formal._schedules import Schedule
@@ -522,8 +522,14 @@ def _activation_terms(
     tp = _tp_axis(pl)
     sp_on = tp is not None and t > 1 and pl.mode(A, LAYER_IO, tp).is_sharded
     if fx.sp_saves_gathered_inputs and sp_on:
-        whole = precision.activations * sbh - ceil_int(precision.activations * sbh * tensor_factor(pl, LAYER_IO))
-        extra = 2 * whole * ceil_int(pl.stage_layers(model.layers))  # the QKV and FC1 inputs
+        shard = ceil_int(precision.activations * sbh * tensor_factor(pl, LAYER_IO))
+        whole = precision.activations * sbh - shard
+        # The QKV and FC1 inputs, gathered, where the placement counts their shards; a Llama
+        # layout's q, k, v and gate, up each save a gathered copy of their own (3 + 2 where the
+        # placement counts 2 shards).
+        modules = 5 if model.ffn_kind is Ffn.SWIGLU else 2
+        per_layer = modules * whole + (modules - 2) * shard
+        extra = per_layer * ceil_int(pl.stage_layers(model.layers))
         if holds_io_activations(pl, OUTPUT_IO, stage):
             extra += whole  # the head's input
         out.append(

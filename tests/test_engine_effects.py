@@ -288,3 +288,17 @@ def test_pipelining_with_fsdp2_holds_the_stage_gradients_unsharded() -> None:
     layers = GPT.layers // 4
     assert got["pipeline_fsdp_unsharded_gradients"] == (layers * block + v * h) * MIXED.gradient_wire
     assert "fsdp_block_gradient" not in got and "fsdp_reduce_scatter_held" not in got
+
+
+def test_sequence_parallel_saves_each_column_parallel_modules_gathered_input() -> None:
+    """DTensor's ``ColwiseParallel(input_layouts=Shard(1))`` saves the gathered input of each
+    module: GPT's QKV and FC1 (two, where the placement counts two sequence shards), a Llama
+    layer's q, k, v and gate, up (five), and the head's input once."""
+    full = 2 * LLAMA.seq * LLAMA.micro_batch * LLAMA.hidden  # one layer input at 2 bytes
+    shard = full // 8
+    per_layer = 5 * full - 2 * shard
+    got = terms("tp8xsp", LLAMA, Engine.FSDP2)["sp_saves_gathered_inputs"]
+    assert got == LLAMA.layers * per_layer + (full - shard)
+    gpt_full = 2 * GPT.seq * GPT.micro_batch * GPT.hidden
+    gpt = terms("tp8xsp", GPT, Engine.FSDP2)["sp_saves_gathered_inputs"]
+    assert gpt == (GPT.layers * 2 + 1) * (gpt_full - gpt_full // 8)

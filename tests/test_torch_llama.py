@@ -1,6 +1,6 @@
 """A Llama-style model under PyTorch's memory tracker (``checker._torch._large.LLAMA``: separate
 q/k/v, SwiGLU, RMSNorm, grouped-query attention with 8 K/V heads of 16, no biases, no dropout;
-0.51 B parameters under ``FakeTensorMode``, one rank of 8): ``fsdp8`` and ``tp8``.
+0.51 B parameters under ``FakeTensorMode``, one rank of 8): ``fsdp8``, ``tp8`` and ``tp8xsp``.
 
 Its SwiGLU and RMSNorm save what Megatron-LM's fused kernels save (their inputs), its attention
 reads K and V at their own width; the formal model counts what a Llama layer saves from its

@@ -84,7 +84,7 @@ PIPELINE_DATA_RUNS: tuple[tuple[str, int], ...] = (
 LLAMA = NetConfig(
     layers=8, hidden=2048, heads=16, kv_heads=8, ffn=5632, vocab=32000, seq=1024, batch=1, dropout=0.0, llama=True
 )
-LLAMA_RUNS: tuple[tuple[str, int], ...] = (("fsdp8", 0), ("tp8", 0))
+LLAMA_RUNS: tuple[tuple[str, int], ...] = (("fsdp8", 0), ("tp8", 0), ("tp8xsp", 0))
 
 
 @dataclass

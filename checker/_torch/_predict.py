@@ -231,8 +231,16 @@ def colwise_modules(model: Transformer) -> tuple[int, int]:
 
 def _colwise_input_op(op: Op) -> bool:
     """The backward all-reduce of a column-parallel matmul's input gradient (a partial sum over
-    tp): the program's two per layer, one at the attention's input, one at the MLP's."""
-    return op.group is LAYER_IO and _on(op, TENSOR) and op.kind is OpKind.ALL_REDUCE and op.phase.value == "backward"
+    tp), or under sequence parallelism the forward gather of its input and the backward
+    reduce-scatter of its gradient: the program's two per layer, one at the attention's input,
+    one at the MLP's."""
+    if op.group is not LAYER_IO or not _on(op, TENSOR):
+        return False
+    return (op.kind, op.phase.value) in (
+        (OpKind.ALL_REDUCE, "backward"),
+        (OpKind.ALL_GATHER, "forward"),
+        (OpKind.REDUCE_SCATTER, "backward"),
+    )
 
 
 def _state_calls(

@@ -245,7 +245,8 @@ def _modifier(term: str, options: Options, seen: list[str]) -> Options | None:
             return replace(options, scalars=scalar_modifier(term, options.scalars))
         case "recompute":
             full = term in ("recompute", "full-recompute")
-            return replace(options, recompute=Recompute.FULL if full else Recompute.SELECTIVE)
+            recompute = Recompute.FULL if full else Recompute.SELECTIVE
+            return replace(options, recompute=recompute, fused_attention=term == "flash")
         case _:
             raise AssertionError(kind)
 

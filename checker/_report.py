@@ -22,7 +22,7 @@ from checker._numbers import gb
 from checker._output import Column, fitted_table
 from checker._parse import readable
 from formal._costs import activation_breakdown, ceil_int, deferred_layer_activations, stage_memory
-from formal._engine_effects import Engine
+from formal._engine_effects import Engine, held_at
 from formal._exact import exact
 from formal._input import printable
 from formal._model import ParameterCount, Transformer
@@ -350,13 +350,18 @@ def engine_lines(analysis: Analysis) -> list[str]:
     e = analysis.engine
     if e is None or not e.modelled:
         return []
-    when = {"forward": "end of a forward", "loss": "loss backward", "backward": "first block backward"}
+    when = {
+        "forward": "end of a forward",
+        "loss": "loss backward",
+        "backward": "first block backward",
+        "second_block": "second block backward",
+    }
     out = [f"Engine terms ({e.engine.value}, {e.stage} stage; peak at the {when[e.peak_moment]}):"]
     out.append(f"  placement only (the paper's number): {gb(e.placement_total)}")
     if e.base != e.placement_total:
         out.append(f"  less the modes' generic gather buffers: -{gb(e.placement_total - e.base)}")
     for t in e.terms:
-        if t.moment in ("persistent", e.peak_moment):
+        if held_at(t, e.peak_moment):
             out.append(f"  {t.label}: {_size(t.bytes)}")
     out.append(f"  peak per device: {gb(e.total)}")
     out += [f"  note: {n}" for n in e.notes]

@@ -228,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--ddp-tracker",
         action="store_true",
-        help="DDP, ZeRO-1 and accumulation on 2 gloo processes under MemTracker (checker._torch._ddp_tracked)",
+        help="DDP, ZeRO-1, accumulation (2 gloo processes) and DDP on pipeline stages (4) under MemTracker",
     )
     parser.add_argument(
         "--large",
@@ -253,17 +253,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.gloo:
         ok &= _print_gloo()
     if args.large:
-        from checker._torch._large import LARGE_RUNS, compare_large, format_large, large_ok
+        from checker._torch._large import (
+            LARGE_RUNS,
+            LLAMA,
+            LLAMA_RUNS,
+            PIPELINE_DATA_RUNS,
+            RECOMPUTE_RUNS,
+            compare_large,
+            format_large,
+            large_ok,
+        )
 
-        large = [compare_large(t, rank=r) for t, r in LARGE_RUNS]
+        runs = (*LARGE_RUNS, *RECOMPUTE_RUNS, *PIPELINE_DATA_RUNS)
+        large = [compare_large(t, rank=r) for t, r in runs]
         print(format_large(large))
-        ok &= all(large_ok(c, r) for c, r in large)
+        llama = [compare_large(t, LLAMA, r) for t, r in LLAMA_RUNS]
+        print(format_large(llama, LLAMA))
+        ok &= all(large_ok(c, r) for c, r in (*large, *llama))
     if args.ddp_tracker:
-        from checker._torch._ddp_tracked import compare, ddp_ok, format_ddp, measure_world
+        from checker._torch._ddp_tracked import PIPELINE_DDP_COMPOSITIONS, compare, ddp_ok, format_ddp, measure_world
 
-        ddp = [compare(m) for m in measure_world()]
-        print(format_ddp(ddp))
-        ok &= all(ddp_ok(c) for c in ddp)
+        for ddp in (
+            [compare(m) for m in measure_world()],
+            [compare(m) for m in measure_world(PIPELINE_DDP_COMPOSITIONS, 4)],
+        ):
+            print(format_ddp(ddp))
+            ok &= all(ddp_ok(c) for c in ddp)
     return 0 if ok else 1
 
 

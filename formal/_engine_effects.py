@@ -19,7 +19,12 @@ largest being the peak:
   temporaries;
 * ``backward``: the first transformer block's backward (the last block of the stage); the output
   layer's activations are freed, but an FSDP engine holds the root's first gradients unsharded,
-  two gathered blocks (the one computing and the one prefetched) and the block's gradient.
+  two gathered blocks (the one computing and the one prefetched) and the block's gradient; under
+  recomputation the block's recomputed activations are held too;
+* ``second_block``: the next block's backward: what the first block's backward held (the terms
+  of ``backward`` count here too), less that block's saved activations, plus FSDP2's
+  reduce-scatter input of the first block, kept until this block's gradients are reduced. Where
+  a layer keeps little (recomputation), this is the step's peak.
 
 The CLI (``check-composition --engine``) prints these terms; the PyTorch validator
 (``checker/_torch/_predict.py``) reads the same terms, so the number a user reads is the number
@@ -36,16 +41,26 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from formal._axes import TENSOR
-from formal._costs import Memory, ceil_int, holds_io_activations, in_flight_micro_batches, stage_in_flight
+from formal._costs import (
+    Memory,
+    ceil_int,
+    holds_io_activations,
+    in_flight_micro_batches,
+    layer_activations,
+    stage_in_flight,
+)
 from formal._costs import _tensor_factor as tensor_factor
 from formal._engine_deepspeed import DeepSpeedEffects, deepspeed_notes, deepspeed_terms, zero_stage
 from formal._engine_terms import Term
 from formal._engine_terms import data_axes as _data_axes
-from formal._model import Model, Precision, Transformer
-from formal._placement import Placement
+from formal._model import Ffn, Model, Precision, Transformer
+from formal._placement import Placement, Recompute
 from formal._program import shard_elements
+from formal._schedules import Schedule
 from formal._tensors import parameter_tensors
 from formal._vocab import (
+    ACTIVATION_GROUPS,
+    ATTN_SCORES,
     EMBEDDING,
     EMBEDDING_IO,
     FINAL_NORM,
@@ -138,6 +153,33 @@ class EngineEffects:
     # kept per micro-batch in flight by every engine (Megatron-LM's embedding and
     # vocabulary-parallel cross-entropy save them too).
     token_id_bytes: int = 8
+    # ``torch.utils.checkpoint`` (non-reentrant, torch/utils/checkpoint.py): the first tensor the
+    # backward unpacks from a checkpointed region runs its forward again and keeps every tensor it
+    # saves (``_CheckpointFrame.recomputed``) until the region's backward has unpacked each: one
+    # layer's recomputed activations (the whole layer under full recomputation, the attention core
+    # under selective) are held during its backward, beyond the checkpoints the placement counts.
+    recompute_working_set: bool = True
+    # FSDP2 keeps the last reduce-scatter's input alive until the next module's post-backward
+    # (``reduce_scatter_max_input_buffers`` = 1, ``FSDPCommContext.reduce_scatter_states`` in
+    # torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py): during the second block's
+    # backward the first block's unsharded gradient is still held.
+    fsdp_reduce_scatter_held: bool = True
+    # ``torch.distributed.pipelining`` with FSDP2 (``_PipelineStageBase.backward_maybe_with_nosync``
+    # in torch/distributed/pipelining/stage.py): every micro-batch's backward runs with
+    # ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)``, so the
+    # stage's gradients accumulate unsharded and are reduce-scattered once, after the last
+    # micro-batch (``perform_reduce_grad``): the stage's whole gradients are held through the
+    # step's micro-batches, where FSDP2 alone holds one block's.
+    pipeline_fsdp_deferred_reduction: bool = True
+    # Softmax's backward (``aten::_softmax_backward_data``) reads the attention probabilities'
+    # gradient and writes the scores' gradient: two ``a s^2 b`` tensors at the activation width,
+    # alive together during a block's backward (none where the attention is one fused kernel).
+    attention_backward_temporaries: int = 2
+    # DTensor's ``ColwiseParallel`` converts its module's input on its own (``_prepare_input_fn``):
+    # without sequence parallelism each column-parallel module all-reduces its input's gradient
+    # in backward, so a Llama layout's separate q, k, v and gate, up make three and two calls
+    # where a fused QKV and FC1 make one each (calls only).
+    tp_input_collective_per_module: bool = True
 
 
 # Every effect off: the placement's own figure.
@@ -156,6 +198,11 @@ NO_EFFECTS = EngineEffects(
     loss_backward_temporaries=0,
     pipeline_keeps_outputs=False,
     pipeline_receive_buffers=False,
+    recompute_working_set=False,
+    fsdp_reduce_scatter_held=False,
+    pipeline_fsdp_deferred_reduction=False,
+    attention_backward_temporaries=0,
+    tp_input_collective_per_module=False,
 )
 
 
@@ -174,8 +221,16 @@ def modelled(engine: Engine) -> bool:
 
 
 # The moments of a step at which a peak can fall: the end of a forward, the loss's backward, the
-# first block's backward.
-MOMENTS = ("forward", "loss", "backward")
+# first block's backward, the second block's backward (which holds the first's terms too).
+MOMENTS = ("forward", "loss", "backward", "second_block")
+# The moments whose terms a moment holds besides its own and the persistent ones.
+_ALSO_HELD = {"second_block": ("backward",)}
+
+
+def held_at(term: Term, moment: str) -> bool:
+    """Whether ``term`` is held at ``moment`` (persistent terms always; ``second_block`` holds the
+    first block's backward terms too)."""
+    return term.moment in ("persistent", moment, *_ALSO_HELD.get(moment, ()))
 
 
 @dataclass(frozen=True)
@@ -192,7 +247,7 @@ class EnginePrediction:
     notes: tuple[str, ...] = ()  # effects of the engine this prediction could not model, said
 
     def moment_total(self, moment: str) -> int:
-        return self.base + sum(t.bytes for t in self.terms if t.moment in ("persistent", moment))
+        return self.base + sum(t.bytes for t in self.terms if held_at(t, moment))
 
     @property
     def moments(self) -> dict[str, int]:
@@ -298,7 +353,7 @@ def engine_prediction(
     if torch and isinstance(model, Transformer):
         terms += _activation_terms(pl, model, precision, fx, stage, index)
         if fsdp:
-            terms += _fsdp_terms(pl, model, precision, fx, stage)
+            terms += _fsdp_terms(pl, model, precision, fx, stage, index, notes)
     # A bare parameter count has no layers: FSDP2's units (root, blocks) are unknown.
     known = known and (isinstance(model, Transformer) or not fsdp)
     base = total - buffers if fsdp and known else total  # FSDP2's own buffers replace the modes' generic ones
@@ -467,8 +522,14 @@ def _activation_terms(
     tp = _tp_axis(pl)
     sp_on = tp is not None and t > 1 and pl.mode(A, LAYER_IO, tp).is_sharded
     if fx.sp_saves_gathered_inputs and sp_on:
-        whole = precision.activations * sbh - ceil_int(precision.activations * sbh * tensor_factor(pl, LAYER_IO))
-        extra = 2 * whole * ceil_int(pl.stage_layers(model.layers))  # the QKV and FC1 inputs
+        shard = ceil_int(precision.activations * sbh * tensor_factor(pl, LAYER_IO))
+        whole = precision.activations * sbh - shard
+        # The QKV and FC1 inputs, gathered, where the placement counts their shards; a Llama
+        # layout's q, k, v and gate, up each save a gathered copy of their own (3 + 2 where the
+        # placement counts 2 shards).
+        modules = 5 if model.ffn_kind is Ffn.SWIGLU else 2
+        per_layer = modules * whole + (modules - 2) * shard
+        extra = per_layer * ceil_int(pl.stage_layers(model.layers))
         if holds_io_activations(pl, OUTPUT_IO, stage):
             extra += whole  # the head's input
         out.append(
@@ -477,6 +538,28 @@ def _activation_terms(
                 "DTensor SP: gathered QKV/FC1 inputs saved",
                 extra * in_flight,
                 "persistent",
+                "activations",
+            )
+        )
+    fused = pl.options.recompute is Recompute.SELECTIVE and pl.options.fused_attention  # nothing recomputed
+    if fx.recompute_working_set and pl.options.recompute is not Recompute.NONE and not fused:
+        out.append(
+            Term(
+                "recompute_working_set",
+                f"checkpoint: one layer's recomputed activations ({pl.options.recompute.value})",
+                recomputed_layer_bytes(pl, model, precision),
+                "backward",
+                "activations",
+            )
+        )
+    if fx.attention_backward_temporaries and not pl.options.fused_attention and pl.stage_layers(model.layers) != 0:
+        scores = model.heads * model.seq * model.seq * model.micro_batch * precision.activations
+        out.append(
+            Term(
+                "attention_backward_temporaries",
+                f"softmax backward: {fx.attention_backward_temporaries} score-sized gradients",
+                ceil_int(fx.attention_backward_temporaries * scores * tensor_factor(pl, ATTN_SCORES)),
+                "backward",
                 "activations",
             )
         )
@@ -549,7 +632,50 @@ def _activation_terms(
     return out
 
 
-def _fsdp_terms(pl: Placement, model: Transformer, precision: Precision, fx: EngineEffects, stage: Stage) -> list[Term]:
+def recomputed_layer_bytes(pl: Placement, model: Transformer, precision: Precision) -> int:
+    """The bytes one layer's recomputation makes for one micro-batch on a device: the activation
+    groups the placement does not keep (``M``, materialised again in backward), through the
+    placement's tensor-parallel split."""
+    per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
+    total = sum(
+        (per_layer[g] * tensor_factor(pl, g) for g in ACTIVATION_GROUPS if pl.local_mode(A, g) is Mode.MATERIALIZED),
+        start=0,
+    )
+    return ceil_int(total)
+
+
+def kept_layer_bytes(pl: Placement, model: Transformer, precision: Precision) -> int:
+    """The bytes one layer keeps for one micro-batch on a device through the placement (its
+    checkpoint under full recomputation): what the first block's backward frees."""
+    per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
+    sbh = model.seq * model.micro_batch * model.hidden
+    return ceil_int(layer_activations(pl, per_layer, sbh, precision))
+
+
+def stage_actions(pl: Placement, index: int) -> list[str]:
+    """The order in which pipeline stage ``index`` runs its micro-batches' forwards (``F``) and
+    backwards (``B``) in one step: GPipe every forward then every backward; 1F1B ``min(p - i,
+    m)`` warm-up forwards, then a backward and a forward in turn, then the remaining backwards
+    (``torch.distributed.pipelining.Schedule1F1B``; Narayanan et al. 2021, section 2.2)."""
+    p, m = int(pl.pipeline_degree), int(pl.options.micro_batches)
+    kind = pl.options.pipeline_schedule.kind
+    if kind is Schedule.GPIPE:
+        return ["F"] * m + ["B"] * m
+    if kind is not Schedule.ONE_F_ONE_B:
+        raise ModelError(f"the {kind.value} schedule's order of forwards and backwards is not modelled")
+    warm = min(p - index, m)
+    return ["F"] * warm + ["B", "F"] * (m - warm) + ["B"] * warm
+
+
+def _fsdp_terms(
+    pl: Placement,
+    model: Transformer,
+    precision: Precision,
+    fx: EngineEffects,
+    stage: Stage,
+    index: int | None,
+    notes: list[str],
+) -> list[Term]:
     """FSDP2's unsharded parameters and gradients (the placement's ``S*`` buffers replaced)."""
     out: list[Term] = []
     sizes = model.group_elements()
@@ -588,6 +714,48 @@ def _fsdp_terms(pl: Placement, model: Transformer, precision: Precision, fx: Eng
                 "buffers",
             )
         )
+    deferred = fx.pipeline_fsdp_deferred_reduction and pl.pipelined and pl.pipeline_degree != 1
+    # A forward after a backward (1F1B's steady state) holds the stage's micro-batches in flight
+    # again with every gradient unsharded; without one (GPipe) the activations peak before any
+    # backward, and the first backward holds what FSDP2 alone holds (below).
+    try:
+        steady = deferred and "BF" in "".join(stage_actions(pl, _stage_index(pl, stage, index)))
+    except ModelError as err:
+        notes.append(f"pipelining + FSDP2's unsharded gradients not modelled: {err}")
+        steady = False
+    if steady:
+        stage_groups = [g for g in pl.groups(G) if g in LAYER_GROUPS or _on_stage(pl, g, stage)]
+        whole = sum(_whole_along_data(pl, G, g, sizes[g], stage) for g in stage_groups) * width_g
+        out.append(
+            Term(
+                "pipeline_fsdp_unsharded_gradients",
+                "pipelining + FSDP2: the stage's gradients unsharded until the last micro-batch",
+                whole,
+                "persistent",
+                "buffers",
+            )
+        )
+        return out
+    if not deferred and fx.fsdp_reduce_scatter_held and layers > 1 and any(_data_axes(pl, G, g) for g in block_groups):
+        rs = sum(_whole_along_data(pl, G, g, sizes[g], stage) for g in block_groups if g in pl.groups(G))
+        out.append(
+            Term(
+                "fsdp_reduce_scatter_held",
+                "FSDP2 previous block's reduce-scatter input held",
+                rs * width_g // layers,
+                "second_block",
+                "buffers",
+            )
+        )
+        out.append(
+            Term(
+                "first_block_freed",
+                "first block's saved activations freed (second block's backward)",
+                -kept_layer_bytes(pl, model, precision),
+                "second_block",
+                "activations",
+            )
+        )
     if fx.fsdp_unsharded_gradients:
         first_grads = [g for g in (HEAD, FINAL_NORM) if g in pl.groups(G) and _on_stage(pl, g, stage)]
         if HEAD not in pl.groups(G) and EMBEDDING in pl.groups(G) and _on_stage(pl, EMBEDDING, stage):
@@ -615,6 +783,14 @@ def _fsdp_terms(pl: Placement, model: Transformer, precision: Precision, fx: Eng
     return out
 
 
+def _stage_index(pl: Placement, stage: Stage, index: int | None) -> int:
+    """Pipeline stage ``index``, or without one the first or last stage's (a middle stage: the
+    first's, the most loaded)."""
+    if index is not None:
+        return index
+    return int(pl.pipeline_degree) - 1 if stage == Stage.LAST else 0
+
+
 def _on_stage(pl: Placement, group: Group, stage: Stage) -> bool:
     if not pl.pipelined or pl.pipeline_degree == 1 or group in pl.tied:
         return True
@@ -635,8 +811,10 @@ __all__ = [
     "default_engine",
     "effects_for",
     "engine_prediction",
+    "held_at",
     "modelled",
     "pytorch_engine",
+    "stage_actions",
     "whole_tensor_owners",
     "zero1_axis",
 ]

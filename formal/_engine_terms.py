@@ -15,7 +15,8 @@ class Term:
     """One engine effect on one device: its name, what it holds, bytes, and when.
 
     ``moment``: ``persistent`` (held through the step: counted at every moment), ``forward``,
-    ``loss`` or ``backward`` (held at that moment only, ``MOMENTS``). ``state``: which row of
+    ``loss``, ``backward`` or ``second_block`` (held at that moment only, ``MOMENTS``; the second
+    block's backward also holds the ``backward`` terms). ``state``: which row of
     the memory table it adds to (``gradients``, ``optimizer``, ``activations``, ``buffers``)."""
 
     key: str

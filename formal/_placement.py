@@ -180,6 +180,11 @@ class Options:
     chunks: int = 1  # virtual stages per device (interleaved schedule)
     micro_batches: int = 1  # per step per data-parallel replica (pipeline or accumulation)
     uneven_stages: bool = False  # declared uneven pipeline stages: layers need not divide by pp
+    # ``flash``: the attention is one fused kernel (FlashAttention, Dao et al. 2022): the same
+    # placement as selective recomputation (so not part of the options' equality), but the
+    # scores are never materialised, not even when recomputed in backward (read by the engine
+    # terms only).
+    fused_attention: bool = field(default=False, compare=False)
     scalars: ScalarSettings = ScalarSettings()  # noqa: RUF009 (frozen) clipping, per-token loss, loss scaling
 
     @property

@@ -28,10 +28,13 @@ class Tensor:
 
 def parameter_tensors(model: Transformer) -> list[Tensor]:
     """The parameter tensors a GPT-style model registers, in order, from the formal description
-    (fused QKV, GELU MLP, LayerNorm or RMSNorm, optional biases, learned positions, untied head).
+    (fused QKV, GELU MLP, LayerNorm or RMSNorm, optional biases, learned positions, untied head),
+    or a Llama-style one (separate q, k, v and o, gate, up and down matrices, no biases).
     Their sizes add up to the formal groups (checked)."""
-    if model.ffn_kind is not Ffn.GELU or model.is_moe:
-        raise ModelError(f"{model.name}: the tensor layout covers dense GELU models only")
+    if model.is_moe or model.qkv_bias or model.qk_norm:
+        raise ModelError(f"{model.name}: the tensor layout covers dense GPT and Llama-style models only")
+    if model.ffn_kind is Ffn.SWIGLU and model.bias:
+        raise ModelError(f"{model.name}: the Llama-style tensor layout has no biases")
     h, f, hd = model.hidden, model.ffn_, model.head_dim
     qkv = model.heads * hd + 2 * model.kv_heads_ * hd
     out: list[Tensor] = [Tensor("embed.weight", EMBEDDING, model.vocab * h, None)]
@@ -53,6 +56,21 @@ def parameter_tensors(model: Transformer) -> list[Tensor]:
     for i in range(model.layers):
         pre = f"layers.{i}"
         out += norm(f"{pre}.ln1", NORM, i)
+        if model.ffn_kind is Ffn.SWIGLU:
+            # Llama's layout (Hugging Face LlamaDecoderLayer): separate q, k, v (k and v as wide
+            # as the kv heads), the output projection, the gate, up and down matrices, no biases.
+            kv = model.kv_heads_ * hd
+            for name, n_in, n_out in (
+                ("q", h, model.heads * hd),
+                ("k", h, kv),
+                ("v", h, kv),
+                ("o", model.heads * hd, h),
+            ):
+                out += linear(f"{pre}.{name}", ATTENTION, ATTENTION, n_in, n_out, i)
+            out += norm(f"{pre}.ln2", NORM, i)
+            for name, n_in, n_out in (("gate", h, f), ("up", h, f), ("down", f, h)):
+                out += linear(f"{pre}.{name}", MLP, MLP, n_in, n_out, i)
+            continue
         out += linear(f"{pre}.qkv", ATTENTION, ATTENTION, h, qkv, i)
         out += linear(f"{pre}.proj", ATTENTION, ROW_BIAS, model.heads * hd, h, i)
         out += norm(f"{pre}.ln2", NORM, i)

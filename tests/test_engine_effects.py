@@ -225,3 +225,80 @@ def test_compare_shows_the_peak_beside_the_placement_total() -> None:
     plain = json.loads(cli("compare", "dp8", "--devices", "8", "--engine", "megatron", "--json")[1])
     ids = 2 * 8 * LLAMA.seq * LLAMA.micro_batch
     assert plain[0]["peak_bytes"] == plain[0]["total_bytes"] + ids
+
+
+# A GPT model as Korthikanti et al. 2022 count it (FFN 4h, dropout, multi-head attention).
+GPT = Transformer(
+    "gpt-test", layers=8, hidden=1024, heads=16, vocab=32000, seq=2048, micro_batch=2, learned_positions=False
+)
+
+
+def test_recomputation_holds_one_layer_recomputed_in_its_backward() -> None:
+    """``torch.utils.checkpoint`` keeps what the recomputed forward saves until the region's
+    backward: Korthikanti's whole layer, ``sbh(34 + 5as/h)`` bytes at 16 bits, under full
+    recomputation; the attention core, ``5as^2b``, under selective; split by tp."""
+    s, b, h, a = GPT.seq, GPT.micro_batch, GPT.hidden, GPT.heads
+    layer, core = 34 * s * b * h + 5 * a * s * s * b, 5 * a * s * s * b
+    assert terms("fsdp8xrecompute", GPT, Engine.FSDP2)["recompute_working_set"] == layer
+    assert terms("fsdp8xselective", GPT, Engine.FSDP2)["recompute_working_set"] == core
+    assert terms("tp8xspxselective", GPT, Engine.FSDP2)["recompute_working_set"] == core // 8
+    assert "recompute_working_set" not in terms("fsdp8", GPT, Engine.FSDP2)
+
+
+def test_fsdp2_second_block_holds_the_first_blocks_reduce_scatter_input() -> None:
+    """At the second block's backward the first block's gradient (reduce-scatter input, one
+    block's elements at the gradient's wire width) is still held and the first block's saved
+    activations are freed: its checkpoint, ``2sbh``, under full recomputation. With a layer's
+    small checkpoint that moment holds more than the first block's backward."""
+    s, b, h = GPT.seq, GPT.micro_batch, GPT.hidden
+    block = 12 * h * h + 13 * h  # QKV, projection, two FFN matrices, their biases, two LayerNorms
+    a = analyze(parse("fsdp8xrecompute"), GPT, MIXED, engine=Engine.FSDP2)
+    assert a.engine is not None
+    got = {t.key: t.bytes for t in a.engine.terms}
+    assert got["fsdp_reduce_scatter_held"] == block * MIXED.gradient_wire
+    assert got["first_block_freed"] == -2 * s * b * h
+    moments = a.engine.moments
+    assert moments["second_block"] == moments["backward"] + block * MIXED.gradient_wire - 2 * s * b * h
+    # without recomputation the first block's backward holds more (a whole layer is freed)
+    plain = analyze(parse("fsdp8"), GPT, MIXED, engine=Engine.FSDP2).engine
+    assert plain is not None and plain.moments["second_block"] < plain.moments["backward"]
+
+
+def test_softmax_backward_holds_two_score_sized_gradients_unless_attention_is_fused() -> None:
+    """``aten::_softmax_backward_data`` reads the probabilities' gradient and writes the scores':
+    two ``a s^2 b`` tensors at the activation width in a block's backward, split by tp; none
+    where the attention is one fused kernel (``flash``), which never materialises the scores."""
+    s, b, a = GPT.seq, GPT.micro_batch, GPT.heads
+    scores = a * s * s * b * MIXED.activations
+    assert terms("fsdp8", GPT, Engine.FSDP2)["attention_backward_temporaries"] == 2 * scores
+    assert terms("tp8", GPT, Engine.FSDP2)["attention_backward_temporaries"] == 2 * scores // 8
+    flash = terms("fsdp8xflash", GPT, Engine.FSDP2)
+    assert "attention_backward_temporaries" not in flash and "recompute_working_set" not in flash
+
+
+def test_pipelining_with_fsdp2_holds_the_stage_gradients_unsharded() -> None:
+    """``torch.distributed.pipelining`` turns FSDP2's gradient synchronisation off for every
+    micro-batch and reduce-scatters once after the last: a stage's whole gradients (its layers,
+    and the embedding on the first stage) are held through the step, not one block's."""
+    h, v = GPT.hidden, GPT.vocab
+    block = 12 * h * h + 13 * h
+    a = analyze(parse("pp4xfsdp2xm8"), GPT, MIXED, engine=Engine.FSDP2)
+    assert a.engine is not None
+    got = {t.key: t.bytes for t in a.engine.terms}
+    layers = GPT.layers // 4
+    assert got["pipeline_fsdp_unsharded_gradients"] == (layers * block + v * h) * MIXED.gradient_wire
+    assert "fsdp_block_gradient" not in got and "fsdp_reduce_scatter_held" not in got
+
+
+def test_sequence_parallel_saves_each_column_parallel_modules_gathered_input() -> None:
+    """DTensor's ``ColwiseParallel(input_layouts=Shard(1))`` saves the gathered input of each
+    module: GPT's QKV and FC1 (two, where the placement counts two sequence shards), a Llama
+    layer's q, k, v and gate, up (five), and the head's input once."""
+    full = 2 * LLAMA.seq * LLAMA.micro_batch * LLAMA.hidden  # one layer input at 2 bytes
+    shard = full // 8
+    per_layer = 5 * full - 2 * shard
+    got = terms("tp8xsp", LLAMA, Engine.FSDP2)["sp_saves_gathered_inputs"]
+    assert got == LLAMA.layers * per_layer + (full - shard)
+    gpt_full = 2 * GPT.seq * GPT.micro_batch * GPT.hidden
+    gpt = terms("tp8xsp", GPT, Engine.FSDP2)["sp_saves_gathered_inputs"]
+    assert gpt == (GPT.layers * 2 + 1) * (gpt_full - gpt_full // 8)

@@ -49,11 +49,11 @@ def test_the_reference_arithmetic_is_exact(setup: Setup) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_case_parses_to_its_engine(world: int) -> None:
-    """The case list covers every engine the world size allows (FSDP+TP and HSDP need 4
+    """The case list covers every engine the world size allows (FSDP+TP, HSDP, PP+DDP, PP+FSDP need 4
     ranks), sequence parallelism and both pipeline schedules."""
     comps = [parse(c.composition, devices=world) for c in cases(world) if c.fault is Fault.NONE]
     engines = {engine_for(c) for c in comps}
-    two_d = {Engine.FSDP_TP, Engine.HSDP}
+    two_d = {Engine.FSDP_TP, Engine.HSDP, Engine.PIPELINE_FSDP, Engine.PIPELINE_DDP}
     assert engines == (set(Engine) if world == 4 else set(Engine) - two_d)
     assert any(c.options.sequence_parallel and engine_for(c) is Engine.TP for c in comps)
     pipes = [c for c in comps if engine_for(c) is Engine.PIPELINE]

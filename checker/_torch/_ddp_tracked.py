@@ -32,6 +32,8 @@ from checker._torch._net import NetConfig
 # The DDP-engine rows (plain DDP, ZeRO-1 through ZeroRedundancyOptimizer, gradient accumulation
 # over real micro-batches) at two processes: the table's ``ddp8``, ``zero18`` and ``dp8xm4``.
 DDP_COMPOSITIONS: tuple[str, ...] = ("ddp2", "zero12", "dp2xm4")
+# DDP on each stage of a pipeline (a 2-D (pp, dp) mesh, pp outer) at four processes.
+PIPELINE_DDP_COMPOSITIONS: tuple[str, ...] = ("pp2xdp2xm4",)
 # A model whose activations are a good part of the peak (about 40%), small enough for real
 # tensors on two shared CPU cores: 10.2 M parameters, about 0.34 GB per rank at the peak.
 DDP_MODEL = NetConfig(layers=4, hidden=384, heads=6, vocab=4096, seq=256, batch=2)
@@ -183,4 +185,13 @@ def ddp_ok(c: Comparison) -> bool:
     return c.model_states_exact and c.calls_equal and c.peak_within
 
 
-__all__ = ["DDP_COMPOSITIONS", "DDP_MODEL", "DDPTracked", "compare", "ddp_ok", "format_ddp", "measure_world"]
+__all__ = [
+    "DDP_COMPOSITIONS",
+    "DDP_MODEL",
+    "PIPELINE_DDP_COMPOSITIONS",
+    "DDPTracked",
+    "compare",
+    "ddp_ok",
+    "format_ddp",
+    "measure_world",
+]

@@ -3,8 +3,11 @@
 The composition decides which engine runs (``engine_for``): DDP, FSDP2 ``fully_shard``
 (``reshard_after_forward`` True for ``fsdp``/``zero3``, False for ``fsdp-sgo``), DTensor tensor
 parallelism (``tp``, with ``sp`` sequence parallelism), FSDP+TP, HSDP (``hsdp`` with ``dpr``) and
-``torch.distributed.pipelining`` (``pp``, GPipe or 1F1B). Each is applied by one small function in
+``torch.distributed.pipelining`` (``pp``, GPipe or 1F1B), alone or with DDP or FSDP2 on each stage
+(``pp`` x ``dp``/``fsdp``, a 2-D mesh with pp outer). Each is applied by one small function in
 a fixed order, as torchtitan's ``parallelize`` does: tensor parallel, then data parallel.
+Recomputation (``recompute``, ``selective``) is ``torch.utils.checkpoint`` on each block or on
+each block's attention core (``checker._torch._net.Block``); offload has no engine here.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from checker._torch._net import Net, NetConfig, batch, init_exact_, loss_fn
+from checker._torch._net import Block, LlamaBlock, Net, NetConfig, batch, init_exact_, loss_fn
 from checker._torch._record import Call, CommRecorder, SavedActivations, local, storage_bytes
 from formal._axes import DATA, DATA_REPLICATE, PIPELINE, TENSOR
 from formal._strategies import Composition
@@ -35,6 +38,8 @@ class Engine(StrEnum):
     FSDP_TP = "FSDP2 + DTensor TP"
     HSDP = "FSDP2 HSDP"
     PIPELINE = "pipelining"
+    PIPELINE_FSDP = "pipelining + FSDP2"
+    PIPELINE_DDP = "pipelining + DDP"
     ZERO1 = "DDP + ZeroRedundancyOptimizer"
 
 
@@ -44,12 +49,16 @@ def engine_for(comp: Composition) -> Engine:
     names = {s.axis.kind: s.name for s in comp.strategies if (s.degree or 1) > 1}
     kinds = {a.kind for a in mesh}  # the harness has an engine per set of parallelism kinds
     dp_name = names.get(DATA)
-    if comp.options.offload_optimizer or comp.options.offload_parameters or comp.options.recompute.value != "none":
-        raise CompositionError(f"{comp}: offload and recomputation have no engine in this harness")
+    if comp.options.offload_optimizer or comp.options.offload_parameters:
+        raise CompositionError(f"{comp}: offload has no engine in this harness")
+    if PIPELINE in kinds and comp.options.pipeline_schedule.pytorch is None:
+        raise CompositionError(f"{comp}: {comp.options.schedule.value} schedules are not run by this harness")
     if kinds == {PIPELINE}:
-        if comp.options.pipeline_schedule.pytorch is None:
-            raise CompositionError(f"{comp}: {comp.options.schedule.value} schedules are not run by this harness")
         return Engine.PIPELINE
+    if kinds == {PIPELINE, DATA} and dp_name in ("dp", "ddp"):
+        return Engine.PIPELINE_DDP
+    if kinds == {PIPELINE, DATA} and dp_name in ("fsdp", "fsdp-sgo", "zero3"):
+        return Engine.PIPELINE_FSDP
     if kinds == {TENSOR}:
         return Engine.TP
     if kinds == {DATA} and dp_name in ("dp", "ddp"):
@@ -67,7 +76,8 @@ def engine_for(comp: Composition) -> Engine:
     ):
         return Engine.HSDP
     raise CompositionError(
-        f"{comp}: no PyTorch engine for this composition in the harness (DDP, ZeRO-1, FSDP, TP, FSDP+TP, HSDP, PP)"
+        f"{comp}: no PyTorch engine for this composition in the harness (DDP, ZeRO-1, FSDP, TP, FSDP+TP, HSDP, PP, "
+        "PP+DDP, PP+FSDP)"
     )
 
 
@@ -126,6 +136,9 @@ class Runner:
         net = Net(self.cfg)
         if self.cfg.exact:
             init_exact_(net, self.seed)
+        for block in net.layers.values():  # torch.utils.checkpoint on each block or its attention core
+            assert isinstance(block, Block | LlamaBlock)
+            block.recompute = self.comp.options.recompute.value
         match self.engine:
             case Engine.DDP | Engine.ZERO1:
                 return self._ddp(net), None
@@ -139,7 +152,7 @@ class Runner:
             case Engine.HSDP:
                 mesh = self._device_mesh((self.mesh[Axis.DPR], self.mesh[Axis.DP]), ("dpr", "dp"))
                 return self._fsdp(net, mesh), None
-            case Engine.PIPELINE:
+            case Engine.PIPELINE | Engine.PIPELINE_FSDP | Engine.PIPELINE_DDP:
                 return self._pipeline(net)
             case _:
                 raise AssertionError(self.engine)
@@ -157,10 +170,18 @@ class Runner:
         with unset_fake_temporarily():
             return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
-    def _ddp(self, net: Net) -> nn.Module:
+    def pipelined(self) -> bool:
+        return self.engine in (Engine.PIPELINE, Engine.PIPELINE_FSDP, Engine.PIPELINE_DDP)
+
+    def pipeline_index(self) -> int:
+        """The pipeline stage this rank runs: pp is the outer mesh dimension (rank = stage x dp +
+        data rank), as in torchtitan's meshes."""
+        return self.rank // self.mesh.get(Axis.DP, 1) if self.pipelined() else 0
+
+    def _ddp(self, net: Net, group: Any = None) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model = DDP(net, gradient_as_bucket_view=self.gradient_as_bucket_view)
+        model = DDP(net, gradient_as_bucket_view=self.gradient_as_bucket_view, process_group=group)
         world = self.world
         buckets, buffers = self.bucket_bytes, self.bucket_buffers
 
@@ -170,8 +191,8 @@ class Runner:
             t = bucket.buffer()
             buckets[bucket.index()] = t.untyped_storage().nbytes()
             buffers[bucket.index()] = t
-            t.div_(world)
-            dist.all_reduce(t)
+            t.div_(world if group is None else group.size())
+            dist.all_reduce(t, group=group)
             fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             fut.set_result(t)
             return fut
@@ -224,6 +245,15 @@ class Runner:
             plan["norm"] = SequenceParallel()
         for name in net.layers:
             pre = f"layers.{name}."
+            if self.cfg.llama:  # torchtitan's Llama plan: q/k/v, gate/up column, o/down row parallel
+                for col in ("q", "k", "v", "gate", "up"):
+                    plan[pre + col] = ColwiseParallel(input_layouts=seq)
+                plan[pre + "o"] = RowwiseParallel(output_layouts=seq)
+                plan[pre + "down"] = RowwiseParallel(output_layouts=seq)
+                if sp:
+                    plan[pre + "ln1"] = SequenceParallel()
+                    plan[pre + "ln2"] = SequenceParallel()
+                continue
             plan[pre + "qkv"] = ColwiseParallel(input_layouts=seq)
             plan[pre + "proj"] = RowwiseParallel(output_layouts=seq)
             plan[pre + "fc1"] = ColwiseParallel(input_layouts=seq)
@@ -243,16 +273,27 @@ class Runner:
         if cfg.layers % p:
             raise CompositionError(f"pp{p}: layers={cfg.layers} is not divisible by the pipeline degree")
         per = cfg.layers // p
-        keep = {str(i) for i in range(self.rank * per, (self.rank + 1) * per)}
+        index = self.pipeline_index()
+        keep = {str(i) for i in range(index * per, (index + 1) * per)}
         for name in list(net.layers):
             if name not in keep:
                 del net.layers[name]
-        first, last = self.rank == 0, self.rank == p - 1
+        first, last = index == 0, index == p - 1
         if not first:
             net.embed = None
         if not last:
             net.norm = None
             net.head = None
+        group = None
+        module: nn.Module = net
+        if self.engine is not Engine.PIPELINE:
+            # A 2-D mesh, pp outer: the stage sends along pp and shards or replicates along dp.
+            mesh = self._device_mesh((p, self.mesh[Axis.DP]), ("pp", "dp"))
+            group = mesh["pp"].get_group()
+            if self.engine is Engine.PIPELINE_FSDP:
+                module = self._fsdp(net, mesh["dp"])
+            else:
+                module = self._ddp(net, mesh["dp"].get_group())
         b = cfg.batch
         hidden = torch.zeros(b, cfg.seq, cfg.hidden)
         # The activations passed between stages require grad: a stage takes requires_grad of
@@ -263,14 +304,15 @@ class Runner:
         y_out = torch.zeros(b, cfg.seq, cfg.vocab) if last else act
         # Explicit shapes: the fake group's receive would mislead shape inference.
         stage = PipelineStage(
-            net,
-            self.rank,
+            module,
+            index,
             p,
             torch.device("cpu"),
             input_args=(x_in,),
             output_args=(y_out,),
             input_grads=(None if first else hidden,),
             output_grads=(None if last else hidden,),
+            group=group,
         )
         m = self.comp.options.micro_batches
         scale = 1.0
@@ -291,7 +333,7 @@ class Runner:
                     st._inference_mode = InferenceMode.STATIC
 
             schedule._warmup_p2p = static  # type: ignore[method-assign]
-        return net, schedule
+        return module, schedule
 
     def _optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         params = [p for p in model.parameters() if p.requires_grad]
@@ -318,6 +360,8 @@ class Runner:
                 return self.rank // self.mesh[Axis.TP]
             case Engine.TP | Engine.PIPELINE:
                 return 0
+            case Engine.PIPELINE_FSDP | Engine.PIPELINE_DDP:
+                return self.rank % self.mesh[Axis.DP]
             case _:
                 return self.rank
 
@@ -331,11 +375,11 @@ class Runner:
     def step(self, model: nn.Module, schedule: Any, opt: torch.optim.Optimizer, step: int) -> None:
         opt.zero_grad(set_to_none=False)
         ids, targets = self.step_data(step)
-        if self.engine is Engine.PIPELINE:
-            p = self.mesh[Axis.PP]
-            if self.rank == 0:
+        if self.pipelined():
+            p, index = self.mesh[Axis.PP], self.pipeline_index()
+            if index == 0:
                 schedule.step(ids)
-            elif self.rank == p - 1:
+            elif index == p - 1:
                 # The loss is all a training step needs: without return_outputs=False the last
                 # stage keeps every micro-batch's output (the logits) to merge them at the end.
                 schedule.step(target=targets, return_outputs=False)
@@ -413,7 +457,7 @@ def measure(
     """
     runner = Runner(comp, cfg, rank, world, fake=fake, gradient_as_bucket_view=gradient_as_bucket_view)
     if steps is None:
-        steps = 3 if runner.engine in (Engine.DDP, Engine.ZERO1) else 2
+        steps = 3 if runner.engine in (Engine.DDP, Engine.ZERO1, Engine.PIPELINE_DDP) else 2
     model, schedule = runner.build()
     opt = runner._optimizer(model)
     for i in range(steps - 1):
@@ -461,9 +505,9 @@ def _optimizer_states(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
 
 def _stage(runner: Runner) -> Stage:
-    if runner.engine is not Engine.PIPELINE:
+    if not runner.pipelined():
         return Stage.FIRST
-    return Stage.of(runner.rank, runner.mesh[Axis.PP])
+    return Stage.of(runner.pipeline_index(), runner.mesh[Axis.PP])
 
 
 def fake_group(world: int, rank: int = 0) -> Callable[[], None]:

@@ -85,8 +85,8 @@ class Case:
 
 def cases(world: int) -> list[Case]:
     """The runs at one world size: valid compositions and the injected faults. The 2-D
-    compositions (FSDP+TP, HSDP) need a world divisible by 4; the pipelines run 2 x world
-    micro-batches, GPipe and 1F1B."""
+    compositions (FSDP+TP, HSDP, a pipeline with DDP or FSDP2 on each stage) need a world
+    divisible by 4; the pipelines run 2 x world micro-batches, GPipe and 1F1B."""
     w, half = world, world // 2
     two_d = world % 4 == 0
     valid = [
@@ -97,6 +97,7 @@ def cases(world: int) -> list[Case]:
         Case(f"tp{w}"),
         Case(f"tp{w}xsp"),
         *([Case(f"tp2xfsdp{half}"), Case(f"hsdp{half}xdpr2")] if two_d else []),
+        *([Case(f"pp2xdp{half}xm4"), Case(f"pp2xfsdp{half}xm4")] if two_d else []),
         Case(f"pp{w}xm{2 * w}xgpipe"),
         Case(f"pp{w}xm{2 * w}"),
     ]
@@ -131,7 +132,7 @@ def setup_for(comp: Composition, world: int) -> Setup:
     runner = Runner(comp, config_for(comp), 0, world, fake=False)
     # A pipeline runs ``micro_batches`` micro-batches per step, each loss scaled by 1/m
     # (``Runner._pipeline``); the other engines run the replica's whole batch in one backward.
-    m = comp.options.micro_batches if runner.engine is Engine.PIPELINE else 1
+    m = comp.options.micro_batches if runner.pipelined() else 1
     assert runner.samples_per_replica() == runner.cfg.batch * m, "micro-batches outside a pipeline"
     return Setup(runner.cfg, runner.data_replicas(), m)
 

@@ -28,10 +28,11 @@ from formal._engine_effects import (
     EnginePrediction,
     engine_prediction,
     pytorch_engine,
+    stage_actions,
     zero1_axis,
 )
 from formal._exact import exact_int
-from formal._model import PRECISIONS, Precision, Transformer
+from formal._model import PRECISIONS, Ffn, Precision, Transformer
 from formal._placement import Placement
 from formal._program import Op, StepProgram, derive_program, group_sizes, shard_elements
 from formal._strategies import Composition
@@ -40,6 +41,7 @@ from formal._vocab import (
     EMBEDDING,
     HEAD,
     LAYER_GROUPS,
+    LAYER_IO,
     OUTPUT_IO,
     POSITION,
     ROW_BIAS,
@@ -89,8 +91,18 @@ def _int(x: sp.Expr) -> int:
     return exact_int(x)
 
 
+def pipeline_index(pl: Placement, rank: int) -> int:
+    """The pipeline stage device ``rank`` runs: pp is the outer mesh dimension (rank = stage x
+    the other axes' devices + the rest), as in the harness's and torchtitan's meshes."""
+    p = int(pl.pipeline_degree)
+    devices = 1
+    for _, d in pl.mesh:
+        devices *= int(d)
+    return rank // (devices // p) if p > 1 else 0
+
+
 def stage_of(pl: Placement, rank: int) -> Stage:
-    return Stage.of(rank, int(pl.pipeline_degree))
+    return Stage.of(pipeline_index(pl, rank), int(pl.pipeline_degree))
 
 
 def on_stage(pl: Placement, t: Tensor, rank: int) -> bool:
@@ -122,7 +134,7 @@ def predict(
     program = derive_program(pl, model)
     sizes = group_sizes(model)
     stage = stage_of(pl, rank)
-    index = rank if int(pl.pipeline_degree) > 1 else None  # pipeline rank r runs stage r
+    index = pipeline_index(pl, rank) if int(pl.pipeline_degree) > 1 else None
     mem = memory(pl, model, precision, sizes, stage)
     act = activation_memory(pl, model, precision, stage, index)
     assert act is not None
@@ -162,7 +174,8 @@ def _calls(
     stage = stage_of(pl, rank)
     p = int(pl.pipeline_degree)
     per_stage = model.layers // p
-    my_layers = set(range(rank * per_stage, (rank + 1) * per_stage)) if p > 1 else set(range(model.layers))
+    first = pipeline_index(pl, rank) * per_stage
+    my_layers = set(range(first, first + per_stage)) if p > 1 else set(range(model.layers))
     # Registration order is kept: DDP's buckets follow it (reversed).
     mine = [t for t in tensors if (t.layer in my_layers if t.layer is not None else on_stage(pl, t, rank))]
     for op in program.ops:
@@ -175,6 +188,10 @@ def _calls(
             # This rank's share of the union over stages: the embedding's ops on the first stage,
             # the head's on the last, a middle stage's sends both ways (formal's cost model).
             calls = _int(op.count * op_stage_factor(op, pl, stage))
+            modules = sum(colwise_modules(model))
+            if impl.tp_input_collective_per_module and _colwise_input_op(op) and modules != 2:
+                assert calls % 2 == 0, op  # one at the attention's input, one at the MLP's, per layer
+                calls = calls // 2 * modules
             yield from [Call(op.kind, n, _int(op.elements) * wire)] * calls
             continue
         group_tensors = [t for t in mine if t.group is op.group]
@@ -189,12 +206,41 @@ def _calls(
         yield from _ddp_bucket_calls(pl, program, mine, impl, precision, force=True)
         n = int(pl.degree(zero1))
         for t in mine:
-            elements = _int(shard_elements(pl, P, t.group, sp.Integer(t.elements), zero1))
+            elements = _int(tensor_elements(pl, P, t, zero1))
             yield Call(OpKind.BROADCAST, n, elements * precision.wire_bytes_of(P))
     else:
         yield from _ddp_bucket_calls(pl, program, mine, impl, precision)
-        yield from _fsdp_unit_calls(pl, program, mine, impl, precision, stage)
+        yield from _fsdp_unit_calls(pl, program, mine, impl, precision, stage, rank)
     yield from _loss_parallel_calls(pl, model, impl, stage)
+
+
+def tensor_elements(pl: Placement, state: State, t: Tensor, along: Axis | None) -> sp.Expr:
+    """Elements of one tensor a collective along ``along`` acts on: its shard on the other axes
+    but the pipeline's, which places whole tensors on stages (``parameter_tensors`` lists the
+    tensors of the rank's stage) instead of splitting them."""
+    skip = {a for a in pl.axes if a.kind.is_pipeline} | ({along} if along is not None else set())
+    return sp.Integer(shard_elements(pl, state, t.group, sp.Integer(t.elements), skip))
+
+
+def colwise_modules(model: Transformer) -> tuple[int, int]:
+    """Column-parallel modules that read a layer's attention input and its MLP input: the fused
+    QKV and FC1 of the GPT layout (one each), or a Llama layout's q, k, v and gate, up
+    (``formal._tensors.parameter_tensors``)."""
+    return (3, 2) if model.ffn_kind is Ffn.SWIGLU else (1, 1)
+
+
+def _colwise_input_op(op: Op) -> bool:
+    """The backward all-reduce of a column-parallel matmul's input gradient (a partial sum over
+    tp), or under sequence parallelism the forward gather of its input and the backward
+    reduce-scatter of its gradient: the program's two per layer, one at the attention's input,
+    one at the MLP's."""
+    if op.group is not LAYER_IO or not _on(op, TENSOR):
+        return False
+    return (op.kind, op.phase.value) in (
+        (OpKind.ALL_REDUCE, "backward"),
+        (OpKind.ALL_GATHER, "forward"),
+        (OpKind.REDUCE_SCATTER, "backward"),
+    )
 
 
 def _state_calls(
@@ -207,7 +253,7 @@ def _state_calls(
         if op.group is ROW_BIAS and impl.tp_row_bias_before_reduction:
             return
         for t in ts:
-            elements = shard_elements(pl, G, t.group, sp.Integer(t.elements), op.axis)
+            elements = tensor_elements(pl, G, t, op.axis)
             yield from [Call(op.kind, n, _int(elements) * wire)] * count
         return
     raise AssertionError(f"no engine mapping for {op}")
@@ -218,14 +264,41 @@ def _units(pl: Placement, ts: list[Tensor], state: State, skip: Axis) -> dict[st
     out: dict[str, sp.Expr] = {}
     for t in ts:
         unit = "root" if t.layer is None else f"layer{t.layer}"
-        out[unit] = out.get(unit, sp.Integer(0)) + shard_elements(pl, state, t.group, sp.Integer(t.elements), skip)
+        out[unit] = out.get(unit, sp.Integer(0)) + tensor_elements(pl, state, t, skip)
+    return out
+
+
+def _pipelined_fsdp_counts(pl: Placement, rank: int) -> dict[tuple[OpKind, str, bool], int] | None:
+    """FSDP2 under ``torch.distributed.pipelining`` (``_PipelineStageBase.backward_maybe_with_nosync``:
+    ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)`` for every
+    micro-batch, then ``perform_reduce_grad`` after the last): the calls per step of a unit, by
+    (kind, phase, root). Each unit's gradients are reduce-scattered once; a block is gathered by
+    a forward unless a backward left it unsharded, and by a backward after a forward resharded
+    it; the root (``reshard_after_forward`` False) is gathered once. None without a pipeline."""
+    if not (pl.pipelined and int(pl.pipeline_degree) > 1):
+        return None
+    actions = stage_actions(pl, pipeline_index(pl, rank))  # formal._engine_effects
+    forward = sum(1 for i, a in enumerate(actions) if a == "F" and (i == 0 or actions[i - 1] == "F"))
+    backward = sum(1 for i, a in enumerate(actions) if a == "B" and i > 0 and actions[i - 1] == "F")
+    out: dict[tuple[OpKind, str, bool], int] = {}
+    for root in (False, True):
+        out[(OpKind.ALL_GATHER, "forward", root)] = 1 if root else forward
+        out[(OpKind.ALL_GATHER, "backward", root)] = 0 if root else backward
+        out[(OpKind.REDUCE_SCATTER, "grad_sync", root)] = 1
     return out
 
 
 def _fsdp_unit_calls(
-    pl: Placement, program: StepProgram, ts: list[Tensor], impl: Implementation, precision: Precision, stage: Stage
+    pl: Placement,
+    program: StepProgram,
+    ts: list[Tensor],
+    impl: Implementation,
+    precision: Precision,
+    stage: Stage,
+    rank: int = 0,
 ) -> Iterator[Call]:
     seen: set[tuple[OpKind, Axis, str]] = set()
+    deferred = _pipelined_fsdp_counts(pl, rank) if impl.pipeline_fsdp_deferred_reduction else None
     for op in program.ops:
         if op.axis is None or not op.axis.kind.is_data or op.state not in (P, G):
             continue
@@ -247,7 +320,10 @@ def _fsdp_unit_calls(
                 and impl.fsdp_root_unsharded
             ):
                 continue
-            yield from [Call(op.kind, n, _int(elements) * wire)] * _int(op.count)
+            count = _int(op.count)
+            if deferred is not None:
+                count = deferred[(op.kind, op.phase.value, unit == "root")]
+            yield from [Call(op.kind, n, _int(elements) * wire)] * count
 
 
 def _ddp_bucket_calls(
@@ -267,7 +343,7 @@ def _ddp_bucket_calls(
     caps = [impl.ddp_first_bucket_bytes]
     size = 0
     for t in reversed(ts):
-        size += _int(shard_elements(pl, G, t.group, sp.Integer(t.elements), dp)) * wire
+        size += _int(tensor_elements(pl, G, t, dp)) * wire
         if size >= caps[-1]:
             yield Call(OpKind.ALL_REDUCE, n, size)
             caps.append(impl.ddp_bucket_bytes)

@@ -44,33 +44,27 @@ from formal._axes import TENSOR
 from formal._costs import (
     Memory,
     ceil_int,
-    holds_io_activations,
-    in_flight_micro_batches,
-    layer_activations,
-    stage_in_flight,
 )
-from formal._costs import _tensor_factor as tensor_factor
+from formal._engine_activations import (
+    activation_terms,
+    kept_layer_bytes,
+    stage_actions,
+    token_id_terms,
+)
 from formal._engine_deepspeed import DeepSpeedEffects, deepspeed_notes, deepspeed_terms, zero_stage
-from formal._engine_terms import Term
+from formal._engine_terms import EngineEffects, Term
 from formal._engine_terms import data_axes as _data_axes
-from formal._model import Ffn, Model, Precision, Transformer
-from formal._placement import Placement, Recompute
+from formal._model import Model, Precision, Transformer
+from formal._placement import Placement
 from formal._program import shard_elements
-from formal._schedules import Schedule
 from formal._tensors import parameter_tensors
 from formal._vocab import (
-    ACTIVATION_GROUPS,
-    ATTN_SCORES,
     EMBEDDING,
-    EMBEDDING_IO,
     FINAL_NORM,
     FIRST_STAGE_GROUPS,
     HEAD,
     LAST_STAGE_GROUPS,
     LAYER_GROUPS,
-    LAYER_IO,
-    LOGITS,
-    OUTPUT_IO,
     Axis,
     Group,
     Mode,
@@ -80,7 +74,6 @@ from formal._vocab import (
 from formal.errors import ModelError
 
 P, G, OPT, A = State.PARAMETERS, State.GRADIENTS, State.OPTIMIZER, State.ACTIVATIONS
-MiB = 2**20
 
 
 class Engine(StrEnum):
@@ -92,97 +85,6 @@ class Engine(StrEnum):
     MEGATRON = "megatron"
 
 
-@dataclass(frozen=True)
-class EngineEffects:
-    """What an engine does beyond the placement, one field per effect (PyTorch 2.13's defaults;
-    ``effects_for`` switches off what an engine does not do). Sources are cited per field."""
-
-    # FSDP2 (torch/distributed/fsdp/_fully_shard/_fully_shard.py): ``reshard_after_forward=None``
-    # on the root module means False, so the root's parameters (embedding, final norm, head) stay
-    # unsharded from forward through backward; the unsharded parameters are allocated apart from
-    # the sharded ones (``FSDPParam.alloc_all_gather_outputs``), so the whole root is held.
-    fsdp_root_unsharded: bool = True
-    # FSDP2 prefetches the next module's all-gather while one computes (implicit forward and
-    # backward prefetching of one module, ``FSDPParamGroup``): two blocks unsharded at once.
-    fsdp_prefetched_blocks: int = 1
-    # FSDP2 reduce-scatters a module's gradients after its backward: the block's unsharded
-    # gradient is held until then; the root's own gradients (the head's and final norm's,
-    # computed first) wait for the root's reduce-scatter at the end of backward.
-    fsdp_unsharded_gradients: bool = True
-    # DDP without ``gradient_as_bucket_view`` (torch/nn/parallel/distributed.py): the reducer
-    # keeps its own flat buckets, a second full copy of every gradient it all-reduces. Buckets fill
-    # in reverse registration order, the first closing at 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``),
-    # the others at ``bucket_cap_mb`` = 25 MiB; one all-reduce per bucket.
-    ddp_bucket_copy: bool = True
-    # ``ZeroRedundancyOptimizer`` (ZeRO-1 under DDP, torch/distributed/optim/
-    # zero_redundancy_optimizer.py ``_partition_parameters``): whole tensors, largest first, each
-    # to the rank with the fewest elements so far; a rank's optimizer state is its tensors', not
-    # an even 1/n. After the step each tensor is broadcast from its owner (one call per tensor).
-    zero_redundancy_whole_tensors: bool = True
-    ddp_first_bucket_bytes: int = 1 * MiB
-    ddp_bucket_bytes: int = 25 * MiB
-    # DTensor's embedding backward on a row-sharded (vocabulary-parallel) table returns a
-    # Replicate gradient: every tp rank holds the full-vocabulary embedding gradient.
-    tp_embedding_full_gradient: bool = True
-    # DTensor ``RowwiseParallel`` adds its (replicated) bias to the partial sum before the
-    # reduction, so under sequence parallelism the bias gradient is complete (Megatron-LM adds it
-    # after the reduce-scatter, where the gradient is partial and is all-reduced).
-    tp_row_bias_before_reduction: bool = True
-    # ``loss_parallel`` cross-entropy over vocabulary-sharded logits: all-reduces of one fp32
-    # value per token (max, sum of exponentials, target logit).
-    tp_loss_reductions: int = 3
-    # ``loss_parallel`` keeps the vocabulary shard of the logits themselves for its backward,
-    # beside the log-probabilities (torch/distributed/tensor/parallel/loss.py).
-    tp_loss_keeps_logits: bool = True
-    # DTensor ``ColwiseParallel(input_layouts=Shard(1))`` saves the all-gathered input of the
-    # QKV and FC1 matmuls (and of the head) for backward; Megatron-LM (Korthikanti et al. 2022,
-    # sections 4.2.2 and 4.3) keeps only the sequence shard and gathers it again in backward.
-    sp_saves_gathered_inputs: bool = True
-    # Cross-entropy's backward (``aten::_log_softmax_backward_data``, ``nll_loss_backward``): the
-    # gradient of the log-probabilities, the probabilities and the logits' gradient, fp32 tensors
-    # the size of the logits, held while the loss's backward runs.
-    loss_backward_temporaries: int = 3
-    # ``torch.distributed.pipelining`` (``_PipelineStageBase.fwd_cache``): a stage keeps each
-    # forward's output until that micro-batch's backward, beside what autograd saves; and it
-    # preallocates one receive buffer per micro-batch (``_make_recv_buffers`` for every chunk),
-    # idle while its micro-batch is not in flight.
-    pipeline_keeps_outputs: bool = True
-    pipeline_receive_buffers: bool = True
-    # The embedding's backward reads the token ids (``aten::embedding_backward`` takes the
-    # indices) and the loss's the targets (``nll_loss`` saves ``target``): int64, 8 bytes a token,
-    # kept per micro-batch in flight by every engine (Megatron-LM's embedding and
-    # vocabulary-parallel cross-entropy save them too).
-    token_id_bytes: int = 8
-    # ``torch.utils.checkpoint`` (non-reentrant, torch/utils/checkpoint.py): the first tensor the
-    # backward unpacks from a checkpointed region runs its forward again and keeps every tensor it
-    # saves (``_CheckpointFrame.recomputed``) until the region's backward has unpacked each: one
-    # layer's recomputed activations (the whole layer under full recomputation, the attention core
-    # under selective) are held during its backward, beyond the checkpoints the placement counts.
-    recompute_working_set: bool = True
-    # FSDP2 keeps the last reduce-scatter's input alive until the next module's post-backward
-    # (``reduce_scatter_max_input_buffers`` = 1, ``FSDPCommContext.reduce_scatter_states`` in
-    # torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py): during the second block's
-    # backward the first block's unsharded gradient is still held.
-    fsdp_reduce_scatter_held: bool = True
-    # ``torch.distributed.pipelining`` with FSDP2 (``_PipelineStageBase.backward_maybe_with_nosync``
-    # in torch/distributed/pipelining/stage.py): every micro-batch's backward runs with
-    # ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)``, so the
-    # stage's gradients accumulate unsharded and are reduce-scattered once, after the last
-    # micro-batch (``perform_reduce_grad``): the stage's whole gradients are held through the
-    # step's micro-batches, where FSDP2 alone holds one block's.
-    pipeline_fsdp_deferred_reduction: bool = True
-    # Softmax's backward (``aten::_softmax_backward_data``) reads the attention probabilities'
-    # gradient and writes the scores' gradient: two ``a s^2 b`` tensors at the activation width,
-    # alive together during a block's backward (none where the attention is one fused kernel).
-    attention_backward_temporaries: int = 2
-    # DTensor's ``ColwiseParallel`` converts its module's input on its own (``_prepare_input_fn``):
-    # without sequence parallelism each column-parallel module all-reduces its input's gradient
-    # in backward, so a Llama layout's separate q, k, v and gate, up make three and two calls
-    # where a fused QKV and FC1 make one each (calls only).
-    tp_input_collective_per_module: bool = True
-
-
-# Every effect off: the placement's own figure.
 NO_EFFECTS = EngineEffects(
     fsdp_root_unsharded=False,
     fsdp_prefetched_blocks=0,
@@ -349,9 +251,9 @@ def engine_prediction(
         notes += deepspeed_notes(pl, model, precision, ds)
         known = zero_stage(pl) != 0
     if isinstance(model, Transformer):
-        terms += _token_id_terms(pl, model, fx, stage, index)
+        terms += token_id_terms(pl, model, fx, stage, index)
     if torch and isinstance(model, Transformer):
-        terms += _activation_terms(pl, model, precision, fx, stage, index)
+        terms += activation_terms(pl, model, precision, fx, stage, index)
         if fsdp:
             terms += _fsdp_terms(pl, model, precision, fx, stage, index, notes)
     # A bare parameter count has no layers: FSDP2's units (root, blocks) are unknown.
@@ -473,198 +375,6 @@ def _embedding_gradient_replicas(pl: Placement, model: Model, precision: Precisi
         return 0
     shard = ceil_int(shard_elements(pl, G, EMBEDDING, model.group_elements()[EMBEDDING], None, stage))
     return (shard * int(pl.degree(tp)) - shard) * precision.bytes_of(G)
-
-
-def _tp_axis(pl: Placement) -> Axis | None:
-    return pl.axis_where(lambda kind: kind is TENSOR)
-
-
-def _tp(pl: Placement) -> int:
-    tp = _tp_axis(pl)
-    return 1 if tp is None else int(pl.degree(tp))
-
-
-def _in_flight(pl: Placement, stage: Stage, index: int | None) -> int:
-    return ceil_int(in_flight_micro_batches(pl, stage) if index is None else stage_in_flight(pl, index))
-
-
-def _token_id_terms(
-    pl: Placement, model: Transformer, fx: EngineEffects, stage: Stage, index: int | None
-) -> list[Term]:
-    """The int64 token ids the embedding's backward reads and the targets the loss's reads, for
-    each micro-batch in flight: ``s b / cp`` each (a context-parallel rank holds its chunk)."""
-    cp = _cp_degree(pl)
-    per = -(-(model.seq * model.micro_batch) // cp)  # a context-parallel rank's chunk, rounded up
-    tokens = per * fx.token_id_bytes * _in_flight(pl, stage, index)
-    out: list[Term] = []
-    if holds_io_activations(pl, EMBEDDING_IO, stage):
-        out.append(Term("input_ids", "embedding keeps the int64 token ids", tokens, "persistent", "activations"))
-    if holds_io_activations(pl, LOGITS, stage):
-        out.append(Term("target_ids", "loss keeps the int64 targets", tokens, "persistent", "activations"))
-    return out
-
-
-def _cp_degree(pl: Placement) -> int:
-    d = 1
-    for axis, degree in pl.mesh:
-        if axis.kind.splits_sequence:
-            d *= int(degree)
-    return d
-
-
-def _activation_terms(
-    pl: Placement, model: Transformer, precision: Precision, fx: EngineEffects, stage: Stage, index: int | None
-) -> list[Term]:
-    out: list[Term] = []
-    t = _tp(pl)
-    sbh = model.seq * model.micro_batch * model.hidden
-    in_flight = _in_flight(pl, stage, index)
-    tp = _tp_axis(pl)
-    sp_on = tp is not None and t > 1 and pl.mode(A, LAYER_IO, tp).is_sharded
-    if fx.sp_saves_gathered_inputs and sp_on:
-        shard = ceil_int(precision.activations * sbh * tensor_factor(pl, LAYER_IO))
-        whole = precision.activations * sbh - shard
-        # The QKV and FC1 inputs, gathered, where the placement counts their shards; a Llama
-        # layout's q, k, v and gate, up each save a gathered copy of their own (3 + 2 where the
-        # placement counts 2 shards).
-        modules = 5 if model.ffn_kind is Ffn.SWIGLU else 2
-        per_layer = modules * whole + (modules - 2) * shard
-        extra = per_layer * ceil_int(pl.stage_layers(model.layers))
-        if holds_io_activations(pl, OUTPUT_IO, stage):
-            extra += whole  # the head's input
-        out.append(
-            Term(
-                "sp_saves_gathered_inputs",
-                "DTensor SP: gathered QKV/FC1 inputs saved",
-                extra * in_flight,
-                "persistent",
-                "activations",
-            )
-        )
-    fused = pl.options.recompute is Recompute.SELECTIVE and pl.options.fused_attention  # nothing recomputed
-    if fx.recompute_working_set and pl.options.recompute is not Recompute.NONE and not fused:
-        out.append(
-            Term(
-                "recompute_working_set",
-                f"checkpoint: one layer's recomputed activations ({pl.options.recompute.value})",
-                recomputed_layer_bytes(pl, model, precision),
-                "backward",
-                "activations",
-            )
-        )
-    if fx.attention_backward_temporaries and not pl.options.fused_attention and pl.stage_layers(model.layers) != 0:
-        scores = model.heads * model.seq * model.seq * model.micro_batch * precision.activations
-        out.append(
-            Term(
-                "attention_backward_temporaries",
-                f"softmax backward: {fx.attention_backward_temporaries} score-sized gradients",
-                ceil_int(fx.attention_backward_temporaries * scores * tensor_factor(pl, ATTN_SCORES)),
-                "backward",
-                "activations",
-            )
-        )
-    io = model.io_activation_bytes(precision.activations, precision.mask_bytes, precision.logits_bytes)
-    last = holds_io_activations(pl, LOGITS, stage)
-    logits = ceil_int(io[LOGITS] * tensor_factor(pl, LOGITS)) if last else 0
-    if logits and fx.loss_backward_temporaries:
-        out.append(
-            Term(
-                "loss_backward_temporaries",
-                f"cross-entropy backward: {fx.loss_backward_temporaries} logits-sized fp32 temporaries",
-                fx.loss_backward_temporaries * logits,
-                "loss",
-                "activations",
-            )
-        )
-    head = HEAD if HEAD in pl.groups(P) else EMBEDDING
-    if logits and fx.tp_loss_keeps_logits and tp is not None and t > 1 and pl.computes_sharded(tp, head):
-        out.append(
-            Term(
-                "tp_loss_keeps_logits",
-                "loss_parallel keeps the logits' vocabulary shard",
-                logits,
-                "loss",
-                "activations",
-            )
-        )
-    # The output layer's activations of the micro-batch in backward are freed by the first block's backward.
-    if last:
-        freed = logits + ceil_int(io[OUTPUT_IO] * tensor_factor(pl, OUTPUT_IO))
-        out.append(
-            Term(
-                "output_layer_freed",
-                "output layer's activations freed (backward of the blocks)",
-                -freed,
-                "backward",
-                "activations",
-            )
-        )
-    p = pl.pipeline_degree
-    if pl.pipelined and p != 1:
-        m = int(pl.options.micro_batches)
-        hidden = ceil_int(precision.activations * sbh * tensor_factor(pl, LAYER_IO))
-        output = logits if last else hidden
-        if fx.pipeline_keeps_outputs and in_flight > 1:
-            out.append(
-                Term(
-                    "pipeline_keeps_outputs",
-                    f"pipelining keeps {in_flight - 1} other in-flight stage outputs",
-                    (in_flight - 1) * output,
-                    "persistent",
-                    "activations",
-                )
-            )
-        if fx.pipeline_keeps_outputs:  # at the end of a forward its own output is held too
-            out.append(
-                Term("pipeline_current_output", "pipelining: this forward's output", output, "forward", "activations")
-            )
-        first = stage == Stage.FIRST if index is None else index == 0
-        if fx.pipeline_receive_buffers and not first and m > in_flight:
-            out.append(
-                Term(
-                    "pipeline_receive_buffers",
-                    f"pipelining: {m - in_flight} idle preallocated receive buffers",
-                    (m - in_flight) * hidden,
-                    "persistent",
-                    "activations",
-                )
-            )
-    return out
-
-
-def recomputed_layer_bytes(pl: Placement, model: Transformer, precision: Precision) -> int:
-    """The bytes one layer's recomputation makes for one micro-batch on a device: the activation
-    groups the placement does not keep (``M``, materialised again in backward), through the
-    placement's tensor-parallel split."""
-    per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
-    total = sum(
-        (per_layer[g] * tensor_factor(pl, g) for g in ACTIVATION_GROUPS if pl.local_mode(A, g) is Mode.MATERIALIZED),
-        start=0,
-    )
-    return ceil_int(total)
-
-
-def kept_layer_bytes(pl: Placement, model: Transformer, precision: Precision) -> int:
-    """The bytes one layer keeps for one micro-batch on a device through the placement (its
-    checkpoint under full recomputation): what the first block's backward frees."""
-    per_layer = model.activation_bytes_per_layer(precision.activations, precision.mask_bytes)
-    sbh = model.seq * model.micro_batch * model.hidden
-    return ceil_int(layer_activations(pl, per_layer, sbh, precision))
-
-
-def stage_actions(pl: Placement, index: int) -> list[str]:
-    """The order in which pipeline stage ``index`` runs its micro-batches' forwards (``F``) and
-    backwards (``B``) in one step: GPipe every forward then every backward; 1F1B ``min(p - i,
-    m)`` warm-up forwards, then a backward and a forward in turn, then the remaining backwards
-    (``torch.distributed.pipelining.Schedule1F1B``; Narayanan et al. 2021, section 2.2)."""
-    p, m = int(pl.pipeline_degree), int(pl.options.micro_batches)
-    kind = pl.options.pipeline_schedule.kind
-    if kind is Schedule.GPIPE:
-        return ["F"] * m + ["B"] * m
-    if kind is not Schedule.ONE_F_ONE_B:
-        raise ModelError(f"the {kind.value} schedule's order of forwards and backwards is not modelled")
-    warm = min(p - index, m)
-    return ["F"] * warm + ["B", "F"] * (m - warm) + ["B"] * warm
 
 
 def _fsdp_terms(

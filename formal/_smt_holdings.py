@@ -409,7 +409,12 @@ class _AxisRun:
                     self.hold[key] = {}  # gradients live for one step
 
     def needs_all(self, full: bool) -> bool:
-        return full or self.entry[P].mode in (Mode.REPLICATED, Mode.OFFLOADED)
+        """Whether a device's computation reads every chunk: where it needs the whole tensor,
+        or holds a whole copy of a group whose computation the axis does not split (a split
+        computation reads its own slice, whatever the parameters' mode, as the simulator's
+        ``_Layout.compute`` does)."""
+        whole = self.entry[P].mode in (Mode.REPLICATED, Mode.OFFLOADED)
+        return full or (whole and not (self.case.computed_sharded and not self.case.stage_group))
 
     def split_gradient(self) -> bool:
         """Whether each device's backward covers its own chunk only: the computation is split

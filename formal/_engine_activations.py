@@ -17,7 +17,6 @@ from formal._costs import (
 from formal._engine_terms import EngineEffects, Term
 from formal._model import Ffn, Precision, Transformer
 from formal._placement import Placement, Recompute
-from formal._schedules import Schedule
 from formal._vocab import (
     ACTIVATION_GROUPS,
     ATTN_SCORES,
@@ -218,13 +217,11 @@ def stage_actions(pl: Placement, index: int) -> list[str]:
     m)`` warm-up forwards, then a backward and a forward in turn, then the remaining backwards
     (``torch.distributed.pipelining.Schedule1F1B``; Narayanan et al. 2021, section 2.2)."""
     p, m = int(pl.pipeline_degree), int(pl.options.micro_batches)
-    kind = pl.options.pipeline_schedule.kind
-    if kind is Schedule.GPIPE:
-        return ["F"] * m + ["B"] * m
-    if kind is not Schedule.ONE_F_ONE_B:
-        raise ModelError(f"the {kind.value} schedule's order of forwards and backwards is not modelled")
-    warm = min(p - index, m)
-    return ["F"] * warm + ["B", "F"] * (m - warm) + ["B"] * warm
+    schedule = pl.options.pipeline_schedule
+    actions = schedule.actions(p, m, index)
+    if actions is None:
+        raise ModelError(f"the {schedule.kind.value} schedule's order of forwards and backwards is not modelled")
+    return actions
 
 
 __all__ = ["activation_terms", "kept_layer_bytes", "recomputed_layer_bytes", "stage_actions", "token_id_terms"]

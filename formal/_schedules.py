@@ -98,6 +98,11 @@ class PipelineSchedule(ABC):
         """What ``framework``'s exporter cannot express of this schedule; None when it can."""
         return dict(self.refusals).get(framework)
 
+    def actions(self, p: int, m: int, index: int) -> list[str] | None:
+        """The order in which stage ``index`` runs its micro-batches' forwards (``F``) and
+        backwards (``B``) in one step; None where it is not modelled."""
+        return None
+
     @abstractmethod
     def in_flight(self, p: Num, m: Num, v: Num, stage: Stage) -> Num:
         """Micro-batches whose activations a device of ``stage`` holds at its peak; for a middle
@@ -138,6 +143,13 @@ class OneFOneB(PipelineSchedule):
 
     kind = Schedule.ONE_F_ONE_B
     term = "1f1b"
+
+    def actions(self, p: int, m: int, index: int) -> list[str] | None:
+        """``min(p - i, m)`` warm-up forwards, then a backward and a forward in turn, then the
+        remaining backwards (``torch.distributed.pipelining.Schedule1F1B``)."""
+        warm = min(p - index, m)
+        return ["F"] * warm + ["B", "F"] * (m - warm) + ["B"] * warm
+
     help_term = "1f1b"
     help = "1F1B pipeline schedule (the default)"
     default = True
@@ -160,6 +172,11 @@ class GPipe(PipelineSchedule):
 
     kind = Schedule.GPIPE
     term = "gpipe"
+
+    def actions(self, p: int, m: int, index: int) -> list[str] | None:
+        """Every forward, then every backward."""
+        return ["F"] * m + ["B"] * m
+
     help_term = "gpipe"
     help = "GPipe pipeline schedule (all forwards, then all backwards)"
     torchtitan = "GPipe"

@@ -439,21 +439,31 @@ def _flat_shard_axes(s: Setting, state: State, group: Group) -> list[Axis]:
 
 def _misnested(s: Setting, outer: Axis, inner: Axis) -> tuple[tuple[Group, State], ...]:
     """(group, P or G) whose flat shard is cut along ``inner`` but not ``outer``, while the
-    optimizer state's is cut along both with ``outer`` outside: each device's optimizer piece
-    (block ``c_outer * d_inner + c_inner``) is then not inside its parameter or gradient shard
-    (block ``c_inner`` of ``d_inner``), so the update reads and writes elements the device does
-    not hold. An optimizer state cut along axes the other state is not cut along is right only
-    when those axes nest inside (ZeRO-1 over dp under HSDP's replicate axis needs the replicate
-    axis inner, which the mesh order does not give)."""
+    optimizer state's is cut along both with ``outer`` outside (or the other way round): each
+    device's finer piece (block ``c_outer * d_inner + c_inner``) is then not inside its coarser
+    one (block ``c_inner`` of ``d_inner``), so the update reads and writes elements the device
+    does not hold, or a refresh from the optimizer's piece misses the device's own. One state
+    cut along axes the other is not cut along is right only when those axes nest inside (ZeRO-1
+    over dp under HSDP's replicate axis needs the replicate axis inner, which the mesh order
+    does not give)."""
     out = []
     for g in s.model.group_elements():
         o_axes = _flat_shard_axes(s, State.OPTIMIZER, g)
-        if outer not in o_axes or inner not in o_axes or o_axes.index(outer) > o_axes.index(inner):
-            continue
         for state in (State.PARAMETERS, State.GRADIENTS):
             x_axes = _flat_shard_axes(s, state, g)
-            if inner in x_axes and outer not in x_axes and set(x_axes) <= set(o_axes):
-                out.append((g, state))
+            # the finer cut along both axes (outer outside), the coarser along the inner alone:
+            # neither piece lies inside the other's
+            for fine, coarse in ((o_axes, x_axes), (x_axes, o_axes)):
+                if (
+                    outer in fine
+                    and inner in fine
+                    and fine.index(outer) < fine.index(inner)
+                    and inner in coarse
+                    and outer not in coarse
+                    and set(coarse) <= set(fine)
+                    and (g, state) not in out
+                ):
+                    out.append((g, state))
     return tuple(out)
 
 

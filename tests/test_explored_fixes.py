@@ -632,3 +632,14 @@ def test_a_split_computation_reads_only_its_own_slice_of_replicated_parameters(r
         return program.with_ops(kept)
 
     assert _judged("zero1-tp4", TP_ZERO1, None if refresh else no_refresh, tied=True) == (Status.PROVED, True)
+
+
+def test_a_parameter_piece_finer_than_the_optimizer_s_across_nodes_is_refuted() -> None:
+    """The other direction of ``nested_shards``: parameters gathered from shards along dpr and
+    dp (dpr outer) while the optimizer state is sharded along dp alone. With the optimizer on the
+    host, the refresh copies the optimizer's dp piece to the device, which is not the device's
+    own parameter shard: the next forward gathers stale shards. z3 judged each axis alone (the
+    host copy aligned on each) and proved it (z3 wrong)."""
+    toml = '[strategies.shard-dpr]\naxis = "dpr"\nP = "S*"\nO = "R"\n'
+    assert _judged("fsdp4xshard-dpr2xm2xoffload", toml) == (Status.REFUTED, False)
+    assert _judged("hsdp2xdpr2") == (Status.PROVED, True)  # replicated along dpr: nothing to nest

@@ -10,28 +10,18 @@ structure (``formal._saved``). The measured numbers are PyTorch's; the predicted
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 
 pytest.importorskip("torch", reason="the PyTorch validation needs the torch extra: pip install -e '.[torch]'")
 
-from checker._torch._compare import ACTIVATION_TOLERANCE, PEAK, PEAK_TOLERANCE, Comparison
-from checker._torch._large import LLAMA, LLAMA_RUNS, LargeResult, compare_large, large_ok, saved_row
+from torch_runs import assert_model_states_and_calls_exact, assert_peak_within_tolerance, compared, run_label
+
+from checker._torch._compare import ACTIVATION_TOLERANCE
+from checker._torch._large import LLAMA, LLAMA_RUNS, saved_row
 from formal._model import Ffn, Norm
 from formal._tensors import parameter_tensors
 
-_CACHE: dict[tuple[str, int], tuple[Comparison, LargeResult]] = {}
-
-
-def compared(text: str, rank: int) -> tuple[Comparison, LargeResult]:
-    if (text, rank) not in _CACHE:
-        _CACHE[(text, rank)] = compare_large(text, LLAMA, rank)
-    return _CACHE[(text, rank)]
-
-
-def _label(run: tuple[str, int]) -> str:
-    return f"{run[0]}-rank{run[1]}"
+CFG = LLAMA
 
 
 def test_the_model_is_llama_style() -> None:
@@ -55,28 +45,19 @@ def test_the_formal_tensors_are_the_modules_parameters() -> None:
     assert got == want
 
 
-@pytest.mark.parametrize("run", LLAMA_RUNS, ids=_label)
+@pytest.mark.parametrize("run", LLAMA_RUNS, ids=run_label)
 def test_model_states_and_collectives_are_exact(run: tuple[str, int]) -> None:
-    c, _ = compared(*run)
-    for row in c.rows:
-        if row.quantity not in ("activations", PEAK):
-            assert row.predicted == row.measured, (run, row)
-    assert c.measured_calls and Counter(c.predicted_calls) == Counter(c.measured_calls), run
+    c, _ = compared(run[0], CFG, run[1])
+    assert_model_states_and_calls_exact(c, run)
 
 
-@pytest.mark.parametrize("run", LLAMA_RUNS, ids=_label)
+@pytest.mark.parametrize("run", LLAMA_RUNS, ids=run_label)
 def test_peak_the_cli_prints_is_within_3_percent_of_the_tracker_peak(run: tuple[str, int]) -> None:
-    c, r = compared(*run)
-    peak = c.row(PEAK)
-    assert peak.measured == r.tracked.peak["Total"] > 0
-    assert abs(peak.error) <= PEAK_TOLERANCE, (run, peak)
-    e = c.engine_prediction
-    assert e is not None and e.total == peak.predicted
-    assert abs(e.placement_total - peak.measured) > abs(peak.predicted - peak.measured)
-    assert large_ok(c, r), run
+    c, r = compared(run[0], CFG, run[1])
+    assert_peak_within_tolerance(c, r, run)
 
 
-@pytest.mark.parametrize("run", LLAMA_RUNS, ids=_label)
+@pytest.mark.parametrize("run", LLAMA_RUNS, ids=run_label)
 def test_saved_activations_are_the_structures_count(run: tuple[str, int]) -> None:
-    row = saved_row(*compared(*run))
+    row = saved_row(*compared(run[0], CFG, run[1]))
     assert abs(row.error) <= ACTIVATION_TOLERANCE, (run, row)

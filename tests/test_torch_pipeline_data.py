@@ -18,47 +18,31 @@ import pytest
 
 pytest.importorskip("torch", reason="the PyTorch validation needs the torch extra: pip install -e '.[torch]'")
 
+from torch_runs import assert_model_states_and_calls_exact, assert_peak_within_tolerance, compared, run_label
+
 from checker._parse import parse
-from checker._torch._compare import PEAK, PEAK_TOLERANCE, Comparison
-from checker._torch._large import LARGE, PIPELINE_DATA_RUNS, LargeResult, compare_large, large_ok
+from checker._torch._compare import PEAK, PEAK_TOLERANCE
+from checker._torch._large import LARGE, PIPELINE_DATA_RUNS
 from checker._torch._predict import PYTORCH_DEFAULTS, predict
 from checker._torch._record import Call
 from formal._engine_effects import stage_actions
 
-_CACHE: dict[tuple[str, int], tuple[Comparison, LargeResult]] = {}
+CFG = LARGE
+
 DEFERRED_OFF = replace(PYTORCH_DEFAULTS, pipeline_fsdp_deferred_reduction=False)
 
 
-def compared(text: str, rank: int) -> tuple[Comparison, LargeResult]:
-    if (text, rank) not in _CACHE:
-        _CACHE[(text, rank)] = compare_large(text, LARGE, rank)
-    return _CACHE[(text, rank)]
-
-
-def _label(run: tuple[str, int]) -> str:
-    return f"{run[0]}-rank{run[1]}"
-
-
-@pytest.mark.parametrize("run", PIPELINE_DATA_RUNS, ids=_label)
+@pytest.mark.parametrize("run", PIPELINE_DATA_RUNS, ids=run_label)
 def test_model_states_and_collectives_are_exact(run: tuple[str, int]) -> None:
-    c, r = compared(*run)
-    for row in c.rows:
-        if row.quantity not in ("activations", PEAK):
-            assert row.predicted == row.measured, (run, row)
+    c, r = compared(run[0], CFG, run[1])
+    assert_model_states_and_calls_exact(c, run)
     assert r.tracked.parameters == r.measured.parameters > 0
-    assert c.measured_calls and Counter(c.predicted_calls) == Counter(c.measured_calls), run
 
 
-@pytest.mark.parametrize("run", PIPELINE_DATA_RUNS, ids=_label)
+@pytest.mark.parametrize("run", PIPELINE_DATA_RUNS, ids=run_label)
 def test_peak_the_cli_prints_is_within_3_percent_of_the_tracker_peak(run: tuple[str, int]) -> None:
-    c, r = compared(*run)
-    peak = c.row(PEAK)
-    assert peak.measured == r.tracked.peak["Total"] > 0
-    assert abs(peak.error) <= PEAK_TOLERANCE, (run, peak)
-    e = c.engine_prediction
-    assert e is not None and e.total == peak.predicted
-    assert abs(e.placement_total - peak.measured) > abs(peak.predicted - peak.measured)
-    assert large_ok(c, r), run
+    c, r = compared(run[0], CFG, run[1])
+    assert_peak_within_tolerance(c, r, run)
 
 
 def test_one_reduce_scatter_per_unit_and_a_gather_per_resharded_use() -> None:
@@ -67,7 +51,7 @@ def test_one_reduce_scatter_per_unit_and_a_gather_per_resharded_use() -> None:
     after a backward (left unsharded): 9 gathers per block; the root once; one reduce-scatter per
     unit. Counted here from the recorded calls of the 2 blocks and the root."""
     assert "".join(stage_actions(parse("pp4xfsdp2xm8").placement(LARGE.formal()), 0)) == "FFFF" + "BF" * 4 + "BBBB"
-    c, _ = compared("pp4xfsdp2xm8", 0)
+    c, _ = compared("pp4xfsdp2xm8", CFG, 0)
     h, v = LARGE.hidden, LARGE.vocab
     block = (12 * h * h + 13 * h) * 4  # fp32 bytes of one block: the unit an all-gather outputs
     root = v * h * 4
@@ -77,11 +61,11 @@ def test_one_reduce_scatter_per_unit_and_a_gather_per_resharded_use() -> None:
     assert calls[("all_gather", root)] == 1 and calls[("reduce_scatter", root)] == 1
 
 
-@pytest.mark.parametrize("run", PIPELINE_DATA_RUNS[:2], ids=_label)
+@pytest.mark.parametrize("run", PIPELINE_DATA_RUNS[:2], ids=run_label)
 def test_without_the_deferred_reduction_the_prediction_is_wrong(run: tuple[str, int]) -> None:
     """FSDP2's own per-micro-batch reduction would predict 8 reduce-scatters a unit and one
     block's unsharded gradient: the calls differ and the peak is more than 3% low."""
-    c, _ = compared(*run)
+    c, _ = compared(run[0], CFG, run[1])
     off = predict(parse(run[0]), LARGE.formal(), DEFERRED_OFF, rank=run[1])
     assert Counter(off.calls) != Counter(c.measured_calls)
     assert (c.row(PEAK).measured - off.peak) / c.row(PEAK).measured > PEAK_TOLERANCE

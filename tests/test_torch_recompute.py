@@ -10,69 +10,51 @@ fsdp2`` prints for this model and precision.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import replace
 
 import pytest
 
 pytest.importorskip("torch", reason="the PyTorch validation needs the torch extra: pip install -e '.[torch]'")
 
+from torch_runs import assert_model_states_and_calls_exact, assert_peak_within_tolerance, compared, run_label
+
 from checker._parse import parse
-from checker._torch._compare import ACTIVATION_TOLERANCE, PEAK, PEAK_TOLERANCE, Comparison
-from checker._torch._large import LARGE, RECOMPUTE_RUNS, LargeResult, compare_large, large_ok, saved_row
+from checker._torch._compare import ACTIVATION_TOLERANCE, PEAK, PEAK_TOLERANCE
+from checker._torch._large import LARGE, RECOMPUTE_RUNS, saved_row
 from checker._torch._predict import PYTORCH_DEFAULTS, predict
 
-_CACHE: dict[tuple[str, int], tuple[Comparison, LargeResult]] = {}
+CFG = LARGE
 
 
-def compared(text: str, rank: int) -> tuple[Comparison, LargeResult]:
-    if (text, rank) not in _CACHE:
-        _CACHE[(text, rank)] = compare_large(text, LARGE, rank)
-    return _CACHE[(text, rank)]
-
-
-def _label(run: tuple[str, int]) -> str:
-    return f"{run[0]}-rank{run[1]}"
-
-
-@pytest.mark.parametrize("run", RECOMPUTE_RUNS, ids=_label)
+@pytest.mark.parametrize("run", RECOMPUTE_RUNS, ids=run_label)
 def test_model_states_and_collectives_are_exact(run: tuple[str, int]) -> None:
     """Recomputation changes no model state and no collective (the blocks' parameters stay
     gathered through their backward, where the recomputation runs)."""
-    c, r = compared(*run)
-    for row in c.rows:
-        if row.quantity not in ("activations", PEAK):
-            assert row.predicted == row.measured, (run, row)
+    c, r = compared(run[0], CFG, run[1])
+    assert_model_states_and_calls_exact(c, run)
     assert r.tracked.parameters == r.measured.parameters > 0
-    assert c.measured_calls and Counter(c.predicted_calls) == Counter(c.measured_calls), run
 
 
-@pytest.mark.parametrize("run", RECOMPUTE_RUNS, ids=_label)
+@pytest.mark.parametrize("run", RECOMPUTE_RUNS, ids=run_label)
 def test_peak_the_cli_prints_is_within_3_percent_of_the_tracker_peak(run: tuple[str, int]) -> None:
-    c, r = compared(*run)
-    peak = c.row(PEAK)
-    assert peak.measured == r.tracked.peak["Total"] > 0
-    assert abs(peak.error) <= PEAK_TOLERANCE, (run, peak)
-    e = c.engine_prediction
-    assert e is not None and e.total == peak.predicted
-    assert abs(e.placement_total - peak.measured) > abs(peak.predicted - peak.measured)
-    assert large_ok(c, r), run
+    c, r = compared(run[0], CFG, run[1])
+    assert_peak_within_tolerance(c, r, run)
 
 
-@pytest.mark.parametrize("run", RECOMPUTE_RUNS, ids=_label)
+@pytest.mark.parametrize("run", RECOMPUTE_RUNS, ids=run_label)
 def test_saved_activations_are_the_checkpoints_and_the_kept_tensors(run: tuple[str, int]) -> None:
     """What autograd keeps between forward and backward: each block's input (full), or all but
     the attention core (selective), within the tolerance of the saved-tensor hooks' peak."""
-    row = saved_row(*compared(*run))
+    row = saved_row(*compared(run[0], CFG, run[1]))
     assert abs(row.error) <= ACTIVATION_TOLERANCE, (run, row)
 
 
-@pytest.mark.parametrize("run", [r for r in RECOMPUTE_RUNS if r[0].startswith("fsdp")], ids=_label)
+@pytest.mark.parametrize("run", [r for r in RECOMPUTE_RUNS if r[0].startswith("fsdp")], ids=run_label)
 def test_without_the_recomputed_layer_the_peak_is_low(run: tuple[str, int]) -> None:
     """The recomputed layer held in its backward (``recompute_working_set``) and FSDP2's previous
     reduce-scatter input (``fsdp_reduce_scatter_held``) are what the FSDP rows need: without
     them the prediction is more than 3% below the tracker."""
-    c, _ = compared(*run)
+    c, _ = compared(run[0], CFG, run[1])
     off = replace(PYTORCH_DEFAULTS, recompute_working_set=False, fsdp_reduce_scatter_held=False)
     low = predict(parse(run[0]), LARGE.formal(), off, rank=run[1]).peak
     assert (c.row(PEAK).measured - low) / c.row(PEAK).measured > PEAK_TOLERANCE
@@ -83,6 +65,6 @@ def test_the_cli_prints_the_peak_that_is_validated() -> None:
     from checker._torch._predict import harness_precision
     from formal._engine_effects import Engine
 
-    c, _ = compared("fsdp8xrecompute", 0)
+    c, _ = compared("fsdp8xrecompute", CFG, 0)
     a = analyze(parse("fsdp8xrecompute"), LARGE.formal(), harness_precision(), engine=Engine.FSDP2)
     assert a.peak == c.row(PEAK).predicted

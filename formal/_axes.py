@@ -309,6 +309,16 @@ def data_axes(axes: Iterable[Axis]) -> tuple[Axis, ...]:
     return tuple(sorted(found, key=lambda a: a.kind.data_order or 0))
 
 
+def nesting_order(axes: Iterable[Axis], experts_split: bool = False) -> list[Axis]:
+    """The order in which a state cut into flat shards along several of ``axes`` is cut, outer
+    first: dpr first (the replicate axis is the outer one, as in PyTorch's HSDP mesh
+    ("replicate", "shard") and DeepSpeed's node-major ranks), or ep first for a group whose
+    experts ep splits (cut into whole experts, Megatron-LM's expert data parallelism), then the
+    mesh's own order (docs/semantics.md, "Collectives along several axes")."""
+    first = Axis.EP if experts_split else Axis.DPR
+    return sorted(axes, key=lambda a: a is not first)
+
+
 __all__ = [
     "CONTEXT",
     "DATA",
@@ -324,4 +334,5 @@ __all__ = [
     "Split",
     "Width",
     "data_axes",
+    "nesting_order",
 ]

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
+from formal._axes import nesting_order
 from formal._model import Model, Transformer
 from formal._placement import Options, Strategy
 from formal._strategies import Composition
@@ -420,19 +421,18 @@ def _split_compute_rule(axis: Axis) -> Rule:
 
 
 def _flat_shard_axes(s: Setting, state: State, group: Group) -> list[Axis]:
-    """The axes along which ``state`` of ``group`` is cut into flat shards, outer first: dpr first
-    (ep first for a group whose experts ep splits), then mesh order, as ``formal._sim_mesh``
-    cuts them (the replicate axis outer, as in PyTorch's HSDP mesh ("replicate", "shard"));
-    along a pipeline axis, or an axis that splits the group's computation, the pieces are
-    slices, not flat shards."""
-    strategies = list(s.strategies)
-    expert_split = any(st.axis.kind.places_experts and st.computes_sharded(group) for st in strategies)
-    first = Axis.EP if expert_split else Axis.DPR
-    out = []
-    for st in sorted(strategies, key=lambda st: st.axis is not first):
-        axis = st.axis
+    """The axes along which ``state`` of ``group`` is cut into flat shards, outer first
+    (``formal._axes.nesting_order``, as the simulator cuts them); along a pipeline axis, or an
+    axis that splits the group's computation, the pieces are slices, not flat shards."""
+    on: dict[Axis, Strategy] = {}
+    for st in s.strategies:
+        on.setdefault(st.axis, st)  # the first strategy on an axis, as the placement reads it
+    expert_split = any(st.axis.kind.places_experts and st.computes_sharded(group) for st in s.strategies)
+    out: list[Axis] = []
+    for axis in nesting_order(on, expert_split):
+        st = on[axis]
         structural = axis.kind.is_pipeline or (axis.kind.splits_matrices and st.computes_sharded(group))
-        if not structural and st.entry(state, group).mode.is_sharded and axis not in out:
+        if not structural and st.entry(state, group).mode.is_sharded:
             out.append(axis)
     return out
 

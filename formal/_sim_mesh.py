@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from formal._axes import nesting_order
 from formal._placement import Entry, Placement
 from formal._reference import Array, IndexArray, ReferenceModel
 from formal._vocab import FIRST_STAGE_GROUPS, LAST_STAGE_GROUPS, LAYER_IO, Axis, Group, Mode, Stage, State
@@ -234,10 +235,9 @@ class _Layout:
         )
         # Along ep a group computed split there (the experts) is cut first, into whole experts;
         # the other axes shard what the rank computes (Megatron-LM's expert data parallelism).
-        first = Axis.EP if self._expert_split(group) else Axis.DPR
         flat = [
             a
-            for a in sorted(self.mesh.axes, key=lambda a: a is not first)
+            for a in nesting_order(self.mesh.axes, self._expert_split(group))
             if not a.kind.is_pipeline
             and (entries[a].mode.is_sharded or a in forced)
             and not (a.kind.splits_matrices and tp_split)

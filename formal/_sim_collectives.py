@@ -9,6 +9,7 @@ sets them beside ``formal._costs``'s figures for the same program.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -26,6 +27,22 @@ from formal._vocab import LAYER_GROUPS, Axis, Group, OpKind, Phase, Reduce, Stat
 from formal.errors import SimulationError
 
 P, O, G = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS  # noqa: E741
+
+
+def _rescatters(ops: Sequence[Op]) -> frozenset[int]:
+    """The indices of gradient reduce-scatters (outside the forward) that follow a reduction of
+    the same group's gradient along the same axis: every peer already holds the reduced value, so
+    the collective writes its chunk over equal values and leaves the buffer as it is
+    (``reduce_scatter_tensor`` does not touch its input)."""
+    reduced: set[tuple[Group, Axis]] = set()
+    out = set()
+    for i, op in enumerate(ops):
+        if op.state is not G or op.axis is None or op.phase is Phase.FORWARD or not op.kind.is_reduction:
+            continue
+        if op.kind is OpKind.REDUCE_SCATTER and (op.group, op.axis) in reduced:
+            out.add(i)
+        reduced.add((op.group, op.axis))
+    return frozenset(out)
 
 
 def _ring_share(kind: OpKind, n: int) -> Fraction:
@@ -113,15 +130,20 @@ class _StateOps:
         self.optimizer, self.n, self.precision = optimizer, numbers, precision
         # The axes the program reduce-scatters each group's gradient along: a reduce-scatter acts
         # on the gradient still whole along those it has not scattered yet (``states.scattered``).
+        # A reduce-scatter of a gradient already reduced along its axis (by an earlier all-reduce
+        # or reduce-scatter there) only copies a chunk of what every peer holds: it does not cut
+        # the buffer that earlier reduce-scatters leave, nor nest them (``rescatters``).
+        self.rescatters: frozenset[int] = _rescatters(self.ops)
         self.scatter_axes: dict[Group, frozenset[Axis]] = {
             g: frozenset(
                 op.axis
-                for op in self.ops
+                for i, op in enumerate(self.ops)
                 if op.group == g
                 and op.state is G
                 and op.axis is not None
                 and op.kind is OpKind.REDUCE_SCATTER
                 and op.phase is not Phase.FORWARD  # the backward's gradient is whole again
+                and i not in self.rescatters
             )
             for g in states.groups
         }
@@ -152,8 +174,10 @@ class _StateOps:
         forced: frozenset[Axis] = frozenset()
         regathered = self.states.regathered.setdefault((per_mb, op.group), set())
         if op.state is G and op.kind is OpKind.REDUCE_SCATTER:
-            # those it nests in: scattered before and not gathered back since, and those to come
-            forced = frozenset((scattered - regathered) | whole | {axis})
+            # those it nests in: scattered before and not gathered back since, and those to come;
+            # a re-scatter of a reduced gradient cuts its chunk out of what the device holds
+            own = frozenset() if index in self.rescatters else {axis}
+            forced = frozenset((scattered - regathered) | whole | own)
         # The refresh's all-gathers of parameters replicated along the axis assemble what the
         # optimizer updated: the pieces are the optimizer state's partition (its tp slices, its
         # nested flat shards), made whole along the axes gathered so far.

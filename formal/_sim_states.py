@@ -14,6 +14,8 @@ the earlier ones along other axes left (ZeRO++ hpZ).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import numpy.typing as npt
 
@@ -182,9 +184,10 @@ class _States:
                     freed = ~self.layout.mask(P, g, dev, skip=held)
                     self.P[dev][g][freed] = self.junk(int(freed.sum()))
 
-    def free_gradients(self, arrays: Stores, live: Masks) -> None:
-        """Gradients outside the device's holding are dropped, in ``arrays`` and from ``live``."""
-        for g in self.groups:
+    def free_gradients(self, arrays: Stores, live: Masks, groups: Iterable[Group] | None = None) -> None:
+        """Gradients outside the device's holding are dropped, in ``arrays`` and from ``live``
+        (of ``groups``; None: every group)."""
+        for g in self.groups if groups is None else groups:
             for dev in self.mesh.devices:
                 held = self.layout.mask(G, g, dev)
                 live[dev][g] &= held

@@ -204,14 +204,21 @@ class Simulator:
             fresh = [i for i in loop if self._buffer(i) is Buffer.FRESH]
             for i in fresh:
                 run_op(i, per_mb=True)
-            scattered_as_produced = any(i in per_mb for i in fresh)
+            # Each group's own: a group whose gradient no op reduce-scatters per micro-batch (along
+            # an axis of the mesh: one of degree 1 cuts nothing, an all-reduce neither) keeps a
+            # full-size ``.grad`` whatever the others do (FSDP2 syncs per parameter group).
+            scattered_as_produced = frozenset(
+                self.ops[i].group
+                for i in fresh
+                if i in per_mb and self.ops[i].kind is OpKind.REDUCE_SCATTER and self.ops[i].axis in self.mesh.degrees
+            )
             if scattered_as_produced:
-                st.free_gradients(st.fresh, st.live_fresh)
+                st.free_gradients(st.fresh, st.live_fresh, scattered_as_produced)
             st.accumulate()
             if scattered_as_produced:
                 # No full-size accumulator (ZeRO-2/3, FSDP under accumulation): ``.grad`` holds
                 # the device's shard only, whatever earlier ops wrote outside it.
-                st.free_gradients(st.G, st.live)
+                st.free_gradients(st.G, st.live, scattered_as_produced)
             for i in loop:
                 if i not in fresh:
                     run_op(i)

@@ -46,7 +46,10 @@ Which side was wrong, case by case (``docs/semantics.md`` states each rule):
 * a stage without a group has no buffer for it, and a forward reduce-scatter of the empty
   ``.grad`` does not cut the backward's gradient (simulator wrong);
 * a reduce-scatter leaves the already reduced chunks of a gradient in its buffer: z3 kept only
-  the piece (z3 wrong).
+  the piece (z3 wrong); and a reduce-scatter of an already reduced gradient does not nest the
+  earlier reduce-scatters along other axes (simulator wrong);
+* a group not reduce-scattered per micro-batch keeps a full-size ``.grad`` whatever the other
+  groups do: the simulator cut every group's to its shard (simulator wrong).
 """
 
 from __future__ import annotations
@@ -643,3 +646,55 @@ def test_a_parameter_piece_finer_than_the_optimizer_s_across_nodes_is_refuted() 
     toml = '[strategies.shard-dpr]\naxis = "dpr"\nP = "S*"\nO = "R"\n'
     assert _judged("fsdp4xshard-dpr2xm2xoffload", toml) == (Status.REFUTED, False)
     assert _judged("hsdp2xdpr2") == (Status.PROVED, True)  # replicated along dpr: nothing to nest
+
+
+@pytest.mark.parametrize(("reduced_first", "right"), [(True, True), (False, False)])
+def test_a_reduce_scatter_of_a_reduced_gradient_does_not_nest_the_earlier_one(reduced_first: bool, right: bool) -> None:
+    """HSDP: a reduce-scatter along dp, the all-reduce along dpr, then a reduce-scatter along dpr
+    before the update. Every dpr peer already holds the reduced dp chunk, so the last one copies
+    a chunk over equal values and the update reads the right gradient. The simulator took it as
+    a second cut of one nested partition (dpr outer), moved the earlier reduce-scatter's chunk to
+    match and diverged (simulator wrong). Without the all-reduce the dp chunk is reduced along
+    dpr on one sub-chunk only: both sides refute."""
+
+    def scatter(program: StepProgram, model: Model) -> StepProgram:
+        ops = list(program.ops)
+        if not reduced_first:
+            ops = [op for op in ops if not (op.kind is OpKind.ALL_REDUCE and op.group.name == "mlp")]
+        at = next(i for i, op in enumerate(ops) if op.kind is OpKind.OPTIMIZER_STEP)
+        return _inserted(OpKind.REDUCE_SCATTER, State.GRADIENTS, "mlp", Axis.DPR, Phase.OPTIMIZER, Reduce.MEAN, at)(
+            program.with_ops(ops), model
+        )
+
+    expected = (Status.PROVED, True) if right else (Status.REFUTED, False)
+    assert _judged("hsdp2xdpr2xm2", change=scatter, tied=True) == expected
+
+
+def _attention_scattered_once(drop: bool) -> Change:
+    """FSDP under accumulation with the attention gradient's reduce-scatter run once, on the
+    accumulated ``.grad``, instead of per micro-batch (``drop``: not at all)."""
+
+    def change(program: StepProgram, model: Model) -> StepProgram:
+        ops = []
+        for op in program.ops:
+            if op.kind is OpKind.REDUCE_SCATTER and op.group.name == "attention":
+                if drop:
+                    continue
+                op = replace(op, count=sp.Integer(1))
+            ops.append(op)
+        return program.with_ops(ops)
+
+    return change
+
+
+@pytest.mark.parametrize("text", ["fsdp2xm2", "cp1xfsdp2xm2"])
+@pytest.mark.parametrize(("drop", "right"), [(False, True), (True, False)])
+def test_a_gradient_not_scattered_per_micro_batch_keeps_a_full_buffer(text: str, drop: bool, right: bool) -> None:
+    """FSDP2 synchronises each parameter group on its own: a group whose reduce-scatter runs once
+    after the last micro-batch keeps a full-size ``.grad`` while the others hold their shards. The
+    simulator cut every group's ``.grad`` to its shard as soon as any group was scattered per
+    micro-batch, and also when the only per-micro-batch op was an all-reduce, or one along an
+    axis of degree 1 (cp1's), which cut nothing (simulator wrong). Without the reduce-scatter
+    both sides refute."""
+    expected = (Status.PROVED, True) if right else (Status.REFUTED, False)
+    assert _judged(text, change=_attention_scattered_once(drop)) == expected

@@ -107,14 +107,32 @@ class StepProgram:
         return tuple(op for op in self.ops if op.kind.is_collective)
 
 
-def refuse_rooted_ops(program: StepProgram, by: str) -> None:
-    """Refuse (``InputError``, one line) a program with a rooted reduce when the reader ``by``
-    (the z3 verdict, the simulator) does not model it: their reductions give every rank the
-    reduced value, a ``reduce`` only its destination, so judging it as an all-reduce would pass
-    a program whose other ranks step on their own partial gradients."""
+def refuse_unmodelled_ops(program: StepProgram, by: str) -> None:
+    """Refuse (``InputError``, one line) a program with an op the reader ``by`` (the z3 verdict,
+    the simulator) does not model:
+
+    * a rooted reduce: their reductions give every rank the reduced value, a ``reduce`` only its
+      destination, so judging it as an all-reduce would pass a program whose other ranks step on
+      their own partial gradients;
+    * a collective with an offset along an axis that splits its group by structure (pipeline
+      stages, tp's matrices and ep's experts where the group is computed split): there each
+      rank's piece is its own slice, so a shifted piece is not a layout the model represents,
+      as a placement's offset there is not (``Strategy.split_offset_problem``). A tied
+      embedding's pieces along pp are flat shards between its two stages: offsets apply."""
+    pl = program.placement
     for op in program.ops:
         if op.kind.is_rooted:
             raise InputError(f"{op}: a {op.kind.value} to one destination rank is not modelled by {by}")
+        if not op.offset or not op.kind.is_collective or op.axis is None or op.state is State.ACTIVATIONS:
+            continue
+        stages = op.axis.kind.is_pipeline and op.group not in pl.tied
+        by_structure = op.axis.kind.splits_matrices or op.axis.kind.places_experts
+        slices = by_structure and pl.computes_sharded(op.axis, op.group)
+        if stages or slices:
+            raise InputError(
+                f"{op}: an offset along {op.axis.value}, which splits {op.group.name} into each rank's own "
+                f"slice, is not modelled by {by}"
+            )
 
 
 def group_sizes(model: Model) -> dict[Group, Num]:
@@ -492,6 +510,6 @@ __all__ = [
     "derive_program",
     "gradient_origins",
     "group_sizes",
-    "refuse_rooted_ops",
+    "refuse_unmodelled_ops",
     "shard_elements",
 ]

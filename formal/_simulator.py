@@ -51,7 +51,7 @@ import sympy as sp
 from formal._costs import host_memory, state_memory
 from formal._exact import exact_fraction
 from formal._model import DEFAULT_PRECISION, Precision
-from formal._program import StepProgram, derive_program, group_sizes, refuse_rooted_ops
+from formal._program import StepProgram, derive_program, group_sizes, refuse_unmodelled_ops
 from formal._reference import (
     Arithmetic,
     Array,
@@ -305,7 +305,7 @@ def simulate_program(
 
     ``steps`` training steps are checked, plus one more whose reads check the last update.
     """
-    refuse_rooted_ops(program, "the simulator")
+    refuse_unmodelled_ops(program, "the simulator")
     optimizer = optimizer or Optimizer()
     numbers = Numbers(arithmetic)
     sim = Simulator(program, model, optimizer, numbers, precision)

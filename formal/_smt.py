@@ -79,7 +79,7 @@ from typing import Any
 
 from formal._activation_flow import decide_activation_exchange
 from formal._model import Model
-from formal._program import Origin, StepProgram, refuse_rooted_ops
+from formal._program import Origin, StepProgram, refuse_unmodelled_ops
 from formal._rules import framework_notes, setting_for
 from formal._smt_common import MAX_CONSISTENCY_DEVICES, MAX_EXPLICIT_DEVICES, PLACEHOLDER, G, P, _Index, _int_degree
 from formal._smt_consistency import _decide_consistency
@@ -280,7 +280,7 @@ def decide(
 def _decide(
     composition: Composition, program: StepProgram, model: Model, timeout_ms: int, devices: int | None
 ) -> Verdict:
-    refuse_rooted_ops(program, "the z3 verdict")
+    refuse_unmodelled_ops(program, "the z3 verdict")
     obligations: list[Obligation] = []
     violations: list[Violation] = []
     ob, found = _decide_composition(composition, model, devices, timeout_ms)

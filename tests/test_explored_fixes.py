@@ -552,6 +552,33 @@ def test_an_offset_along_an_axis_that_splits_the_computation_is_refused() -> Non
     loads('[strategies.shifted]\naxis = "dp"\nP = "S*@1"\nO = "S"\n')  # along dp an offset is a layout
 
 
+def _shifted_refresh(group: str) -> Change:
+    def change(program: StepProgram, model: Model) -> StepProgram:
+        ops = list(program.ops)
+        i = next(k for k, op in enumerate(ops) if op.phase is Phase.REFRESH and op.group.name == group)
+        ops[i] = replace(ops[i], offset=1)
+        return program.with_ops(ops)
+
+    return change
+
+
+def test_an_op_offset_along_an_axis_that_splits_the_group_is_refused_by_both_sides() -> None:
+    """The same holds for an op: a refresh gather along tp with an offset, of a group computed
+    split there, is refused in one line by z3 and by the simulator (z3 judged the shift and
+    refuted, the simulator gathered slices by structure and matched). Of a group tp does not
+    split (the norm), the offset is a flat shard's: both sides judge it, and refute it."""
+    composition = parse("zero1-tp4", loads(TP_ZERO1).factories())
+    model = reference_for(composition, ReferenceModel(tied=True))
+    transformer = model.transformer()
+    derived = derive_program(composition.placement(transformer), transformer)
+    program = _shifted_refresh("attention")(derived, transformer)
+    with pytest.raises(InputError, match="offset along tp, which splits attention"):
+        decide(composition, program, transformer)
+    with pytest.raises(InputError, match="offset along tp, which splits attention"):
+        simulate_program(program, model)
+    assert _judged("zero1-tp4", TP_ZERO1, _shifted_refresh("norm"), tied=True) == (Status.REFUTED, False)
+
+
 # --- nested shards must nest; stages without a group have no buffer for it ------------------
 
 ZERO1_CP = '[strategies.zero1-cp]\naxis = "cp"\nP = "R"\nO = "S"\nG = "R"\n'

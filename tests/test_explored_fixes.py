@@ -637,17 +637,24 @@ def test_a_reduce_scatter_leaves_reduced_gradient_chunks_in_the_buffer(reduced_f
     gradient and refuted (z3 wrong). Without the all-reduce the rest of the buffer is the device's
     own partial sum: both sides refute it."""
 
+    expected = (Status.PROVED, True) if right else (Status.REFUTED, False)
+    assert _judged("dp2", change=_scattered_before_the_update(Axis.DP, reduced_first), tied=True) == expected
+
+
+def _scattered_before_the_update(axis: Axis, reduced_first: bool) -> Change:
+    """A mean reduce-scatter of the mlp gradient along ``axis`` right before the first optimizer
+    step, with the mlp's all-reduce kept (``reduced_first``) or dropped."""
+
     def scatter(program: StepProgram, model: Model) -> StepProgram:
         ops = list(program.ops)
         if not reduced_first:
             ops = [op for op in ops if not (op.kind is OpKind.ALL_REDUCE and op.group.name == "mlp")]
         at = next(i for i, op in enumerate(ops) if op.kind is OpKind.OPTIMIZER_STEP)
-        return _inserted(OpKind.REDUCE_SCATTER, State.GRADIENTS, "mlp", Axis.DP, Phase.OPTIMIZER, Reduce.MEAN, at)(
+        return _inserted(OpKind.REDUCE_SCATTER, State.GRADIENTS, "mlp", axis, Phase.OPTIMIZER, Reduce.MEAN, at)(
             program.with_ops(ops), model
         )
 
-    expected = (Status.PROVED, True) if right else (Status.REFUTED, False)
-    assert _judged("dp2", change=scatter, tied=True) == expected
+    return scatter
 
 
 @pytest.mark.parametrize("refresh", [True, False])
@@ -684,17 +691,8 @@ def test_a_reduce_scatter_of_a_reduced_gradient_does_not_nest_the_earlier_one(re
     match and diverged (simulator wrong). Without the all-reduce the dp chunk is reduced along
     dpr on one sub-chunk only: both sides refute."""
 
-    def scatter(program: StepProgram, model: Model) -> StepProgram:
-        ops = list(program.ops)
-        if not reduced_first:
-            ops = [op for op in ops if not (op.kind is OpKind.ALL_REDUCE and op.group.name == "mlp")]
-        at = next(i for i, op in enumerate(ops) if op.kind is OpKind.OPTIMIZER_STEP)
-        return _inserted(OpKind.REDUCE_SCATTER, State.GRADIENTS, "mlp", Axis.DPR, Phase.OPTIMIZER, Reduce.MEAN, at)(
-            program.with_ops(ops), model
-        )
-
     expected = (Status.PROVED, True) if right else (Status.REFUTED, False)
-    assert _judged("hsdp2xdpr2xm2", change=scatter, tied=True) == expected
+    assert _judged("hsdp2xdpr2xm2", change=_scattered_before_the_update(Axis.DPR, reduced_first), tied=True) == expected
 
 
 def _attention_scattered_once(drop: bool) -> Change:

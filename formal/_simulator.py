@@ -189,6 +189,18 @@ class Simulator:
         sync = self._phase_ops(Phase.GRAD_SYNC, (G, P, O))
         per_mb = [i for i in sync if self._per_micro_batch(i)]
         once = [i for i in sync if i not in per_mb]
+        # docs/semantics.md, "Gradient buffers": the ops on the fresh gradient, then its
+        # accumulation into .grad, then the micro-batch's ops on the accumulated buffer.
+        loop = [*self._phase_ops(Phase.BACKWARD, (G,)), *per_mb]
+        fresh = [i for i in loop if self._buffer(i) is Buffer.FRESH]
+        # Each group's own: a group whose gradient no op reduce-scatters per micro-batch (along
+        # an axis of the mesh: one of degree 1 cuts nothing, an all-reduce neither) keeps a
+        # full-size ``.grad`` whatever the others do (FSDP2 syncs per parameter group).
+        scattered_as_produced = frozenset(
+            self.ops[i].group
+            for i in fresh
+            if i in per_mb and self.ops[i].kind is OpKind.REDUCE_SCATTER and self.ops[i].axis in self.mesh.degrees
+        )
         for mb in range(self.m):
             forward_p = self._fetch_and_read(Phase.FORWARD, mb, (P, O, G))
             st.start_micro_batch()
@@ -198,20 +210,8 @@ class Simulator:
             backward_p = self._fetch_and_read(Phase.BACKWARD, mb, (P, O))
             self.passes.micro_batch(batch, mb, forward_p, backward_p)
             st.mark_computed()
-            # docs/semantics.md, "Gradient buffers": the ops on the fresh gradient, then its
-            # accumulation into .grad, then the micro-batch's ops on the accumulated buffer.
-            loop = [*self._phase_ops(Phase.BACKWARD, (G,)), *per_mb]
-            fresh = [i for i in loop if self._buffer(i) is Buffer.FRESH]
             for i in fresh:
                 run_op(i, per_mb=True)
-            # Each group's own: a group whose gradient no op reduce-scatters per micro-batch (along
-            # an axis of the mesh: one of degree 1 cuts nothing, an all-reduce neither) keeps a
-            # full-size ``.grad`` whatever the others do (FSDP2 syncs per parameter group).
-            scattered_as_produced = frozenset(
-                self.ops[i].group
-                for i in fresh
-                if i in per_mb and self.ops[i].kind is OpKind.REDUCE_SCATTER and self.ops[i].axis in self.mesh.degrees
-            )
             if scattered_as_produced:
                 st.free_gradients(st.fresh, st.live_fresh, scattered_as_produced)
             st.accumulate()

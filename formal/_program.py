@@ -5,7 +5,7 @@ simulator all read this one program; none of them re-derives it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from formal import _num as num
@@ -133,6 +133,42 @@ def refuse_unmodelled_ops(program: StepProgram, by: str) -> None:
                 f"{op}: an offset along {op.axis.value}, which splits {op.group.name} into each rank's own "
                 f"slice, is not modelled by {by}"
             )
+
+
+def rescatters(ops: Sequence[Op]) -> frozenset[int]:
+    """The indices of gradient reduce-scatters (outside the forward) that follow a reduction of
+    the same group's gradient along the same axis: every peer already holds the reduced value, so
+    the collective writes its chunk over equal values and leaves the buffer as it is
+    (``reduce_scatter_tensor`` does not touch its input). It cuts nothing."""
+    reduced: set[tuple[Group, Axis]] = set()
+    out = set()
+    for i, op in enumerate(ops):
+        if op.state is not State.GRADIENTS or op.axis is None or op.phase is Phase.FORWARD:
+            continue
+        if not op.kind.is_reduction:
+            continue
+        if op.kind is OpKind.REDUCE_SCATTER and (op.group, op.axis) in reduced:
+            out.add(i)
+        reduced.add((op.group, op.axis))
+    return frozenset(out)
+
+
+def scatter_axes(ops: Sequence[Op], group: Group) -> frozenset[Axis]:
+    """The axes the program reduce-scatters ``group``'s gradient along, cutting it (outside the
+    forward, whose gradient the backward makes whole again; re-scatters of a reduced gradient
+    excluded): the partition the gradient is cut towards (docs/semantics.md, "Collectives along
+    several axes"). The simulator and the z3 verdict both read it."""
+    again = rescatters(ops)
+    return frozenset(
+        op.axis
+        for i, op in enumerate(ops)
+        if op.group == group
+        and op.state is State.GRADIENTS
+        and op.axis is not None
+        and op.kind is OpKind.REDUCE_SCATTER
+        and op.phase is not Phase.FORWARD
+        and i not in again
+    )
 
 
 def group_sizes(model: Model) -> dict[Group, Num]:
@@ -511,5 +547,7 @@ __all__ = [
     "gradient_origins",
     "group_sizes",
     "refuse_unmodelled_ops",
+    "rescatters",
+    "scatter_axes",
     "shard_elements",
 ]

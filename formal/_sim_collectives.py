@@ -9,7 +9,6 @@ sets them beside ``formal._costs``'s figures for the same program.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -18,7 +17,7 @@ import numpy as np
 from formal._costs import communication, transfers
 from formal._exact import exact_fraction
 from formal._model import Precision
-from formal._program import Op, StepProgram
+from formal._program import Op, StepProgram, rescatters, scatter_axes
 from formal._reference import Array, IndexArray, Numbers, Optimizer
 from formal._sim_mesh import Device, _chunk, _Layout, _Mesh
 from formal._sim_results import OpTraffic, _Judge
@@ -27,22 +26,6 @@ from formal._vocab import LAYER_GROUPS, Axis, Group, OpKind, Phase, Reduce, Stat
 from formal.errors import SimulationError
 
 P, O, G = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS  # noqa: E741
-
-
-def _rescatters(ops: Sequence[Op]) -> frozenset[int]:
-    """The indices of gradient reduce-scatters (outside the forward) that follow a reduction of
-    the same group's gradient along the same axis: every peer already holds the reduced value, so
-    the collective writes its chunk over equal values and leaves the buffer as it is
-    (``reduce_scatter_tensor`` does not touch its input)."""
-    reduced: set[tuple[Group, Axis]] = set()
-    out = set()
-    for i, op in enumerate(ops):
-        if op.state is not G or op.axis is None or op.phase is Phase.FORWARD or not op.kind.is_reduction:
-            continue
-        if op.kind is OpKind.REDUCE_SCATTER and (op.group, op.axis) in reduced:
-            out.add(i)
-        reduced.add((op.group, op.axis))
-    return frozenset(out)
 
 
 def _ring_share(kind: OpKind, n: int) -> Fraction:
@@ -133,20 +116,8 @@ class _StateOps:
         # A reduce-scatter of a gradient already reduced along its axis (by an earlier all-reduce
         # or reduce-scatter there) only copies a chunk of what every peer holds: it does not cut
         # the buffer that earlier reduce-scatters leave, nor nest them (``rescatters``).
-        self.rescatters: frozenset[int] = _rescatters(self.ops)
-        self.scatter_axes: dict[Group, frozenset[Axis]] = {
-            g: frozenset(
-                op.axis
-                for i, op in enumerate(self.ops)
-                if op.group == g
-                and op.state is G
-                and op.axis is not None
-                and op.kind is OpKind.REDUCE_SCATTER
-                and op.phase is not Phase.FORWARD  # the backward's gradient is whole again
-                and i not in self.rescatters
-            )
-            for g in states.groups
-        }
+        self.rescatters: frozenset[int] = rescatters(self.ops)
+        self.scatter_axes: dict[Group, frozenset[Axis]] = {g: scatter_axes(self.ops, g) for g in states.groups}
 
     def _wire(self, state: State) -> int:
         return self.precision.wire_bytes_of(state)

@@ -40,6 +40,10 @@ Four families of obligations:
   optimizer reading P, O and G, and the coverage of P and O at each step boundary) is compared
   with the single-device value at that point. Two steps make the check judge reads, not
   snapshots: a replica left stale after step 0 but refreshed before its next read is fine.
+  Where flat shards nest across axes (the one-axis runs cannot see it), ``formal/_smt_layout.py``
+  adds two obligations per group over the exact positions of the pieces: the optimizer's piece
+  lies inside the gradient's at the step (``scatter_nesting``), and no all-reduce along an axis
+  follows a reduce-scatter whose piece is cut along it (``scatter_then_reduce``).
 
 Execution order (the simulator's, ``formal/_simulator.py``): phases in order, each phase's ops
 in program order, gradient ops of the backward after the backward has produced the gradient;
@@ -52,7 +56,8 @@ A collective along an axis of degree 1 exchanges nothing: it is the identity.
 Why per axis. Collectives act on one axis at a time and placements are given per axis, so a
 group's gradient is the tensor product of per-axis linear maps over the contributions, and a
 chunk's holders along one axis do not depend on how other axes split it; a program is correct
-iff it is correct along every axis. Gradient integrity is exact for any degree: devices along an
+iff it is correct along every axis (where flat shards nest across axes, the positions of the pieces
+are judged too: ``formal/_smt_layout.py``). Gradient integrity is exact for any degree: devices along an
 axis are symmetric, so up to 8 devices are explicit and the others are folded into one aggregate
 (their contributions' sum and their values' sum), which every collective maps linearly. State
 consistency uses the real degree up to 4; beyond 4 it uses 4 devices (or one per distinct offset,
@@ -85,6 +90,7 @@ from formal._smt_common import MAX_CONSISTENCY_DEVICES, MAX_EXPLICIT_DEVICES, PL
 from formal._smt_consistency import _decide_consistency
 from formal._smt_holdings import _AxisRun, _consistency_case, _ConsistencyCase
 from formal._smt_integrity import _decide_integrity, _integrity_case, _IntegrityCase
+from formal._smt_layout import decide_layout
 from formal._smt_rules import _decide_composition
 from formal._smt_scalars import decide_scalars
 from formal._solver import (
@@ -306,6 +312,9 @@ def _decide(
                 if v.rule not in labels:
                     labels.add(v.rule)
                     violations.append(v)
+    layout, found = decide_layout(program, timeout_ms)  # pieces across axes: formal/_smt_layout.py
+    obligations += layout
+    violations += found
     scalar_obligations, found = decide_scalars(program, timeout_ms)  # formal/_smt_scalars.py
     obligations += scalar_obligations
     violations += found

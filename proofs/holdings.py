@@ -217,6 +217,89 @@ def nested_shipped() -> Outcome:
     )
 
 
+def scatter_across_axes() -> Outcome:
+    """The optimizer's piece cut along two axes, outer first (element ``a*d2 + b`` is device
+    ``(a, b)``'s). Sufficient: an all-reduce along the outer axis, then a reduce-scatter along
+    the inner one of the outer chunk, gives every device the sum of all contributions to its
+    piece (grids 2x2, 2x3, 3x2). Necessary: the reduce-scatter along the inner axis first, then
+    an all-reduce along the outer one, fails however the first cuts: from the whole buffer,
+    device (0, 1) holds the inner chunk 1 (elements 2 and 3 of 4), not its piece 1; within the
+    outer chunk, the all-reduce adds device (1, 1)'s element 3 to device (0, 1)'s element 1
+    (z3 finds contributions where the sum differs; a one-hot witness is replayed)."""
+    outcomes = []
+    for d1, d2 in ((2, 2), (2, 3), (3, 2)):
+        n = d1 * d2
+        c = {(a, b, e): z3.Real(f"c_{a}_{b}_{e}") for a in range(d1) for b in range(d2) for e in range(n)}
+        totals = {e: z3.Sum(*[c[(a, b, e)] for a in range(d1) for b in range(d2)]) for e in range(n)}
+        outer = {(b, e): z3.Sum(*[c[(a, b, e)] for a in range(d1)]) for b in range(d2) for e in range(n)}
+        then_inner = [
+            z3.Sum(*[outer[(b2, a * d2 + b)] for b2 in range(d2)]) == totals[a * d2 + b]
+            for a in range(d1)
+            for b in range(d2)
+        ]
+        outcomes.append(proved_if_unsat(prove({}, z3.And(*then_inner), TIMEOUT_MS)))
+    # the other order on a 2x2 grid, cut within the outer chunk: device (a, 1) holds element
+    # a*2 + 1 summed over b; the all-reduce along a sums elements 1 and 3 into device (0, 1)'s piece
+    c = {(a, b, e): z3.Real(f"c_{a}_{b}_{e}") for a in range(2) for b in range(2) for e in range(4)}
+    inner = {a: c[(a, 0, a * 2 + 1)] + c[(a, 1, a * 2 + 1)] for a in range(2)}
+    mixed = inner[0] + inner[1]
+    total = z3.Sum(*[c[(a, b, 1)] for a in range(2) for b in range(2)])
+    found = check({"mixed_differs": mixed != total}, TIMEOUT_MS)
+    if found.answer is not Answer.SAT:
+        return Outcome(Status.REFUTED, "no contributions told the mixed sum from the total")
+
+    def replay() -> str | None:
+        one_hot = {
+            (a, b, e): Fraction(int((a, b, e) == (1, 0, 1))) for a in range(2) for b in range(2) for e in range(4)
+        }
+        full = sum((one_hot[(a, b, 1)] for a in range(2) for b in range(2)), Fraction(0))
+        summed = sum((one_hot[(a, 0, a * 2 + 1)] + one_hot[(a, 1, a * 2 + 1)] for a in range(2)), Fraction(0))
+        from_whole = {2 * 1 + k for k in range(2)}  # inner chunk 1 of the whole buffer: elements 2, 3
+        if summed == full:
+            return "replay: the mixed sum matched"
+        return "replay: the inner chunk of the whole held piece 1" if 1 in from_whole else None
+
+    problem = replay()
+    if problem is not None:
+        return Outcome(Status.REFUTED, problem)
+    return combine(
+        outcomes, "outer all-reduce then inner reduce-scatter sums every contribution; the other order fails"
+    )
+
+
+def scatter_across_shipped() -> Outcome:
+    """ZeRO-1 over dpr x dp with the reduce-scatter along dpr turned into an all-reduce (after the
+    one along dp): refuted. ZeRO++ hpZ with ZeRO-2 over dpr x dp: an all-reduce along dpr after
+    the reduce-scatter along dp refuted, before it proved."""
+
+    def all_reduced(first: bool, outer: Axis = Axis.DPR) -> Change:
+        def change(program: StepProgram, model: Transformer) -> StepProgram:
+            ops = list(program.ops)
+            for i, op in enumerate(program.ops):
+                if op.state is G and op.kind is OpKind.REDUCE_SCATTER and op.axis is outer:
+                    ops[i] = Op(OpKind.ALL_REDUCE, G, op.group, op.axis, op.phase, op.elements, op.count, op.reduce)
+                    other = [j for j in range(i) if ops[j].group == op.group and ops[j].kind is OpKind.REDUCE_SCATTER]
+                    if first and other:
+                        ops[i], ops[other[-1]] = ops[other[-1]], ops[i]
+            return program.with_ops(ops)
+
+        return change
+
+    hpz = "hpz-dpr2xtp2xzero12xm1xrecomputexoffload-params"
+    return _expect(
+        [
+            (
+                "ZeRO-1, dp then dpr all-reduced",
+                _verdict("zero1-dpr2xzero1-dp2", NESTED, all_reduced(False)),
+                Status.REFUTED,
+            ),
+            ("hpZ, dp then dpr all-reduced", _verdict(hpz, change=all_reduced(False)), Status.REFUTED),
+            ("hpZ, dpr all-reduced first", _verdict(hpz, change=all_reduced(True)), Status.PROVED),
+        ],
+        "shipped decide: the inner reduce-scatter before the outer all-reduce refuted, after it proved",
+    )
+
+
 # ---- 9. groups outside the layers along a pipeline ----------------------------------------------
 
 ONE_STAGE = """
@@ -316,6 +399,18 @@ OBLIGATIONS: tuple[tuple[str, str, str, Callable[[], Outcome]], ...] = (
         "the shipped verdict proves ZeRO-1 over dpr x dp in both orders and refutes it without the refresh",
         "z3",
         nested_shipped,
+    ),
+    (
+        "programs.scatter_across_axes",
+        "an all-reduce along the outer axis must come before the reduce-scatter along the inner one",
+        "z3+numpy-check",
+        scatter_across_axes,
+    ),
+    (
+        "programs.scatter_across_axes.shipped",
+        "the shipped verdict refutes an inner reduce-scatter before an outer all-reduce, proves the other order",
+        "z3",
+        scatter_across_shipped,
     ),
     (
         "programs.stage_groups",

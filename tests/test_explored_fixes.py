@@ -49,7 +49,10 @@ Which side was wrong, case by case (``docs/semantics.md`` states each rule):
   the piece (z3 wrong); and a reduce-scatter of an already reduced gradient does not nest the
   earlier reduce-scatters along other axes (simulator wrong);
 * a group not reduce-scattered per micro-batch keeps a full-size ``.grad`` whatever the other
-  groups do: the simulator cut every group's to its shard (simulator wrong).
+  groups do: the simulator cut every group's to its shard (simulator wrong);
+* a gradient reduce-scattered along an inner axis and all-reduced along the outer one, while the
+  optimizer state is cut along both: the pieces nest across axes, which z3's one-axis runs did
+  not see (z3 wrong: ``scatter_nesting`` and ``scatter_then_reduce``).
 """
 
 from __future__ import annotations
@@ -364,6 +367,73 @@ def test_nested_reduce_scatters_without_the_refresh_are_refuted_and_diverge() ->
         return program.with_ops([op for op in program.ops if op.phase is not Phase.REFRESH])
 
     assert _judged("zero1-dpr2xzero1-dp2", NESTED, no_refresh) == (Status.REFUTED, False)
+
+
+# --- pieces across axes: a reduce-scatter along the inner axis, an all-reduce along the outer ---
+
+
+def _outer_all_reduced(outer: Axis, first: bool) -> Change:
+    """Each gradient reduce-scatter along ``outer`` becomes an all-reduce, run after the group's
+    other reduce-scatter (``first=False``) or moved before it (``first=True``)."""
+
+    def change(program: StepProgram, model: Model) -> StepProgram:
+        ops = list(program.ops)
+        for i, op in enumerate(program.ops):
+            if op.state is not State.GRADIENTS or op.kind is not OpKind.REDUCE_SCATTER or op.axis is not outer:
+                continue
+            ops[i] = replace(op, kind=OpKind.ALL_REDUCE)
+            other = [
+                j
+                for j in range(i)
+                if ops[j].group == op.group and ops[j].state is State.GRADIENTS and ops[j].kind is OpKind.REDUCE_SCATTER
+            ]
+            if first and other:
+                ops[i], ops[other[-1]] = ops[other[-1]], ops[i]
+        return program.with_ops(ops)
+
+    return change
+
+
+def _violations(text: str, toml: str, change: Change) -> dict[str, dict[str, object]]:
+    factories = loads(toml).factories() if toml else None
+    composition = parse(text, factories)
+    transformer = reference_for(composition, ReferenceModel()).transformer()
+    program = change(derive_program(composition.placement(transformer), transformer), transformer)
+    return {v.rule: v.witness for v in decide(composition, program, transformer).violations}
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_a_gradient_cut_along_the_inner_axis_alone_misses_the_optimizer_piece(first: bool) -> None:
+    """ZeRO-1 over dpr x dp, the reduce-scatter along dpr turned into an all-reduce, before or
+    after the one along dp: the gradient is cut along dp alone (the dp chunk of the whole
+    buffer), while the optimizer state is cut along dpr and dp with dpr outer, so the device at
+    dpr=0, dp=1 updates [1/4, 1/2) and holds the gradient on [1/2, 1). Each axis alone is right,
+    and z3's one-axis runs proved it (z3 wrong)."""
+    change = _outer_all_reduced(Axis.DPR, first)
+    assert _judged("zero1-dpr2xzero1-dp2", NESTED, change) == (Status.REFUTED, False)
+    found = _violations("zero1-dpr2xzero1-dp2", NESTED, change)
+    witness = found["scatter_nesting[G.mlp]"]
+    assert witness["optimizer_axes"] == ["dpr", "dp"] and witness["gradient_axes"] == ["dp"]
+    assert witness["optimizer_piece"] != witness["gradient_piece"]
+    assert _judged("zero1-dpr2xzero1-dp2", NESTED) == (Status.PROVED, True)  # both reduce-scattered
+
+
+HPZ = "hpz-dpr2xtp2xzero12xm1xrecomputexoffload-params"
+
+
+def test_an_all_reduce_after_a_reduce_scatter_cut_along_its_axis_sums_different_elements() -> None:
+    """ZeRO++ hpZ with ZeRO-2 over dpr x dp (the gradient sharded along dpr): a reduce-scatter
+    along dp cuts the gradient towards dpr's and dp's partition, so the devices along dpr hold
+    different pieces and an all-reduce along dpr after it sums different elements. All-reduced
+    along dpr first, the reduce-scatter along dp cuts a gradient already reduced there: right.
+    Found by the exploring differential (z3 wrong: each axis alone is right)."""
+    late = _outer_all_reduced(Axis.DPR, first=False)
+    assert _judged(HPZ, change=late) == (Status.REFUTED, False)
+    witness = _violations(HPZ, "", late)["scatter_then_reduce[G.mlp, dpr]"]
+    assert witness["cut_along"] == ["dpr", "dp"]
+    assert witness["device"] != witness["peer"] and witness["device_piece"] != witness["peer_piece"]
+    assert _judged(HPZ, change=_outer_all_reduced(Axis.DPR, first=True)) == (Status.PROVED, True)
+    assert _judged(HPZ) == (Status.PROVED, True)
 
 
 # --- groups outside the layers along a pipeline ----------------------------------------------

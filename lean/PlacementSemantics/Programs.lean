@@ -167,6 +167,25 @@ theorem nested_reduce_scatter_whole_buffer_cut_misses_contribution :
     ((0 : Int) + 0) + 0 ≠ 0 + 0 + 1 + 0 := by
   omega
 
+/-- Reduce-scattered along the inner axis from the whole buffer, device `(0, 1)` keeps the inner
+chunk 1, elements `d1` to `2 * d1 - 1`: its piece, element `0 * d2 + 1`, is not among them. -/
+theorem inner_chunk_of_whole_misses_outer_piece (d1 d2 : Nat) (h : 2 ≤ d1) :
+    ¬ (1 * d1 ≤ 0 * d2 + 1 ∧ 0 * d2 + 1 < 2 * d1) := by
+  omega
+
+/-- A 2 x 2 grid: all-reduced along the outer axis, then reduce-scattered along the inner one,
+the piece gets the sum of its four contributions. -/
+theorem outer_all_reduce_first_gives_same_sum (c00 c01 c10 c11 : Int) :
+    (c00 + c10) + (c01 + c11) = c00 + c01 + c10 + c11 := by
+  omega
+
+/-- Reduce-scattered along the inner axis within the outer chunk, then all-reduced along the
+outer one, device `(0, 1)`'s element 1 gets device `(1, 1)`'s element 3 added: one-hot from
+device `(1, 0)` at element 1, the piece gets 0 where the sum is 1. -/
+theorem inner_scatter_then_outer_all_reduce_mixes_elements :
+    ((0 : Int) + 0) + (0 + 0) ≠ 0 + 0 + 1 + 0 := by
+  omega
+
 /-! ## Groups outside the layers along a pipeline -/
 
 /-- A stage that holds a replica of a group it never computes updates it from no gradient: its

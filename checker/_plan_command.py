@@ -203,6 +203,12 @@ def plan_command() -> Any:
         "from --device-memory, e.g. a100-80gb for 80GB; docs/planner.md).",
     )
     @click.option("--params", default=None, help="A bare parameter count instead of a model (7.5e9, 70B).")
+    @click.option(
+        "--largest-layer",
+        default=None,
+        help="With --params: the most parameters one module holds (DeepSpeed's largest_layer_params), "
+        "the unit ZeRO-3 gathers and reduces; without it those buffers are unknown.",
+    )
     @click.option("--devices", type=WholeNumber(1, MAX_DEGREE), default=DEFAULT_DEVICES, show_default=True)
     @click.option("--device-memory", default=None, help="Per-device memory, e.g. 80GB (default 80GB).")
     @click.option("--precision", default="zero", show_default=True, help="Bytes per element: " + ", ".join(PRECISIONS))
@@ -257,6 +263,7 @@ def plan_command() -> Any:
         model: str | None,
         hardware: str | None,
         params: str | None,
+        largest_layer: str | None,
         devices: int,
         device_memory: str | None,
         precision: str,
@@ -282,11 +289,11 @@ def plan_command() -> Any:
     ) -> None:
         """Find the best valid composition for a model on a cluster, e.g.
         ``check-composition plan --model llama3-70b --devices 512 --device-memory 80GB``."""
-        from checker._command import fail, load_model, reserve_bytes, set_outcome
+        from checker._command import base_model, fail, reserve_bytes, set_outcome, sized
 
         try:
             csv_file = output_path(csv_path, "--csv") if csv_path is not None else None
-            chosen = load_model(model, params, None, seq)
+            chosen = sized(base_model(model, params, largest_layer), None, seq)
             if precision not in PRECISIONS:
                 raise InputError(f"--precision {precision}: unknown (known: {', '.join(PRECISIONS)})")
             parts = micro_batches.split(",")

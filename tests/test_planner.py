@@ -368,8 +368,9 @@ def test_a_bare_parameter_count_is_ranked_by_bytes_moved_untimed() -> None:
         ("--model", "gpt3-1.3b", "--devices", "8", "--data", "dp,zero1"),  # DDP and DeepSpeed ZeRO-1
         ("--model", "gpt3-1.3b", "--devices", "8", "--fix", "pp=2", "--data", "dp"),  # a pipeline's last stage
         ("--params", "7e9", "--devices", "8", "--data", "zero2,zero3"),  # a bare parameter count
+        ("--params", "7e9", "--largest-layer", "200e6", "--devices", "8", "--data", "zero3,fsdp-sgo"),
     ],
-    ids=["fsdp-zero3", "ddp-zero1", "pipeline", "params"],
+    ids=["fsdp-zero3", "ddp-zero1", "pipeline", "params", "largest-layer"],
 )
 def test_plan_memory_is_what_check_prints_for_the_same_candidate(args: tuple[str, ...]) -> None:
     """The plan's memory figure is the peak the first screen prints (``check``'s ``memory.peak``,
@@ -379,7 +380,7 @@ def test_plan_memory_is_what_check_prints_for_the_same_candidate(args: tuple[str
     doc = json.loads(ran.stdout)
     assert "default engine" in doc["engine"]
     assert doc["candidates"]
-    given = list(args[:4])
+    given = [x for pair in zip(args[::2], args[1::2], strict=True) if pair[0] not in ("--data", "--fix") for x in pair]
     for c in doc["candidates"]:
         b = ["--micro-batch", str(c["micro_batch_size"])] if "--model" in args else []
         checked = CliRunner().invoke(main, ["check", c["composition"], *given, *b, "--json"])
@@ -389,3 +390,21 @@ def test_plan_memory_is_what_check_prints_for_the_same_candidate(args: tuple[str
         assert c["engine"] == memory["engine"]["engine"], c["composition"]
         assert c["placement_memory_bytes"] == memory["per_device"]["total"], c["composition"]
         assert c["memory_bytes"] + doc["reserve"] <= doc["device_memory"]
+
+
+def test_plan_counts_the_stated_largest_layer_as_check_does() -> None:
+    """``plan --params N --largest-layer L``: ZeRO-3's gather and reduce buffers of the largest
+    unit enter each candidate's peak, 4 bytes per parameter of it (DeepSpeed's
+    ``estimate_zero3_model_states_mem_needs``: ``largest_layer_memory = 4 * largest_layer_params``);
+    without --params it is refused in one line, exit 2."""
+
+    def zero3_peak(*extra: str) -> int:
+        args = ["plan", "--params", "7e9", *extra, "--devices", "8", "--fix", "dp=8", "--data", "zero3"]
+        ran = CliRunner().invoke(main, [*args, "--top", "5", "--no-cache", "--json"])
+        assert ran.exit_code == 0, ran.output
+        return next(c["memory_bytes"] for c in json.loads(ran.stdout)["candidates"] if c["composition"] == "zero38")
+
+    largest = 200 * 10**6
+    assert zero3_peak("--largest-layer", str(largest)) - zero3_peak() == 4 * largest
+    refused = CliRunner().invoke(main, ["plan", "--largest-layer", "200e6", "--devices", "8"])
+    assert refused.exit_code == 2 and refused.stderr.startswith("error: --largest-layer 200e6: needs --params")

@@ -10,10 +10,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from checker import _planner
+from checker._conventions import CONVENTIONS
 from checker._numbers import gb
 from checker._plan_results import Plan, explain_pair
 from checker._plan_space import AXES, Cluster, DataParallel, RankBy, Space, Workload
-from formal._model import Transformer
+from formal._model import Model, Transformer
 from formal._verdict import Status
 from formal._vocab import Axis
 from formal.errors import InputError
@@ -113,6 +114,52 @@ def _print_plan(result: Plan) -> None:
         console.print(f"  rejected by z3: {what}: {why}")
     _print_front(result, console.print)
     _print_sensitivity(result, console.print)
+
+
+def _conventional(
+    result: Plan, chosen: Model, seq: int | None, convention: str, node_size: int
+) -> list[dict[str, Any]]:
+    """Each shown candidate's memory as ``check --convention`` gives it for the same composition,
+    micro-batch size and precision (``checker._conventions``); a candidate the convention does not
+    describe (DeepSpeed's estimators without a ZeRO stage) gets the reason instead."""
+    from checker._analysis import analyze
+    from checker._command import sized
+    from checker._conventions import conventions_json, deepspeed_json, megatron_of
+
+    out: list[dict[str, Any]] = []
+    for c in result.top:
+        model = sized(chosen, c.micro_batch, seq) if isinstance(chosen, Transformer) else chosen
+        analysis = analyze(c.composition(), model, result.precision)
+        try:
+            found = megatron_of(analysis) if convention == "megatron" else deepspeed_json(analysis, node_size)
+        except InputError as err:
+            out.append({"convention": convention, "not_described": str(err)})
+            continue
+        out.append(conventions_json(found))
+    return out
+
+
+def _convention_lines(result: Plan, conventional: list[dict[str, Any]]) -> list[str]:
+    from checker._parse import readable
+
+    kind = conventional[0]["convention"]
+    if kind == "megatron":
+        lines = ["As Megatron-LM's theoretical memory counts it (first stage; MB = 2^20 bytes):"]
+    else:
+        lines = [
+            "As DeepSpeed's estimators print it (GiB; per CPU: a node's, x 1.5):",
+            "    per CPU  |  per GPU |   Options",
+        ]
+    for c, found in zip(result.top, conventional, strict=True):
+        name = f"  #{c.rank} {readable(c.composition())}:"
+        if "not_described" in found:
+            why = str(found["not_described"]).removeprefix(f"--convention {kind}: ")
+            lines += [name, f"    not described: {why}"]
+        elif kind == "megatron":
+            lines += [name, f"    {found['line']}"]
+        else:
+            lines += [name, *(f"   {row['line']}" for row in found["rows"])]
+    return lines
 
 
 def _ranked_by_bytes(result: Plan) -> str:
@@ -259,6 +306,14 @@ def plan_command() -> Any:
         help="Keep z3 verdicts on disk between runs ($PLACEMENT_SEMANTICS_CACHE or ~/.cache/placement-semantics).",
     )
     @click.option("--csv", "csv_path", default=None, help="Write every fitting candidate, best first, to this file.")
+    @click.option(
+        "--convention",
+        type=click.Choice(CONVENTIONS),
+        default=None,
+        help="Also give each shown candidate's memory as another tool counts it, as check --convention does: "
+        "megatron (Megatron-LM's theoretical memory; needs a model with layers) or deepspeed (DeepSpeed's "
+        "estimators, ZeRO candidates).",
+    )
     def command(
         model: str | None,
         hardware: str | None,
@@ -286,6 +341,7 @@ def plan_command() -> Any:
         workers: int,
         cache: bool,
         csv_path: str | None,
+        convention: str | None,
     ) -> None:
         """Find the best valid composition for a model on a cluster, e.g.
         ``check-composition plan --model llama3-70b --devices 512 --device-memory 80GB``."""
@@ -294,6 +350,8 @@ def plan_command() -> Any:
         try:
             csv_file = output_path(csv_path, "--csv") if csv_path is not None else None
             chosen = sized(base_model(model, params, largest_layer), None, seq)
+            if convention == "megatron" and not isinstance(chosen, Transformer):
+                raise InputError("--convention megatron: needs a model with layers (a preset, config.json or --model)")
             if precision not in PRECISIONS:
                 raise InputError(f"--precision {precision}: unknown (known: {', '.join(PRECISIONS)})")
             parts = micro_batches.split(",")
@@ -370,10 +428,16 @@ def plan_command() -> Any:
         set_outcome(code)
         for warning in result.warnings:
             click.echo(f"warning: {warning}", err=True)
+        conventional = [] if convention is None else _conventional(result, chosen, seq, convention, hw.node_size)
         if as_json:
-            click.echo(json.dumps(result.as_json(), indent=2))
+            doc = result.as_json()
+            for c, found in zip(doc["candidates"], conventional, strict=True):
+                c["convention"] = found
+            click.echo(json.dumps(doc, indent=2))
         else:
             _print_plan(result)
+            if conventional:
+                click.echo("\n".join(_convention_lines(result, conventional)))
         sys.exit(code)
 
     return command

@@ -402,9 +402,46 @@ def test_plan_counts_the_stated_largest_layer_as_check_does() -> None:
         args = ["plan", "--params", "7e9", *extra, "--devices", "8", "--fix", "dp=8", "--data", "zero3"]
         ran = CliRunner().invoke(main, [*args, "--top", "5", "--no-cache", "--json"])
         assert ran.exit_code == 0, ran.output
-        return next(c["memory_bytes"] for c in json.loads(ran.stdout)["candidates"] if c["composition"] == "zero38")
+        return next(
+            int(c["memory_bytes"]) for c in json.loads(ran.stdout)["candidates"] if c["composition"] == "zero38"
+        )
 
     largest = 200 * 10**6
     assert zero3_peak("--largest-layer", str(largest)) - zero3_peak() == 4 * largest
     refused = CliRunner().invoke(main, ["plan", "--largest-layer", "200e6", "--devices", "8"])
     assert refused.exit_code == 2 and refused.stderr.startswith("error: --largest-layer 200e6: needs --params")
+
+
+@pytest.mark.parametrize(
+    ("convention", "args"),
+    [
+        ("megatron", ("--model", "gpt3-1.3b", "--devices", "8", "--data", "dp,zero1")),
+        ("deepspeed", ("--model", "gpt3-1.3b", "--devices", "8", "--data", "dp,zero3")),
+        ("deepspeed", ("--params", "7e9", "--largest-layer", "1e8", "--devices", "8", "--data", "zero2,zero3")),
+        ("deepspeed", ("--model", "gpt3-1.3b", "--devices", "8", "--data", "dp")),  # no ZeRO stage
+    ],
+    ids=["megatron", "deepspeed", "deepspeed-params", "deepspeed-no-zero"],
+)
+def test_plan_convention_is_what_check_gives_for_the_same_candidate(convention: str, args: tuple[str, ...]) -> None:
+    """``plan --convention``: each shown candidate's memory as Megatron-LM or DeepSpeed count it
+    is ``check --convention``'s for the same composition and micro-batch size; a candidate the
+    convention does not describe (DeepSpeed's estimators without a ZeRO stage) says so."""
+    ran = CliRunner().invoke(main, ["plan", *args, "--top", "3", "--no-cache", "--json", "--convention", convention])
+    assert ran.exit_code == 0, ran.output
+    candidates = json.loads(ran.stdout)["candidates"]
+    assert candidates
+    given = [x for pair in zip(args[::2], args[1::2], strict=True) if pair[0] != "--data" for x in pair]
+    for c in candidates:
+        b = ["--micro-batch", str(c["micro_batch_size"])] if "--model" in args else []
+        checked = CliRunner().invoke(
+            main, ["check", c["composition"], *given, *b, "--json", "--convention", convention]
+        )
+        if checked.exit_code == 2:  # not described: the same reason, one line
+            assert c["convention"]["not_described"] in checked.stderr
+            continue
+        assert checked.exit_code in (0, 1), checked.output
+        assert c["convention"] == json.loads(checked.stdout)["conventions"], c["composition"]
+    screen = CliRunner().invoke(main, ["plan", *args, "--top", "3", "--no-cache", "--convention", convention])
+    assert screen.exit_code == 0
+    tail = screen.stdout[screen.stdout.index("As ") :].splitlines()
+    assert all(len(line) <= 80 for line in tail)

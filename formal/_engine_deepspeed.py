@@ -230,7 +230,10 @@ def deepspeed_terms(
         out.append(Term("deepspeed_straddling_gradients", label, extra, "persistent", "gradients"))
     overlap = stage == 3 if fx.overlap_comm is None else fx.overlap_comm
     buckets = 2 if overlap and stage != 3 else 1
-    bucket = buckets * fx.reduce_bucket_elements * precision.bytes_of(G)
+    # The bucket holds gradients in the type they are reduced in, not the accumulation type:
+    # ZeRO-1/2's ``torch.empty(reduce_bucket_size, dtype=self.dtype)`` (the 16-bit model's),
+    # ZeRO-3's ``ipg_buckets`` of ``communication_data_type`` (stage_1_and_2.py, stage3.py).
+    bucket = buckets * fx.reduce_bucket_elements * precision.wire_bytes_of(G)
     moment = "persistent" if stage == 3 else "backward"
     n = fx.reduce_bucket_elements
     label = f"DeepSpeed reduce buckets (2 x {n} elements, overlap_comm)" if buckets == 2 else ""

@@ -91,6 +91,14 @@ def test_no_second_master_under_mixed_precision(stage: int, n: int) -> None:
     assert got["deepspeed_reduce_bucket"][0] == 1000 * PRECISIONS["zero"].gradients
 
 
+@given(stages(), data_degrees())
+def test_the_reduce_bucket_holds_the_reduction_type_not_the_accumulation_type(stage: int, n: int) -> None:
+    # 16-bit parameters accumulating in fp32 (the deepspeed recipe): the bucket is still 16-bit,
+    # ZeRO-1/2's torch.empty(reduce_bucket_size, dtype=self.dtype) and ZeRO-3's ipg buckets of
+    # communication_data_type (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py).
+    assert _terms(stage, n, "deepspeed", 1000)["deepspeed_reduce_bucket"][0] == 1000 * 2
+
+
 def test_zero_stage_of_placements() -> None:
     model = _model()
     assert [zero_stage(parse(t).placement(model)) for t in ("zero14", "zero24", "zero34", "dp4")] == [1, 2, 3, 0]

@@ -271,3 +271,60 @@ def test_torchtitan_reads_its_own_split_of_the_layers(model: str, weights: int |
     assert bool(noted) is (max(split) > -(-layers // 4))  # 9 of 32 on one stage with the defaults
     if noted:
         assert f"up to {max(split)} of the {layers}" in noted[0].why
+
+
+# DeepSpeed's gradient accumulation type (``data_types.grad_accum_dtype``): the engine takes the
+# model's own when it is unset (deepspeed/runtime/engine.py ``get_data_types``), and its ZeRO
+# optimizers keep the reduced gradient partition in it (stage_1_and_2.py ``averaged_gradients``,
+# stage3.py ``grad_partitions_flat_buffer``): 2 + 2 + 12 bytes in 16-bit, 2 + 4 + 12 in fp32.
+@pytest.mark.parametrize(
+    ("stage", "model", "accumulation", "offload", "recipe"),
+    [
+        (2, "bf16", None, False, "zero"),
+        (3, "fp16", None, False, "zero"),
+        (3, "bf16", "bf16", False, "zero"),
+        (2, "bf16", "fp32", False, "deepspeed"),
+        (1, "bf16", "torch.float32", False, "deepspeed"),  # ZeRO-1: BF16_Optimizer's fp32 gradients
+        (3, "bf16", None, True, "deepspeed"),  # CPU Adam reads an fp32 gradient partition on the host
+        (3, None, None, False, "fp32"),
+        (2, None, "float", False, "fp32"),
+    ],
+)
+def test_deepspeed_precision_follows_the_gradient_accumulation_type(
+    stage: int, model: str | None, accumulation: str | None, offload: bool, recipe: str
+) -> None:
+    doc = _set(_ds(), "zero_optimization.stage", stage)
+    doc.pop("bf16")
+    if model is not None:
+        doc[model] = {"enabled": True}
+    if accumulation is not None:
+        doc["data_types"] = {"grad_accum_dtype": accumulation}
+    if offload:
+        doc = _set(doc, "zero_optimization.offload_optimizer", {"device": "cpu"})
+    assert import_deepspeed(doc, devices=32).precision == recipe
+
+
+@pytest.mark.parametrize(
+    ("stage", "model", "accumulation", "message"),
+    [
+        (0, "bf16", "fp32", "only under ZeRO"),  # the engine refuses the mix without ZeRO
+        (2, None, "bf16", "not modelled"),
+        (2, "bf16", "int8", "fp16, bf16 or fp32"),
+        (2, "bf16", 32, "expected a string"),
+    ],
+)
+def test_deepspeed_gradient_accumulation_types_refused(
+    stage: int, model: str | None, accumulation: object, message: str
+) -> None:
+    doc = _set(_ds(), "zero_optimization.stage", stage)
+    doc.pop("bf16")
+    if model is not None:
+        doc[model] = {"enabled": True}
+    doc["data_types"] = {"grad_accum_dtype": accumulation}
+    with pytest.raises(ConfigError, match=message):
+        import_deepspeed(doc, devices=32)
+
+
+def test_deepspeed_unknown_data_types_key_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key data_types\.grad_acum_dtype"):
+        import_deepspeed(_ds() | {"data_types": {"grad_acum_dtype": "fp32"}}, devices=32)

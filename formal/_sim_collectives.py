@@ -126,8 +126,11 @@ class _StateOps:
         axis = op.axis
         if axis is None:
             raise SimulationError(f"{op}: a collective needs an axis")
-        if axis not in self.mesh.degrees:
-            return  # an axis of degree 1 that the mesh does not have: nothing to exchange
+        if axis not in self.mesh.degrees or self.mesh.degree(axis) == 1:
+            # One device along the axis: the collective exchanges nothing and is the identity
+            # (docs/semantics.md, "Execution order"), as z3 reads it; a reduce-scatter there
+            # does not cut the gradient towards the other axes' shards.
+            return
         n = self.n
         live = self.states.live_fresh if per_mb else self.states.live
         # What earlier collectives along other axes left: parameters whole along the axes

@@ -52,7 +52,9 @@ Which side was wrong, case by case (``docs/semantics.md`` states each rule):
   groups do: the simulator cut every group's to its shard (simulator wrong);
 * a gradient reduce-scattered along an inner axis and all-reduced along the outer one, while the
   optimizer state is cut along both: the pieces nest across axes, which z3's one-axis runs did
-  not see (z3 wrong: ``scatter_nesting`` and ``scatter_then_reduce``).
+  not see (z3 wrong: ``scatter_nesting`` and ``scatter_then_reduce``);
+* a reduce-scatter along an axis of degree 1 is the identity: the simulator cut the gradient to
+  its shard along the other axes (simulator wrong).
 """
 
 from __future__ import annotations
@@ -434,6 +436,38 @@ def test_an_all_reduce_after_a_reduce_scatter_cut_along_its_axis_sums_different_
     assert witness["device"] != witness["peer"] and witness["device_piece"] != witness["peer_piece"]
     assert _judged(HPZ, change=_outer_all_reduced(Axis.DPR, first=True)) == (Status.PROVED, True)
     assert _judged(HPZ) == (Status.PROVED, True)
+
+
+# --- a collective along an axis of degree 1 is the identity ----------------------------------
+
+DEGREE_ONE = "zero34xpp2xhpz-dpr1xv2xm1xrecompute"
+
+
+def _embedding_dp_sync(kind: OpKind | None) -> Change:
+    """The tied embedding's reduce-scatter along dp made an all-reduce (``kind``), or dropped."""
+
+    def change(program: StepProgram, model: Model) -> StepProgram:
+        ops: list[Op] = []
+        for op in program.ops:
+            mine = op.group.name == "embedding" and op.state is State.GRADIENTS and op.axis is Axis.DP
+            if mine and op.kind is OpKind.REDUCE_SCATTER:
+                if kind is None:
+                    continue
+                op = replace(op, kind=kind)
+            ops.append(op)
+        return program.with_ops(ops)
+
+    return change
+
+
+def test_a_reduce_scatter_along_an_axis_of_degree_one_cuts_nothing() -> None:
+    """ZeRO-3 with hpZ's dpr of degree 1 and a tied embedding on two stages: the embedding's
+    gradient reduce-scattered along dpr (one device: the identity), all-reduced along dp, summed
+    between the stages, then kept on its dp shard, is right. The simulator's degree-1
+    reduce-scatter cut the gradient to its dp shard first, so the all-reduce along dp summed
+    freed memory (simulator wrong). Dropping the dp reduction is refuted and diverges."""
+    assert _judged(DEGREE_ONE, change=_embedding_dp_sync(OpKind.ALL_REDUCE), tied=True) == (Status.PROVED, True)
+    assert _judged(DEGREE_ONE, change=_embedding_dp_sync(None), tied=True) == (Status.REFUTED, False)
 
 
 # --- groups outside the layers along a pipeline ----------------------------------------------

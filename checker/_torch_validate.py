@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from checker._parse import parse
-from checker._torch._compare import ACTIVATION_TOLERANCE, Comparison, Row, state_rows
+from checker._torch._compare import ACTIVATION_TOLERANCE, PEAK, Comparison, Row, state_rows
 from checker._torch._compare import pct as _pct
 from formal._strategies import Composition
 from formal._vocab import Axis
@@ -57,20 +57,26 @@ def table_ranks(text: str) -> tuple[int, ...]:
 # (composition, rank): every strategy's first and last rank, and a pipeline's middle stage.
 TABLE_RUNS: tuple[tuple[str, int], ...] = tuple((t, r) for t in TABLE_COMPOSITIONS for r in table_ranks(t))
 
+# ZeRO-2 on FSDP1 too: ``fsdp-sgo8`` on ``FullyShardedDataParallel`` with ``SHARD_GRAD_OP``, its
+# first and last rank, with the per-device peak against ``MemTracker``'s (``validate(fsdp1=True)``).
+FSDP1_RUNS: tuple[tuple[str, int], ...] = tuple(("fsdp-sgo8", r) for r in table_ranks("fsdp-sgo8"))
 
-def _measure_on_fake_group(composition: Composition | str, devices: int | None, rank: int) -> Any:
+
+def _measure_on_fake_group(composition: Composition | str, devices: int | None, rank: int, fsdp1: bool = False) -> Any:
     from checker._torch._engine import fake_group, measure
     from checker._torch._net import NetConfig
 
     comp = parse(composition, devices=devices) if isinstance(composition, str) else composition
     teardown = fake_group(comp.devices, rank)
     try:
-        return measure(comp, NetConfig(), rank, comp.devices)
+        return measure(comp, NetConfig(), rank, comp.devices, fsdp1=fsdp1, tracked=fsdp1)
     finally:
         teardown()
 
 
-def measure_isolated(composition: Composition | str, devices: int | None = None, rank: int = 0) -> Any:
+def measure_isolated(
+    composition: Composition | str, devices: int | None = None, rank: int = 0, fsdp1: bool = False
+) -> Any:
     """One fake-group measurement in a child process of its own, so no run inherits another's
     distributed state: DeviceMesh equality ignores the rank and the group names, so meshes
     cached by an earlier run of another rank resolve to process groups that no longer exist.
@@ -78,21 +84,26 @@ def measure_isolated(composition: Composition | str, devices: int | None = None,
     waited on with a limit (``checker._torch._isolate``)."""
     from checker._torch._isolate import run_isolated
 
-    return run_isolated(_measure_on_fake_group, (composition, devices, rank), f"{composition} rank {rank}")
+    return run_isolated(_measure_on_fake_group, (composition, devices, rank, fsdp1), f"{composition} rank {rank}")
 
 
-def validate(composition: Composition | str, devices: int | None = None, rank: int = 0) -> Comparison:
+def validate(
+    composition: Composition | str, devices: int | None = None, rank: int = 0, fsdp1: bool = False
+) -> Comparison:
     """Run ``composition`` (parsed first when given as text) with PyTorch on a fake process group
-    (one rank) and compare."""
+    (one rank) and compare. ``fsdp1``: fsdp-sgo on FSDP1 ``SHARD_GRAD_OP`` instead of FSDP2,
+    with the per-device peak against ``MemTracker``'s peak total (row ``peak total``)."""
     from checker._torch._net import NetConfig
     from checker._torch._predict import predict
 
     comp = parse(composition, devices=devices) if isinstance(composition, str) else composition
     cfg = NetConfig()
     start = time.perf_counter()
-    measured = measure_isolated(comp, None, rank)
+    measured = measure_isolated(comp, None, rank, fsdp1)
     predicted = predict(comp, cfg.formal(), rank=rank)
     rows = (*state_rows(predicted, measured), Row("activations", predicted.activations, measured.activations))
+    if measured.tracked_peak is not None:
+        rows = (*rows, Row(PEAK, predicted.peak, measured.tracked_peak))
     return Comparison(
         comp,
         measured.engine.value,
@@ -239,6 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ok = True
     if args.table or not (args.compositions or args.equivalence or args.gloo or args.large or args.ddp_tracker):
         comparisons = [validate(t, rank=r) for t, r in TABLE_RUNS]
+        comparisons += [validate(t, rank=r, fsdp1=True) for t, r in FSDP1_RUNS]
         print(format_table(comparisons))
         ok &= all(c.ok for c in comparisons)
     for text in args.compositions:

@@ -12,10 +12,10 @@ import pytest
 pytest.importorskip("torch", reason="the PyTorch validation needs the torch extra: pip install -e '.[torch]'")
 
 from checker._parse import parse
-from checker._torch._compare import ACTIVATION_TOLERANCE, Comparison
+from checker._torch._compare import ACTIVATION_TOLERANCE, PEAK, PEAK_TOLERANCE, Comparison
 from checker._torch._net import NetConfig
 from checker._torch._predict import Implementation, parameter_tensors, predict
-from checker._torch_validate import TABLE_COMPOSITIONS, TABLE_RUNS, validate
+from checker._torch_validate import FSDP1_RUNS, TABLE_COMPOSITIONS, TABLE_RUNS, validate
 from formal._vocab import OpKind
 
 _CACHE: dict[tuple[str, int], Comparison] = {}
@@ -53,6 +53,29 @@ def test_collective_list_is_predicted_exactly(text: str, rank: int) -> None:
 def test_activations_within_tolerance(text: str, rank: int) -> None:
     act = compared(text, rank).row("activations")
     assert abs(act.error) <= ACTIVATION_TOLERANCE, (text, rank, act)
+
+
+@pytest.mark.parametrize(("text", "rank"), FSDP1_RUNS)
+def test_fsdp1_shard_grad_op_is_predicted_as_fsdp_sgo(text: str, rank: int) -> None:
+    """ZeRO-2 on FSDP1: ``FullyShardedDataParallel`` with ``SHARD_GRAD_OP`` (one FlatParameter
+    per block and one for the root) holds what the fsdp-sgo prediction says: the model states
+    exactly, the same collectives (no backward all-gather: parameters kept from the forward),
+    the activations within tolerance, and the per-device peak the CLI prints within 3% of
+    ``MemTracker``'s peak total (FSDP1 keeps every block unsharded through the backward, as
+    FSDP2 does with ``reshard_after_forward=False``)."""
+    c = validate(text, rank=rank, fsdp1=True)
+    assert c.engine == "FSDP1 SHARD_GRAD_OP"
+    assert c.model_states_exact and c.calls_equal and c.activations_within, c.rows
+    assert abs(c.row(PEAK).error) <= PEAK_TOLERANCE, c.row(PEAK)
+    assert c.ok
+
+
+def test_fsdp1_runs_only_what_it_implements_here() -> None:
+    from checker._torch._engine import Runner
+    from formal.errors import CompositionError
+
+    with pytest.raises(CompositionError, match="FSDP1 runs fsdp-sgo alone"):
+        Runner(parse("fsdp8"), NetConfig(), 0, 8, fake=True, fsdp1=True)
 
 
 def test_the_last_stage_holds_the_output_layer() -> None:

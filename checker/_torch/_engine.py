@@ -41,6 +41,7 @@ class Engine(StrEnum):
     PIPELINE_FSDP = "pipelining + FSDP2"
     PIPELINE_DDP = "pipelining + DDP"
     ZERO1 = "DDP + ZeroRedundancyOptimizer"
+    FSDP1 = "FSDP1 SHARD_GRAD_OP"  # asked for (``Runner.fsdp1``): fsdp-sgo on FullyShardedDataParallel
 
 
 def engine_for(comp: Composition) -> Engine:
@@ -107,6 +108,7 @@ class Measured:
     stage: Stage
     engine: Engine
     notes: list[str] = field(default_factory=list)
+    tracked_peak: int | None = None  # MemTracker's peak total of a further steady step, when asked
 
 
 @dataclass
@@ -123,9 +125,14 @@ class Runner:
     optimizer: str = "adam"  # "adam" (measurement) or "sgd" (exactness runs)
     stage_input_grads: bool = True  # pipelining: stage inputs require grad (False: the injected fault)
     seed: int = 0
+    fsdp1: bool = False  # run fsdp-sgo on FSDP1 (FullyShardedDataParallel, SHARD_GRAD_OP), not FSDP2
 
     def __post_init__(self) -> None:
         self.engine = engine_for(self.comp)
+        if self.fsdp1:
+            if self.engine is not Engine.FSDP or reshard_after_forward(self.comp):
+                raise CompositionError(f"{self.comp}: FSDP1 runs fsdp-sgo alone here (SHARD_GRAD_OP)")
+            self.engine = Engine.FSDP1
         self.mesh = {a: d for a, d in self.comp.mesh().items() if d > 1}
         self.bucket_bytes: dict[int, int] = {}
         self.bucket_buffers: dict[int, torch.Tensor] = {}  # the flat buffers themselves, by index
@@ -144,6 +151,8 @@ class Runner:
                 return self._ddp(net), None
             case Engine.FSDP:
                 return self._fsdp(net, self._mesh1d(Axis.DP)), None
+            case Engine.FSDP1:
+                return self._fsdp1(net), None
             case Engine.TP:
                 return self._tp(net, self._mesh1d(Axis.TP)), None
             case Engine.FSDP_TP:
@@ -222,6 +231,20 @@ class Runner:
             # non-root module, False for the root, whose parameters backward needs at once.
             fully_shard(net, mesh=mesh, reshard_after_forward=None if reshard else False)
         return net
+
+    def _fsdp1(self, net: Net) -> nn.Module:
+        """FSDP1 with ``SHARD_GRAD_OP`` (ZeRO-2: parameters gathered in the forward and kept
+        through the backward): one ``FlatParameter`` per block and one for the root (embedding,
+        final norm, head), the units FSDP2's ``fully_shard`` makes here."""
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return FullyShardedDataParallel(
+            net,
+            sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
+            auto_wrap_policy=ModuleWrapPolicy({Block, LlamaBlock}),
+            device_id=torch.device("cpu"),
+        )
 
     def _tp(self, net: Net, mesh: Any) -> Net:
         from torch.distributed.tensor import Replicate, Shard
@@ -447,15 +470,18 @@ def measure(
     steps: int | None = None,
     gradient_as_bucket_view: bool = False,
     fake: bool = True,
+    fsdp1: bool = False,
+    tracked: bool = False,
 ) -> Measured:
     """Run ``steps`` steps on the current process group (fake or real) and measure the last.
 
     The measured step is a steady one: the second (optimizer state exists), or for DDP the
     third, since DDP rebuilds its buckets in gradient-ready order after the first iteration.
     ``fake``: the current group is the fake one (pipelining then needs static shapes); False on
-    real gloo processes (``checker._torch._gloo``).
+    real gloo processes (``checker._torch._gloo``). ``fsdp1``: fsdp-sgo on FSDP1 (``Runner``).
+    ``tracked``: one more steady step under PyTorch's ``MemTracker`` gives its peak total.
     """
-    runner = Runner(comp, cfg, rank, world, fake=fake, gradient_as_bucket_view=gradient_as_bucket_view)
+    runner = Runner(comp, cfg, rank, world, fake=fake, gradient_as_bucket_view=gradient_as_bucket_view, fsdp1=fsdp1)
     if steps is None:
         steps = 3 if runner.engine in (Engine.DDP, Engine.ZERO1, Engine.PIPELINE_DDP) else 2
     model, schedule = runner.build()
@@ -470,6 +496,15 @@ def measure(
     params, grads, per_element, scalars = model_state_tensors(model, opt)
     bucket = sum(runner.bucket_bytes.values()) if not gradient_as_bucket_view else 0
     stage = _stage(runner)
+    peak = None
+    if tracked:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        with tracker:
+            runner.step(model, schedule, opt, steps)
+        peak = sum(int(cats["Total"]) for cats in tracker.get_tracker_snapshot("peak").values())
     return Measured(
         parameters=storage_bytes(params),
         gradients=storage_bytes(grads) + bucket,
@@ -479,6 +514,7 @@ def measure(
         calls=tuple(recorder.calls),
         stage=stage,
         engine=runner.engine,
+        tracked_peak=peak,
     )
 
 

@@ -431,8 +431,9 @@ def plan_command() -> Any:
         conventional = [] if convention is None else _conventional(result, chosen, seq, convention, hw.node_size)
         if as_json:
             doc = result.as_json()
-            for c, found in zip(doc["candidates"], conventional, strict=True):
-                c["convention"] = found
+            if convention is not None:
+                for c, found in zip(doc["candidates"], conventional, strict=True):
+                    c["convention"] = found
             click.echo(json.dumps(doc, indent=2))
         else:
             _print_plan(result)

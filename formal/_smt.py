@@ -209,17 +209,22 @@ def _normalised(
     each failing axis's factor is read off its counterexample (the value a device holds over
     the single-device one: a factor when the axis is right up to one) and, if the factors
     multiply to one, each axis is decided again allowing its factor. The product is accepted
-    only if every axis is then proved: otherwise the first answers stand.
+    only if every axis is then proved: otherwise the first answers stand. The rule a failing
+    axis was labelled with does not matter (a mean all-reduced twice is labelled a duplicated
+    reduction, yet it is the identity on reduced values, and a scale elsewhere may be all that
+    is off): the axis is decided again in full, so only an axis right up to its factor passes.
     """
     failing = [i for i, (ob, _) in enumerate(answers) if ob.status is Status.REFUTED]
+    per_axis = ("normalisation[", "reduction_closure[")
     if not failing or any(
-        not found or any(not v.rule.startswith("normalisation[") for v in found)
-        for found in (answers[i][1] for i in failing)
+        not found or any(not v.rule.startswith(per_axis) for v in found) for found in (answers[i][1] for i in failing)
     ):
         return answers
     factors: dict[int, Fraction] = {}
     for i in failing:
         witness = answers[i][1][0].witness
+        if "devices" not in witness or "single_device" not in witness:
+            return answers
         held, single = witness["devices"], Fraction(str(witness["single_device"]))
         values = {Fraction(str(v)) for v in held.values()}
         if single == 0 or len(values) != 1:

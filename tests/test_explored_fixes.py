@@ -54,7 +54,9 @@ Which side was wrong, case by case (``docs/semantics.md`` states each rule):
   optimizer state is cut along both: the pieces nest across axes, which z3's one-axis runs did
   not see (z3 wrong: ``scatter_nesting`` and ``scatter_then_reduce``);
 * a reduce-scatter along an axis of degree 1 is the identity: the simulator cut the gradient to
-  its shard along the other axes (simulator wrong).
+  its shard along the other axes (simulator wrong);
+* a mean all-reduced twice is the identity on reduced values: z3 labelled the axis a duplicated
+  reduction and so never judged its factor as part of the product across axes (z3 wrong).
 """
 
 from __future__ import annotations
@@ -468,6 +470,44 @@ def test_a_reduce_scatter_along_an_axis_of_degree_one_cuts_nothing() -> None:
     freed memory (simulator wrong). Dropping the dp reduction is refuted and diverges."""
     assert _judged(DEGREE_ONE, change=_embedding_dp_sync(OpKind.ALL_REDUCE), tied=True) == (Status.PROVED, True)
     assert _judged(DEGREE_ONE, change=_embedding_dp_sync(None), tied=True) == (Status.REFUTED, False)
+
+
+# --- a repeated mean reduction in a product of normalisers ------------------------------------
+
+DISTOPT = "dpr2xtp2xcp1xdistopt2xm1xrecompute"
+
+
+def _sums_with_one_scale(repeated: Reduce) -> Change:
+    """The embedding's mean reductions along dp and cp become sums with one axis-free scale of
+    1/2 after them (Megatron-Core's ``average_in_collective=False``), and its mean all-reduce
+    along dpr is run a second time, as a ``repeated`` reduction."""
+
+    def change(program: StepProgram, model: Model) -> StepProgram:
+        ops = list(program.ops)
+        mine = [
+            i
+            for i, op in enumerate(ops)
+            if op.group.name == "embedding" and op.state is State.GRADIENTS and op.kind.is_reduction
+        ]
+        by_axis = {ops[i].axis: i for i in mine}
+        dp, dpr, cp = by_axis[Axis.DP], by_axis[Axis.DPR], by_axis[Axis.CP]
+        ops[dp], ops[cp] = replace(ops[dp], reduce=Reduce.SUM), replace(ops[cp], reduce=Reduce.SUM)
+        scale = Op(OpKind.SCALE, State.GRADIENTS, ops[cp].group, None, ops[cp].phase, scale=sp.Rational(1, 2))
+        ops.insert(cp + 1, scale)
+        ops.insert(dpr + 1, replace(ops[dpr], reduce=repeated))
+        return program.with_ops(ops)
+
+    return change
+
+
+def test_a_mean_reduced_twice_is_judged_in_the_product_of_normalisers() -> None:
+    """Found by the exploring differential (seed 11): the distributed optimizer over dp under
+    dpr, its dp and cp means made sums with one scale of 1/2 charged to dpr, and the dpr mean
+    all-reduce run twice. The second mean changes nothing, so the product of the normalisers is
+    right; z3 labelled dpr a duplicated reduction and refuted it without judging its factor
+    (z3 wrong). Run twice as a sum, the gradient is doubled: refuted and diverges."""
+    assert _judged(DISTOPT, change=_sums_with_one_scale(Reduce.MEAN), tied=True) == (Status.PROVED, True)
+    assert _judged(DISTOPT, change=_sums_with_one_scale(Reduce.SUM), tied=True) == (Status.REFUTED, False)
 
 
 # --- groups outside the layers along a pipeline ----------------------------------------------

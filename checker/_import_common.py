@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -136,6 +137,11 @@ def _bool(value: Any, where: str, key: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{_where(where, key)}={value!r}: expected true or false")
     return value
+
+
+def _shown(value: Any) -> str:
+    """A config value as the user wrote it (JSON for a non-string), cut to 60 characters."""
+    return printable(json.dumps(value, sort_keys=True) if not isinstance(value, str) else value, 60)
 
 
 def _check_keys(section: Mapping[str, Any], known: Iterable[str], where: str, prefix: str = "") -> None:

@@ -50,9 +50,11 @@ def test_the_reference_arithmetic_is_exact(setup: Setup) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_case_parses_to_its_engine(world: int) -> None:
     """The case list covers every engine the world size allows (FSDP+TP, HSDP, PP+DDP, PP+FSDP need 4
-    ranks), sequence parallelism and both pipeline schedules."""
-    comps = [parse(c.composition, devices=world) for c in cases(world) if c.fault is Fault.NONE]
-    engines = {engine_for(c) for c in comps}
+    ranks; FSDP1 is asked for by a case, never chosen by ``engine_for``), sequence parallelism and
+    both pipeline schedules."""
+    valid = [c for c in cases(world) if c.fault is Fault.NONE]
+    comps = [parse(c.composition, devices=world) for c in valid]
+    engines = {Engine.FSDP1 if case.fsdp1 else engine_for(c) for case, c in zip(valid, comps, strict=True)}
     two_d = {Engine.FSDP_TP, Engine.HSDP, Engine.PIPELINE_FSDP, Engine.PIPELINE_DDP}
     assert engines == (set(Engine) if world == 4 else set(Engine) - two_d)
     assert any(c.options.sequence_parallel and engine_for(c) is Engine.TP for c in comps)

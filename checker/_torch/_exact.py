@@ -78,9 +78,11 @@ class Fault(StrEnum):
 class Case:
     composition: str  # at the world size of the run
     fault: Fault = Fault.NONE
+    fsdp1: bool = False  # fsdp-sgo on FSDP1 (``Runner.fsdp1``) instead of FSDP2
 
     def label(self) -> str:
-        return self.composition if self.fault is Fault.NONE else f"{self.composition} + {self.fault.value}"
+        name = f"{self.composition} (FSDP1)" if self.fsdp1 else self.composition
+        return name if self.fault is Fault.NONE else f"{name} + {self.fault.value}"
 
 
 def cases(world: int) -> list[Case]:
@@ -93,6 +95,7 @@ def cases(world: int) -> list[Case]:
         Case(f"ddp{w}"),
         Case(f"fsdp{w}"),
         Case(f"fsdp-sgo{w}"),
+        Case(f"fsdp-sgo{w}", fsdp1=True),  # ZeRO-2 on FSDP1's SHARD_GRAD_OP
         Case(f"zero1{w}"),
         Case(f"tp{w}"),
         Case(f"tp{w}xsp"),
@@ -207,8 +210,15 @@ def reference_is_exact(cfg: NetConfig, replicas: int, micro_batches: int = 1) ->
 
 
 def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
 
+    if isinstance(model, FullyShardedDataParallel):  # FSDP1: its flat shards made whole again
+        with FullyShardedDataParallel.summon_full_params(model):
+            return {
+                name.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+                for name, p in model.module.named_parameters()
+            }
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
@@ -263,6 +273,7 @@ def _run_case(case: Case, rank: int, world: int) -> dict[str, torch.Tensor]:
         lr=LR,
         optimizer="sgd",
         stage_input_grads=case.fault is not Fault.NO_BACKWARD_SEND,
+        fsdp1=case.fsdp1,
     )
     model, schedule = runner.build()
     opt = runner._optimizer(model)
@@ -317,7 +328,7 @@ def _run_case(case: Case, rank: int, world: int) -> dict[str, torch.Tensor]:
     return _full_state(model)
 
 
-def _worker(rank: int, world: int, port: int, out: str, labels: list[tuple[str, str]]) -> None:
+def _worker(rank: int, world: int, port: int, out: str, labels: list[tuple[str, str, bool]]) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     # A wedged collective (one rank failing while the others wait) ends the run instead of hanging.
@@ -326,8 +337,8 @@ def _worker(rank: int, world: int, port: int, out: str, labels: list[tuple[str, 
     )
     try:
         results: dict[str, dict[str, torch.Tensor]] = {}
-        for comp_text, fault in labels:
-            case = Case(comp_text, Fault(fault))
+        for comp_text, fault, fsdp1 in labels:
+            case = Case(comp_text, Fault(fault), fsdp1)
             results[case.label()] = _run_case(case, rank, world)
         torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
@@ -366,7 +377,7 @@ def equivalence(world: int, selected: list[Case] | None = None) -> list[Outcome]
     """Run the cases on ``world`` real gloo processes and compare with one device."""
     chosen = selected if selected is not None else cases(world)
     with tempfile.TemporaryDirectory() as tmp:
-        labels = [(c.composition, c.fault.value) for c in chosen]
+        labels = [(c.composition, c.fault.value, c.fsdp1) for c in chosen]
         run_world(_worker, (world, _free_port(), tmp, labels), world, f"equivalence on {world} gloo processes")
         per_rank = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world)]
     out: list[Outcome] = []

@@ -27,8 +27,8 @@ z3 looks for coordinates that break the fact; its model is the witness.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from math import prod
 from typing import Any
@@ -40,7 +40,7 @@ from formal._placement import Placement
 from formal._program import Op, StepProgram, rescatters, scatter_axes
 from formal._smt_common import _execution_order, _int_degree, _status
 from formal._solver import Solver
-from formal._verdict import Condition, Obligation, Violation
+from formal._verdict import Condition, Obligation, Status, Violation
 from formal._vocab import Axis, Group, OpKind, Phase, State
 
 P, O, G = State.PARAMETERS, State.OPTIMIZER, State.GRADIENTS  # noqa: E741 (the paper's P/O/G)
@@ -81,14 +81,18 @@ class _Positions:
     def ranges(self, c: dict[Axis, z3.ArithRef]) -> z3.BoolRef:
         return z3.And(*[z3.And(c[a] >= 0, c[a] < d) for a, d in zip(self.axes, self.degrees, strict=True)])
 
-    def start(self, cut: Sequence[Axis], c: dict[Axis, z3.ArithRef]) -> tuple[z3.ArithRef, int]:
-        """A piece cut along ``cut`` (a subset of ``axes``, taken in their order): start, size."""
+    def size(self, cut: Sequence[Axis]) -> int:
+        """A piece cut along ``cut`` (a subset of ``axes``): its size in units of 1/N."""
+        return self.total // prod(d for a, d in zip(self.axes, self.degrees, strict=True) if a in cut)
+
+    def start(self, cut: Sequence[Axis], c: dict[Axis, z3.ArithRef]) -> z3.ArithRef:
+        """Where the piece cut along ``cut`` (taken in the order of ``axes``) at ``c`` starts."""
         size, terms = self.total, []
         for a, d in zip(self.axes, self.degrees, strict=True):
             if a in cut:
                 size //= d
                 terms.append(c[a] * size)
-        return (z3.Sum(*terms) if terms else z3.IntVal(0)), size
+        return z3.Sum(*terms) if terms else z3.IntVal(0)
 
     def fraction(self, at: int) -> str:
         return str(Fraction(at, self.total))
@@ -102,6 +106,37 @@ def _value(model: z3.ModelRef, x: z3.ArithRef) -> int:
     return int(model.eval(x, model_completion=True).as_long())
 
 
+@dataclass(frozen=True)
+class _Answer:
+    """One query's answer, with the model's values by name (None unless sat)."""
+
+    status: Status
+    reason: str
+    seconds: float
+    core: tuple[str, ...]
+    values: dict[str, int] | None
+
+
+# One run's queries, keyed by what they ask (axes, degrees, cuts): groups placed alike share one.
+Memo = dict[tuple[object, ...], _Answer]
+
+
+Query = Callable[[], tuple[Solver, dict[str, z3.ArithRef]]]  # builds a solver and what to read
+
+
+def _ask(memo: Memo, key: tuple[object, ...], query: Query) -> _Answer:
+    """The answer to ``query``: built and asked once per run, remembered unless unknown."""
+    if key in memo:
+        return replace(memo[key], seconds=0.0)
+    solver, read = query()
+    answer = solver.check()
+    values = None if answer.model is None else {name: _value(answer.model, x) for name, x in read.items()}
+    found = _Answer(_status(answer, violated_when="sat"), answer.reason, answer.seconds, answer.core, values)
+    if found.status is not Status.UNKNOWN:
+        memo[key] = found
+    return found
+
+
 def decide_layout(program: StepProgram, timeout_ms: int) -> tuple[list[Obligation], list[Violation]]:
     """Both facts (module docstring) for every group whose pieces cross axes."""
     pl = program.placement
@@ -110,6 +145,7 @@ def decide_layout(program: StepProgram, timeout_ms: int) -> tuple[list[Obligatio
     order = _execution_order(program.ops, pl.options.micro_batches)
     position = {id(op): i for i, op in enumerate(program.ops)}
     again = rescatters(program.ops)
+    memo: Memo = {}
     for group in pl.groups(P):
         flat = flat_axes(pl, group)
         if len(flat) < 2:
@@ -117,8 +153,10 @@ def decide_layout(program: StepProgram, timeout_ms: int) -> tuple[list[Obligatio
         ops = [op for op in order if op.group == group and op.state is G and op.phase is not Phase.FORWARD]
         scattered = scatter_axes(program.ops, group)
         for found in (
-            _nesting(pl, group, flat, ops, scattered, timeout_ms),
-            *_mixing(pl, group, flat, ops, scattered, {position[id(op)] for op in ops} & again, position, timeout_ms),
+            _nesting(pl, group, flat, ops, scattered, memo, timeout_ms),
+            *_mixing(
+                pl, group, flat, ops, scattered, {position[id(op)] for op in ops} & again, position, memo, timeout_ms
+            ),
         ):
             if found is not None:
                 obligations.append(found[0])
@@ -127,7 +165,13 @@ def decide_layout(program: StepProgram, timeout_ms: int) -> tuple[list[Obligatio
 
 
 def _nesting(
-    pl: Placement, group: Group, flat: list[Axis], ops: list[Op], scattered: frozenset[Axis], timeout_ms: int
+    pl: Placement,
+    group: Group,
+    flat: list[Axis],
+    ops: list[Op],
+    scattered: frozenset[Axis],
+    memo: Memo,
+    timeout_ms: int,
 ) -> tuple[Obligation, list[Violation]] | None:
     o_axes = _sharded(pl, O, group, flat)
     g_placed = set(_sharded(pl, G, group, flat))
@@ -141,20 +185,23 @@ def _nesting(
         return None  # the placement's own nesting is the composition rule ``nested_shards``
     g_axes = [a for a in o_axes if a in g_placed or a in added]
     pos = _positions(pl, o_axes)
-    c = pos.coordinates("device")
-    o_start, o_size = pos.start(o_axes, c)
-    g_start, g_size = pos.start(g_axes, c)
+    o_size, g_size = pos.size(o_axes), pos.size(g_axes)
     name = f"scatter_nesting[G.{group.name}]"
-    solver = Solver(timeout_ms)
-    solver.track("devices", pos.ranges(c))
-    solver.track(name, z3.Or(o_start < g_start, o_start + o_size > g_start + g_size))
-    answer = solver.check()
-    ob = Obligation(name, SC, _status(answer, violated_when="sat"), answer.reason, answer.seconds, answer.core)
-    if answer.model is None:
+
+    def query() -> tuple[Solver, dict[str, z3.ArithRef]]:
+        c = pos.coordinates("device")
+        o_start, g_start = pos.start(o_axes, c), pos.start(g_axes, c)
+        solver = Solver(timeout_ms)
+        solver.track("devices", pos.ranges(c))
+        solver.track("scatter_nesting", z3.Or(o_start < g_start, o_start + o_size > g_start + g_size))
+        return solver, {**{a.value: c[a] for a in o_axes}, "optimizer": o_start, "gradient": g_start}
+
+    answer = _ask(memo, ("nesting", pos, tuple(g_axes)), query)
+    ob = Obligation(name, SC, answer.status, answer.reason, answer.seconds, answer.core)
+    if answer.values is None:
         return ob, []
-    m = answer.model
-    coords = {a.value: _value(m, c[a]) for a in o_axes}
-    at_o, at_g = _value(m, o_start), _value(m, g_start)
+    coords = {a.value: answer.values[a.value] for a in o_axes}
+    at_o, at_g = answer.values["optimizer"], answer.values["gradient"]
     o_range = f"[{pos.fraction(at_o)}, {pos.fraction(at_o + o_size)})"
     g_range = f"[{pos.fraction(at_g)}, {pos.fraction(at_g + g_size)})"
     device = ", ".join(f"{k}={v}" for k, v in coords.items())
@@ -183,6 +230,7 @@ def _mixing(
     scattered: frozenset[Axis],
     again: set[int],
     position: dict[int, int],
+    memo: Memo,
     timeout_ms: int,
 ) -> list[tuple[Obligation, list[Violation]] | None]:
     g_placed = set(_sharded(pl, G, group, flat))
@@ -214,32 +262,38 @@ def _mixing(
             earlier = [(rs, cut) for rs, cut, gathered in pending if rs.axis != axis and axis not in gathered]
             if earlier:
                 rs, cut = next(((r, k) for r, k in reversed(earlier) if axis in k), earlier[-1])
-                out.append(_mixed(pl, group, flat, rs, op, cut, timeout_ms))
+                out.append(_mixed(pl, group, flat, rs, op, cut, memo, timeout_ms))
                 reported.add(axis)
     return out
 
 
 def _mixed(
-    pl: Placement, group: Group, flat: list[Axis], rs: Op, ar: Op, cut: list[Axis], timeout_ms: int
+    pl: Placement, group: Group, flat: list[Axis], rs: Op, ar: Op, cut: list[Axis], memo: Memo, timeout_ms: int
 ) -> tuple[Obligation, list[Violation]]:
     assert ar.axis is not None and rs.axis is not None
     along = ar.axis
     pos = _positions(pl, flat)
-    c, c2 = pos.coordinates("device"), pos.coordinates("peer")
-    start, size = pos.start(cut, c)
-    start2, _ = pos.start(cut, c2)
+    size = pos.size(cut)
     name = f"scatter_then_reduce[G.{group.name}, {along.value}]"
-    solver = Solver(timeout_ms)
-    solver.track("devices", z3.And(pos.ranges(c), pos.ranges(c2)))
-    solver.track(f"peers[{along.value}]", z3.And(*[c[a] == c2[a] for a in flat if a != along]))
-    solver.track(name, start != start2)
-    answer = solver.check()
-    ob = Obligation(name, SC, _status(answer, violated_when="sat"), answer.reason, answer.seconds, answer.core)
-    if answer.model is None:
+
+    def query() -> tuple[Solver, dict[str, z3.ArithRef]]:
+        c, c2 = pos.coordinates("device"), pos.coordinates("peer")
+        start, start2 = pos.start(cut, c), pos.start(cut, c2)
+        solver = Solver(timeout_ms)
+        solver.track("devices", z3.And(pos.ranges(c), pos.ranges(c2)))
+        solver.track(f"peers[{along.value}]", z3.And(*[c[a] == c2[a] for a in flat if a != along]))
+        solver.track("scatter_then_reduce", start != start2)
+        read = {f"device {a.value}": c[a] for a in flat} | {f"peer {a.value}": c2[a] for a in flat}
+        return solver, {**read, "device": start, "peer": start2}
+
+    answer = _ask(memo, ("mixing", pos, tuple(cut), along), query)
+    ob = Obligation(name, SC, answer.status, answer.reason, answer.seconds, answer.core)
+    if answer.values is None:
         return ob, []
-    m = answer.model
-    one, two = {a.value: _value(m, c[a]) for a in flat}, {a.value: _value(m, c2[a]) for a in flat}
-    at1, at2 = _value(m, start), _value(m, start2)
+    values = answer.values
+    one = {a.value: values[f"device {a.value}"] for a in flat}
+    two = {a.value: values[f"peer {a.value}"] for a in flat}
+    at1, at2 = values["device"], values["peer"]
     r1 = f"[{pos.fraction(at1)}, {pos.fraction(at1 + size)})"
     r2 = f"[{pos.fraction(at2)}, {pos.fraction(at2 + size)})"
     explanation = (

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from formal._terms import EMBEDDING_IO, LAYER_IO, LINEAR_INNER, OUTPUT_IO, Group, Mode, OpKind, Phase
+from formal._terms import EMBEDDING_IO, LAYER_IO, LINEAR_INNER, LOGITS, OUTPUT_IO, Group, Mode, OpKind, Phase
 
 
 class Origin(StrEnum):
@@ -51,6 +51,7 @@ class Width(StrEnum):
     HIDDEN = "hidden"  # h
     KEYS_VALUES = "keys_values"  # 2 x kv_heads x head_dim
     ROUTED = "routed"  # h x top_k (every token goes to each of its experts)
+    TOKEN = "token"  # 1 (one statistic per token: the loss's)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,13 @@ class Exchange:
     activation, or either (None); ``recompute``: only under full recomputation. ``per_layer``:
     ops per layer and micro-batch (0: once per micro-batch); ``replayed``: full recomputation
     runs it again in backward (the count doubles); ``per_boundary``: once per pipeline boundary
-    crossing the schedule makes. ``what`` names the activation for the verifier, ``note`` the op.
+    crossing the schedule makes. ``calls``: collectives per micro-batch of an exchange made once
+    per micro-batch (the loss's three statistics).
+    ``verified``: False for an exchange inside an op's own kernel rather than between the
+    placement's pieces (the vocabulary-parallel cross-entropy's statistics): the program emits
+    and costs it, the verifier's activation flow does not read it (the scalar program's
+    ``cross_entropy`` op states what the kernel reduces). ``what`` names the activation for the
+    verifier, ``note`` the op.
     """
 
     phase: Phase
@@ -80,6 +87,8 @@ class Exchange:
     per_layer: int = 0
     replayed: bool = False
     per_boundary: bool = False
+    calls: int = 1
+    verified: bool = True
     note: str = ""
 
 
@@ -203,6 +212,15 @@ _TENSOR_VOCABULARY = (
         note=_HEAD_NOTE,
     ),
     Exchange(_B, OUTPUT_IO, _AR, "sum", _HEAD_WHAT, Place.OUTPUT, Split.OUTPUT, False, note=_HEAD_NOTE),
+    # The cross-entropy over vocabulary-sharded logits (Megatron-LM's
+    # ``_VocabParallelCrossEntropy.forward``; torch's ``loss_parallel``): three all-reduces of one
+    # fp32 value per token, the logits' maximum, the target's logit (from the shard that owns
+    # it) and the sum of exponentials, once per micro-batch; the backward is local.
+    Exchange(
+        _F, LOGITS, _AR, "sum", "the cross-entropy's per-token statistics over vocabulary shards", Place.OUTPUT,
+        Split.OUTPUT, width=Width.TOKEN, calls=3, verified=False,
+        note="cross-entropy statistics (max, target logit, sum of exp; fp32), last stage",
+    ),
 )  # fmt: skip
 
 # Context parallelism (ring attention, Megatron-LM): attention needs every position's keys and

@@ -519,7 +519,7 @@ def communication(program: StepProgram, precision: Precision, stage: Stage | Non
             continue
         count = exact(op.count * factor)
         n = op.participants if op.participants is not None else pl.degree(op.axis)
-        nbytes = precision.wire_bytes_of(op.state)
+        nbytes = precision.op_wire_bytes(op.state, op.group)
         volume = exact(op.elements * nbytes * ring_factor(op.kind, n) * count)
         paper = exact(op.elements * paper_factor(op.kind) * count)
         out.append(Traffic(op.kind, op.axis, op.state, op.group, op.phase.value, op.elements, count, n, volume, paper))

@@ -93,7 +93,6 @@ NO_EFFECTS = EngineEffects(
     zero_redundancy_whole_tensors=False,
     tp_embedding_full_gradient=False,
     tp_row_bias_before_reduction=False,
-    tp_loss_reductions=3,  # Megatron's vocabulary-parallel cross-entropy makes the same three reductions
     tp_loss_keeps_logits=False,
     sp_saves_gathered_inputs=False,
     token_id_bytes=8,  # every engine's embedding and loss keep their int64 token ids

@@ -65,9 +65,6 @@ class EngineEffects:
     # reduction, so under sequence parallelism the bias gradient is complete (Megatron-LM adds it
     # after the reduce-scatter, where the gradient is partial and is all-reduced).
     tp_row_bias_before_reduction: bool = True
-    # ``loss_parallel`` cross-entropy over vocabulary-sharded logits: all-reduces of one fp32
-    # value per token (max, sum of exponentials, target logit).
-    tp_loss_reductions: int = 3
     # ``loss_parallel`` keeps the vocabulary shard of the logits themselves for its backward,
     # beside the log-probabilities (torch/distributed/tensor/parallel/loss.py).
     tp_loss_keeps_logits: bool = True

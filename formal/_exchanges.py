@@ -103,7 +103,12 @@ def exchanges(pl: Placement, model: Model, *, required: bool) -> list[tuple[Axis
     """Every exchange the placement's splits bring, axis by axis in table order (no model layers: none)."""
     if not isinstance(model, Transformer):
         return []
-    return [(a, e) for a in _split_axes(pl) for e in a.kind.exchanges if _applies(pl, a, e, required)]
+    return [
+        (a, e)
+        for a in _split_axes(pl)
+        for e in a.kind.exchanges
+        if (e.verified or not required) and _applies(pl, a, e, required)
+    ]
 
 
 def program_exchanges(pl: Placement, model: Model, phase: Phase) -> list[tuple[Axis, Exchange]]:

@@ -367,6 +367,14 @@ class Precision:
         """Bytes per element a collective moves for a state (gradients may travel narrower)."""
         return self.gradient_wire if state is State.GRADIENTS else self.bytes_of(state)
 
+    def op_wire_bytes(self, state: State, group: Group) -> int:
+        """Bytes per element a collective on ``group``'s ``state`` moves: ``wire_bytes_of``, but
+        an exchange of the logits carries the loss's statistics in the logits' type (fp32 in
+        Megatron-LM's ``vocab_parallel_cross_entropy`` and torch's ``loss_parallel``)."""
+        if state is State.ACTIVATIONS and group is LOGITS:
+            return self.logits_bytes
+        return self.wire_bytes_of(state)
+
     def bytes_of(self, state: State) -> int:
         match state:
             case State.PARAMETERS:

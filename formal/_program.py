@@ -481,8 +481,9 @@ class _ActivationOps:
     and last-stage parameter groups' ops, the activation ops are a union over pipeline stages:
     the per-layer ones run on every stage, ``count`` = the fullest stage's layers x m (x2 in
     backward for a layer exchange full recomputation replays); the vocabulary-parallel
-    embedding's (``A.embedding_io``) on the first stage only and the head's (``A.output_io``) on
-    the last only, ``count`` = m (once per micro-batch); a pipeline send once per micro-batch
+    embedding's (``A.embedding_io``) on the first stage only and the head's (``A.output_io``,
+    and the cross-entropy's statistics, ``A.logits``, three a micro-batch) on the last only,
+    ``count`` = m (once per micro-batch); a pipeline send once per micro-batch
     per boundary crossing the schedule makes. ``communication(program, precision, stage)``
     gives one device of a stage its own (``formal._costs.op_stage_factor``); without ``stage``
     it sums the union, as the simulator's per-op cost check reads it.
@@ -510,6 +511,8 @@ class _ActivationOps:
                 return 2 * self.model.kv_heads_ * self.model.head_dim
             case Width.ROUTED:
                 return self.model.hidden * max(self.model.top_k, 1)
+            case Width.TOKEN:
+                return 1
             case _:
                 raise AssertionError(width)
 
@@ -519,7 +522,7 @@ class _ActivationOps:
             options = self.pl.options
             return self.m * options.pipeline_schedule.boundary_sends(options.chunks)
         if not exchange.per_layer:
-            return self.m
+            return exchange.calls * self.m
         count = exchange.per_layer * self.pl.stage_layers(self.model.layers) * self.m
         again = exchange.phase is Phase.BACKWARD and self.pl.options.recompute is Recompute.FULL
         return 2 * count if exchange.replayed and again else count

@@ -67,7 +67,8 @@ class _Traffic:
 
     def activations(self, index: int, devs: list[Device], elements: int, kind: OpKind, k: int) -> None:
         """One activation collective of ``k`` devices on a tensor of ``elements`` elements."""
-        nbytes = elements * self.precision.activations * _ring_share(kind, k)
+        op = self.ops[index]
+        nbytes = elements * self.precision.op_wire_bytes(op.state, op.group) * _ring_share(kind, k)
         for d in devs:
             self.tally[index].add(d, elements, nbytes)
 

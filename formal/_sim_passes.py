@@ -15,6 +15,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from formal._exact import exact
 from formal._placement import Placement, Recompute
 from formal._program import StepProgram
 from formal._reference import Array, Batch, Numbers, ReferenceModel
@@ -30,6 +31,7 @@ from formal._vocab import (
     HEAD,
     LAYER_IO,
     LINEAR_INNER,
+    LOGITS,
     MLP,
     NORM,
     OUTPUT_IO,
@@ -104,6 +106,20 @@ class _Exchanges:
             for d, value in zip(grp, current, strict=True):
                 out[d] = value
         return out
+
+    def statistics(self, group: Group, axis: Axis, phase: Phase, vals: PerDevice, tokens: int, m: int) -> None:
+        """A kernel's own per-token statistics, all-reduced along ``axis`` as the program's ops on
+        ``group`` say (``op.count / m`` calls a micro-batch, ``tokens`` values each): the
+        cross-entropy's over vocabulary shards. Only their traffic is recorded: the reference's
+        squared-error loss is element-wise in the logits and reads no statistic (what a kernel
+        must reduce is the scalar program's ``cross_entropy`` op, ``formal._sim_scalars``)."""
+        if self.mesh.degree(axis) == 1:
+            return
+        for index in self._instances(OpKind.ALL_REDUCE, group, axis, phase):
+            calls = Fraction(exact(self.ops[index].count)) / m
+            for grp in self.mesh.groups(axis, vals):
+                for _ in range(int(calls)):
+                    self.traffic.activations(index, grp, tokens, OpKind.ALL_REDUCE, len(grp))
 
     def send(self, phase: Phase, vals: PerDevice, to_stage: int) -> PerDevice:
         """Each device's value to its peer on stage ``to_stage`` (zeros there if the program sends nothing)."""
@@ -377,6 +393,9 @@ class _Passes:
             _, targets = self._batch_of(d, batch, mb)
             lo, hi = self._vocab_range(d, head_group) if head_split else (0, self.model.vocab)
             errors[d] = n.sub(n.mm(xf_full[d], self._w(d, head_group, 0).T), targets[..., lo:hi])
+        if head_split:  # a cross-entropy kernel's statistics over the vocabulary shards
+            token_count = self.model.micro_batch * self.s_chunk
+            self.exchanges.statistics(LOGITS, Axis.TP, Phase.FORWARD, errors, token_count, self.m)
         self._read = backward
         dxf_part: PerDevice = {}
         tokens_local = self.m * self.model.micro_batch * self.s_chunk

@@ -18,8 +18,9 @@ from strategies import compositions, models
 
 from checker._parse import parse
 from formal._activation_flow import required_sites
+from formal._exchanges import exchanges
 from formal._model import Transformer
-from formal._program import StepProgram, derive_program
+from formal._program import Op, StepProgram, derive_program
 from formal._smt import decide
 from formal._verdict import Condition, Status
 from formal._vocab import EMBEDDING_IO, LAYER_IO, OUTPUT_IO, Axis, OpKind, Phase, Reduce, State
@@ -62,11 +63,23 @@ def test_every_split_axis_needs_its_exchange_both_ways(text: str) -> None:
         assert {s.phase for s in sites if s.axis is axis} == {Phase.FORWARD, Phase.BACKWARD}, axis
 
 
+def kernel_statistics(program: StepProgram, model: Transformer) -> set[tuple[OpKind, Axis, Phase, str]]:
+    """The exchanges inside a kernel the program costs but the activation flow does not read
+    (``Exchange.verified`` false: the cross-entropy's statistics over vocabulary shards)."""
+    found = exchanges(program.placement, model, required=False)
+    return {(e.kind, a, e.phase, e.group.name) for a, e in found if not e.verified}
+
+
+def key(op: Op) -> tuple[OpKind, Axis | None, Phase, str]:
+    return (op.kind, op.axis, op.phase, op.group.name)
+
+
 @pytest.mark.parametrize("text", SPLIT)
 def test_dropping_any_activation_collective_is_refuted(text: str) -> None:
     model, program = program_of(text)
     assert decide(parse(text), program, model).status is Status.PROVED
-    activation_ops = [i for i, op in enumerate(program.ops) if op.state is State.ACTIVATIONS]
+    kernel = kernel_statistics(program, model)
+    activation_ops = [i for i, op in enumerate(program.ops) if op.state is State.ACTIVATIONS and key(op) not in kernel]
     assert activation_ops
     for i in activation_ops:
         dropped = program.with_ops(op for j, op in enumerate(program.ops) if j != i)
@@ -76,6 +89,23 @@ def test_dropping_any_activation_collective_is_refuted(text: str) -> None:
         assert rules == [
             f"activation_exchange[A.{op.group.name}, {op.axis.value}, {op.phase.value}, {op.kind.value}]"
         ], (text, op)
+
+
+@pytest.mark.parametrize("text", ["tp2", "tp4xsp", "tp2xpp2xm2", "tp2xcp2xsp"])
+def test_the_cross_entropy_statistics_are_costed_not_an_activation_site(text: str) -> None:
+    """A vocabulary-split head's loss all-reduces three fp32 values per token (Megatron-LM's
+    ``_VocabParallelCrossEntropy``): ops of the program, in the traffic table, but no site of the
+    activation flow: the logits themselves are never summed, and the reference's squared-error
+    loss reads no statistic. Dropping them changes no activation verdict; what the kernel must
+    reduce is the scalar program's ``cross_entropy`` obligation (tests/test_scalars.py)."""
+    model, program = program_of(text)
+    ops = [op for op in program.ops if key(op) in kernel_statistics(program, model)]
+    assert [(op.kind, op.axis, op.phase, op.group.name) for op in ops] == [
+        (OpKind.ALL_REDUCE, Axis.TP, Phase.FORWARD, "logits")
+    ]
+    assert not any(s.group.name == "logits" for s in required_sites(program, model))
+    dropped = program.with_ops(op for op in program.ops if key(op) not in kernel_statistics(program, model))
+    assert exchange_violations(text, dropped, model) == []
 
 
 @pytest.mark.parametrize(

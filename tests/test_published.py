@@ -22,7 +22,7 @@ from checker._parse import parse
 from formal._costs import STAGES, activation_memory, bubble_fraction, communication
 from formal._model import PRECISIONS, ParameterCount, Transformer, megatron_parameter_count
 from formal._presets import PRESETS
-from formal._vocab import EMBEDDING_IO, LAYER_IO, OUTPUT_IO, Axis, OpKind, Stage, State
+from formal._vocab import EMBEDDING_IO, LAYER_IO, LOGITS, OUTPUT_IO, Axis, OpKind, Stage, State
 
 # A copy of the project's shared/data/published-examples.json, kept beside the tests so that a
 # fresh clone runs them without the shared folder.
@@ -427,7 +427,11 @@ def test_ptdp_tensor_and_pipeline_communication() -> None:
     reduce-scatter and an all-gather in the other pass, at the same volume. Per device: the
     first stage does the embedding's, the last the head's. A device of a pipeline is an end of
     2v - [first] - [last] stage boundaries (v chunks), each one send or receive per micro-batch
-    and pass."""
+    and pass. The loss over the vocabulary-split logits (Megatron-LM's
+    ``_VocabParallelCrossEntropy.forward``, ``tensor_parallel/cross_entropy.py``) all-reduces
+    three fp32 values per token on the last stage, the logits' maximum, the target's logit and
+    the sum of exponentials: 3 m all-reduces of b s, with or without sequence parallelism (the
+    head reads the whole sequence)."""
     L, h, s, b, t, p, m, v = 8, 64, 32, 2, 4, 2, 8, 2
     model = Transformer("k", layers=L, hidden=h, heads=4, vocab=1024, seq=s, micro_batch=b)
     bsh = b * s * h
@@ -441,8 +445,15 @@ def test_ptdp_tensor_and_pipeline_communication() -> None:
                 if x.axis is Axis.TP and x.state is State.ACTIVATIONS
             ]
             layers = [x for x in tp if x.group is LAYER_IO]
-            vocab = [x for x in tp if x.group is not LAYER_IO]
+            loss = [x for x in tp if x.group is LOGITS]
+            vocab = [x for x in tp if x.group not in (LAYER_IO, LOGITS)]
             assert {x.group for x in vocab} == {vocab_group}, (comp, stage)
+            if stage is Stage.LAST:
+                assert [(x.kind, int(x.elements), int(x.count)) for x in loss] == [(OpKind.ALL_REDUCE, b * s, 3 * m)]
+                assert sum(Fraction(int(x.bytes)) for x in loss) == 3 * m * b * s * 4 * Fraction(2 * (t - 1), t)
+            else:
+                assert not loss
+            tp = [x for x in tp if x.group is not LOGITS]
             calls = sum(int(x.count) for x in layers if x.kind in (OpKind.ALL_REDUCE, OpKind.ALL_GATHER))
             assert calls == 4 * (L // p) * m  # 2 forward + 2 backward per layer of the stage
             assert all(int(x.elements) == bsh for x in tp)

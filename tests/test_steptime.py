@@ -70,11 +70,15 @@ def test_full_recomputation_flops_are_narayanan_eq3(model: Transformer) -> None:
 def test_tensor_parallel_time_is_four_all_reduces_per_layer(model: Transformer, tp: int) -> None:
     """Megatron TP: two all-reduces of b s h in the forward and two in the backward of every
     layer, one for the embedding and one for the head's input gradient (Shoeybi et al. 2019),
-    each moving 2(tp-1)/tp of the tensor over NVLink, none overlapped."""
+    and the vocabulary-parallel cross-entropy's three fp32 values per token (the logits'
+    maximum, the target's logit, the sum of exponentials: Megatron-LM's
+    ``_VocabParallelCrossEntropy``), each moving 2(tp-1)/tp of the tensor over NVLink, none
+    overlapped."""
     hw = PRESETS["a100-80gb"]
     t = timed(f"tp{tp}", model, hw)
     b, s, h, n_layers = model.micro_batch, model.seq, model.hidden, model.layers
-    expected = (4 * n_layers + 2) * b * s * h * 2 * 2 * (tp - 1) / tp / hw.intra_node_bandwidth
+    moved = (4 * n_layers + 2) * b * s * h * 2 + 3 * b * s * 4
+    expected = moved * 2 * (tp - 1) / tp / hw.intra_node_bandwidth
     assert dict(t.exposed)["tp"] == pytest.approx(expected, rel=1e-9)
     compute = training_flops_per_token(model, Recompute.NONE)[0] * b * s / tp / hw.peak_flops
     assert t.compute_seconds == pytest.approx(compute, rel=1e-9)

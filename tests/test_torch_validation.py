@@ -16,6 +16,7 @@ from checker._torch._compare import ACTIVATION_TOLERANCE, PEAK, PEAK_TOLERANCE, 
 from checker._torch._net import NetConfig
 from checker._torch._predict import Implementation, parameter_tensors, predict
 from checker._torch_validate import FSDP1_RUNS, TABLE_COMPOSITIONS, TABLE_RUNS, validate
+from formal._program import derive_program
 from formal._vocab import OpKind
 
 _CACHE: dict[tuple[str, int], Comparison] = {}
@@ -100,7 +101,6 @@ def test_each_named_effect_is_needed() -> None:
         ("ddp8", Implementation(ddp_bucket_copy=False), "gradients"),
         ("ddp8", Implementation(ddp_first_bucket_bytes=25 * 2**20), "calls"),
         ("tp8", Implementation(tp_embedding_full_gradient=False), "gradients"),
-        ("tp8", Implementation(tp_loss_reductions=0), "calls"),
         ("tp8xsp", Implementation(tp_row_bias_before_reduction=False), "calls"),
     ]
     for text, impl, what in cases:
@@ -110,6 +110,25 @@ def test_each_named_effect_is_needed() -> None:
             assert Counter(p.calls) != Counter(c.measured_calls), (text, impl)
         else:
             assert p.gradients != c.row("gradients").measured, (text, impl)
+
+
+def test_the_loss_statistics_are_the_programs_logits_exchange() -> None:
+    """``loss_parallel`` all-reduces three fp32 values per token over the vocabulary shards
+    (torch/distributed/tensor/parallel/loss.py: the maximum, the sum of exponentials, the
+    target's logit), as Megatron-LM's ``_VocabParallelCrossEntropy`` does: 3 m calls of b s x 4
+    bytes on a tp rank, measured. The prediction has them from the step program's
+    ``all_reduce(A.logits, tp)`` op, not from an engine term."""
+    model = NetConfig().formal()
+    tokens = model.micro_batch * model.seq * 4
+    for text in ("tp8",):  # (under sp the row-parallel biases' gradients are b s x 4 bytes too)
+        pl = parse(text, devices=8).placement(model)
+        loss = [x for x in compared(text).measured_calls if getattr(x, "kind", None) is OpKind.ALL_REDUCE]
+        loss = [x for x in loss if getattr(x, "bytes", None) == tokens]
+        assert len(loss) == 3 * pl.options.micro_batches, text
+        program = [op for op in derive_program(pl, model).ops if op.group.name == "logits"]
+        assert [(op.kind, int(op.elements) * 4, int(op.count)) for op in program] == [
+            (OpKind.ALL_REDUCE, tokens, len(loss))
+        ], text
 
 
 def test_gpipe_holds_every_micro_batch_and_1f1b_the_pipeline_depth() -> None:

@@ -21,7 +21,7 @@ import sympy as sp
 
 from checker._torch._record import Call
 from formal._axes import DATA, TENSOR, AxisKind
-from formal._costs import activation_memory, holds_io_activations, memory, op_stage_factor
+from formal._costs import activation_memory, memory, op_stage_factor
 from formal._engine_effects import (
     Engine,
     EngineEffects,
@@ -39,10 +39,8 @@ from formal._strategies import Composition
 from formal._tensors import Tensor, parameter_tensors
 from formal._vocab import (
     EMBEDDING,
-    HEAD,
     LAYER_GROUPS,
     LAYER_IO,
-    OUTPUT_IO,
     POSITION,
     ROW_BIAS,
     Axis,
@@ -182,7 +180,7 @@ def _calls(
         if not op.kind.is_collective or op.axis is None:
             continue
         n = int(op.participants if op.participants is not None else pl.degree(op.axis))
-        wire = precision.wire_bytes_of(op.state)
+        wire = precision.op_wire_bytes(op.state, op.group)
         count = _int(op.count)
         if op.state is A:
             # This rank's share of the union over stages: the embedding's ops on the first stage,
@@ -211,7 +209,6 @@ def _calls(
     else:
         yield from _ddp_bucket_calls(pl, program, mine, impl, precision)
         yield from _fsdp_unit_calls(pl, program, mine, impl, precision, stage, rank)
-    yield from _loss_parallel_calls(pl, model, impl, stage)
 
 
 def tensor_elements(pl: Placement, state: State, t: Tensor, along: Axis | None) -> sp.Expr:
@@ -350,17 +347,6 @@ def _ddp_bucket_calls(
             size = 0
     if size:
         yield Call(OpKind.ALL_REDUCE, n, size)
-
-
-def _loss_parallel_calls(pl: Placement, model: Transformer, impl: Implementation, stage: Stage) -> Iterator[Call]:
-    """``loss_parallel``'s fp32 per-token all-reduces on the last stage, when tp splits the head."""
-    tp = pl.axis_where(lambda kind: kind is TENSOR)
-    t = 1 if tp is None else int(pl.degree(tp))
-    head = HEAD if HEAD in pl.groups(P) else EMBEDDING
-    if tp is None or t == 1 or not holds_io_activations(pl, OUTPUT_IO, stage) or not pl.computes_sharded(tp, head):
-        return
-    tokens = model.micro_batch * model.seq * 4  # the loss's statistics are fp32
-    yield from [Call(OpKind.ALL_REDUCE, t, tokens)] * (impl.tp_loss_reductions * pl.options.micro_batches)
 
 
 __all__ = [

@@ -98,6 +98,10 @@ _REUSE = (
     "gathered parameters kept for reuse: the deepspeed engine's collectives drop the saved gathers "
     "(formal._engine_deepspeed); the placement counts a gather per use and not the memory"
 )
+_PREFETCH = (
+    "parameters fetched ahead, up to a live limit: the deepspeed engine replays ZeRO-3's fetches "
+    "(formal._engine_zero3) for its gathers and its gathered working set; the placement counts one layer"
+)
 _PERSIST = (
     "small parameters kept unpartitioned: the deepspeed engine's collectives fetch them never and gather them "
     "after the step (formal._engine_deepspeed); the placement counts them partitioned"
@@ -105,10 +109,10 @@ _PERSIST = (
 _DS_ZERO_EFFECTS = {
     "allgather_bucket_size": "splits ZeRO-1/2's parameter gather only where torch lacks all_gather_into_tensor "
     "(DeepSpeed's all_gather_dp_groups): one gather a step",
-    "stage3_prefetch_bucket_size": f"parameters fetched ahead: {_BUFFERS}",
-    "prefetch_bucket_size": f"parameters fetched ahead: {_BUFFERS}",
-    "stage3_max_live_parameters": "parameters kept gathered at once: the gathered working set is not counted",
-    "max_live_parameters": "parameters kept gathered at once: the gathered working set is not counted",
+    "stage3_prefetch_bucket_size": _PREFETCH,
+    "prefetch_bucket_size": _PREFETCH,
+    "stage3_max_live_parameters": _PREFETCH,
+    "max_live_parameters": _PREFETCH,
     "stage3_max_reuse_distance": _REUSE,
     "max_reuse_distance": _REUSE,
     "stage3_param_persistence_threshold": _PERSIST,
@@ -461,6 +465,7 @@ _DS_SIZES = {  # zero_optimization key (and its stage3_ alias) -> DeepSpeedEffec
     "model_persistence_threshold": "model_persistence_threshold",
     "max_reuse_distance": "max_reuse_distance",
     "prefetch_bucket_size": "prefetch_bucket_elements",
+    "max_live_parameters": "max_live_parameters",
 }
 
 

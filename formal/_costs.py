@@ -309,7 +309,20 @@ def _cp_factor(pl: Placement) -> Num:
 def buffer_memory(
     pl: Placement, model: Model, sizes: Mapping[Group, Num], precision: Precision, stage: Stage = Stage.FIRST
 ) -> Num | None:
-    """Transient buffers implied by the modes, at their peak.
+    """Transient buffers implied by the modes, at their peak (``buffer_parts``: what is held
+    through the backward, and the largest unit per state)."""
+    parts = buffer_parts(pl, model, sizes, precision, stage)
+    if parts is None:
+        return None
+    held, largest = parts
+    return exact(held + sum(largest.values(), 0))
+
+
+def buffer_parts(
+    pl: Placement, model: Model, sizes: Mapping[Group, Num], precision: Precision, stage: Stage = Stage.FIRST
+) -> tuple[Num, dict[State, Num]] | None:
+    """Transient buffers implied by the modes: the copies held through backward, and per state
+    (parameters, gradients) the largest unit gathered or reduced at a time, in bytes.
 
     ``S*`` gathered per use: the largest gather unit (one transformer layer's parameters, or
     a non-layer group) held unsharded at a time, without prefetch. ``S*`` held through
@@ -367,7 +380,7 @@ def buffer_memory(
         st: num.maximum(0, *(v for k, v in units.items() if k.startswith(st.value)))
         for st in (State.PARAMETERS, State.GRADIENTS)
     }
-    return exact(held + sum(largest.values(), 0))
+    return held, largest
 
 
 def _bare_unit(model: Model) -> int | None:

@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from formal._costs import Memory, ceil_int
+from formal._costs import Memory, buffer_parts, ceil_int
 from formal._engine_terms import Term
 from formal._engine_terms import data_axes as _data_axes
+from formal._engine_zero3 import Zero3Fetches, Zero3Settings, zero3_fetches
 from formal._model import Model, Precision, Transformer
 from formal._placement import Placement
 from formal._program import shard_elements
@@ -72,11 +73,14 @@ class DeepSpeedEffects:
     # within ``stage3_model_persistence_threshold``, are never partitioned for compute
     # (``mark_persistent_parameters``); a released parameter is kept when the trace uses it
     # again within ``stage3_max_reuse_distance`` elements (``__params_to_release``);
-    # ``stage3_prefetch_bucket_size`` elements are gathered ahead of their module.
+    # ``stage3_prefetch_bucket_size`` elements are gathered ahead of their module while fewer
+    # than ``stage3_max_live_parameters`` are gathered (``fetch_sub_module``): the replay of
+    # ``formal._engine_zero3``.
     param_persistence_threshold: int = 100_000
     model_persistence_threshold: int = 2**63 - 1
     max_reuse_distance: int = 1_000_000_000
     prefetch_bucket_elements: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
     round_robin_gradients: bool = False
     # Settings a config states that change DeepSpeed's calls beyond these terms (offload, ZeRO++
     # quantisation, hpZ, a communication dtype other than the gradients'): reported as not
@@ -147,6 +151,25 @@ def zero_stage(pl: Placement) -> int:
     return 3 if sharded(P) else 2 if sharded(G) else 1 if sharded(OPT) else 0
 
 
+def zero3_settings(fx: DeepSpeedEffects) -> Zero3Settings:
+    return Zero3Settings(
+        fx.param_persistence_threshold,
+        fx.model_persistence_threshold,
+        fx.max_reuse_distance,
+        fx.prefetch_bucket_elements,
+        fx.max_live_parameters,
+    )
+
+
+def zero3_replay(pl: Placement, model: Model, fx: DeepSpeedEffects) -> Zero3Fetches | None:
+    """ZeRO-3's fetches over a steady step (``formal._engine_zero3``), where they are modelled:
+    ZeRO-3 along one data axis of a transformer whose tensors are whole on every rank (no
+    other axis splits them) and laid out by ``parameter_tensors``; None elsewhere."""
+    if zero_stage(pl) != 3 or not _straddling_modelled(pl, model) or not isinstance(model, Transformer):
+        return None
+    return zero3_fetches(model, zero3_settings(fx))
+
+
 def deepspeed_partition_gradients(model: Transformer, ranks: int, fx: DeepSpeedEffects) -> list[int]:
     """ZeRO-2's ``grads_in_partition`` per rank, in elements: the parameters (registration
     order, ``parameter_tensors``) that overlap each of ``ranks`` equal partitions of the padded
@@ -186,8 +209,8 @@ def deepspeed_notes(pl: Placement, model: Model, precision: Precision, fx: DeepS
     if stage >= 2 and pl.pipelined and pl.pipeline_degree != 1:
         # ``runtime/pipe/engine.py``: PipelineEngine asserts the ZeRO stage is below 2.
         out.append("DeepSpeed's pipeline engine refuses ZeRO-2/3 (runtime/pipe/engine.py)")
-    if stage == 3:
-        out.append("ZeRO-3 prefetch, live-parameter limits: the placement's gathers stand")
+    if stage == 3 and zero3_replay(pl, model, fx) is None:
+        out.append("ZeRO-3 prefetch, reuse and live-parameter limits need whole tensors: the placement's gathers stand")
     if stage == 2 and not pl.options.offload_optimizer and not _straddling_modelled(pl, model):
         out.append("ZeRO-2 straddling gradients need whole tensors: even split counted")
     if fx.fp32_master and precision.parameters == 4 and pl.options.offload_optimizer:
@@ -239,7 +262,62 @@ def deepspeed_terms(
     label = f"DeepSpeed reduce buckets (2 x {n} elements, overlap_comm)" if buckets == 2 else ""
     label = label or f"DeepSpeed reduce bucket ({n} elements)"
     out.append(Term("deepspeed_reduce_bucket", label, bucket, moment, "buffers"))
+    out += _zero3_gathered_terms(pl, model, precision, fx, stage)
     return out
+
+
+def _short(n: int) -> str:
+    """A round count as people write it in a DeepSpeed config: 50000000 as 5e7."""
+    digits = str(n)
+    zeros = len(digits) - len(digits.rstrip("0"))
+    return f"{digits.rstrip('0')}e{zeros}" if zeros >= 3 else digits
+
+
+def zero3_placement_unit(pl: Placement, model: Model, precision: Precision, stage: Stage = Stage.FIRST) -> int:
+    """The parameter bytes the placement's ``S*`` mode holds gathered at a time (one layer, or
+    the largest group outside the layers: ``formal._costs.buffer_parts``)."""
+    parts = buffer_parts(pl, model, model.group_elements(), precision, stage)
+    return 0 if parts is None else ceil_int(parts[1][P])
+
+
+def _zero3_gathered_terms(
+    pl: Placement, model: Model, precision: Precision, fx: DeepSpeedEffects, zero: int
+) -> list[Term]:
+    """ZeRO-3's gathered working set at the moments of the step, from the replayed fetches, in
+    place of the placement's one gathered layer (``zero3_placement_unit``): after the forward
+    (and at the loss's backward, before the backward's first fetch), at the first block's
+    backward and at the second's (the change from the first, which it also holds). Persistent
+    parameters are gathered all step: their whole tensors count beside the fetched ones (the
+    placement counts their shard as parameters, which DeepSpeed keeps too, ``ds_tensor``)."""
+    if zero != 3:
+        return []
+    replay = zero3_replay(pl, model, fx)
+    if replay is None:
+        return []
+    width = precision.wire_bytes_of(P)
+    # what the placement counts (one layer gathered), less what persistent parameters add: held whole
+    unit = zero3_placement_unit(pl, model, precision) - replay.persistent_elements * width
+    trace = replay.trace
+    end = max(i for i, m in enumerate(trace) if m.forward)
+    blocks: list[int] = []  # the first module of each block the backward reaches, in order
+    seen: set[str] = set()
+    for i, m in enumerate(trace):
+        block = m.name.split(".")[1] if m.name.startswith("layers.") else None
+        if not m.forward and m.params and block is not None and block not in seen:
+            seen.add(block)
+            blocks.append(i)
+    after_forward = replay.after[end] * width - unit
+    first = replay.live[blocks[0]] * width - unit if blocks else after_forward
+    second = replay.live[blocks[1]] * width - unit - first if len(blocks) > 1 else 0
+    what = f"prefetch {_short(fx.prefetch_bucket_elements)}, reuse {_short(fx.max_reuse_distance)}"
+    label = f"ZeRO-3 gathered parameters less one layer ({what})"
+    key = "deepspeed_zero3_gathered"
+    return [
+        Term(f"{key}_forward", label, after_forward, "forward", "buffers"),
+        Term(f"{key}_loss", label, after_forward, "loss", "buffers"),
+        Term(f"{key}_backward", label, first, "backward", "buffers"),
+        Term(f"{key}_second_block", f"{label}, second block's change", second, "second_block", "buffers"),
+    ]
 
 
 # ---- the collectives ----------------------------------------------------------------------
@@ -336,63 +414,29 @@ def _modules(model: Transformer) -> list[list[int]]:
 
 def _zero3_calls(
     model: Transformer, ranks: int, pbytes: int, gbytes: int, fx: DeepSpeedEffects
-) -> tuple[list[int], list[int], list[int], list[str]]:
+) -> tuple[list[int], list[int], list[int]]:
     """ZeRO-3's fetches, gradient reduce-scatters and post-step gather, as call bytes.
 
-    The trace (``partitioned_param_coordinator.py``) is the modules in forward order then in
-    reverse; a module's parameters that are not available are gathered in one coalesced
-    all-gather (``__all_gather_params``: each parameter's padded shard, ceil(n/ranks) elements,
-    from every rank); after its use a module releases its parameters unless they are persistent
-    or the trace uses them again within ``max_reuse_distance`` elements. Gradients arrive module
-    by module in reverse order, each module's parameters in registration order, and are
-    reduce-scattered per bucket (``stage3.py`` ``__reduce_and_partition_ipg_grads``, through
-    ``reduce_scatter_coalesced``: every tensor padded to a multiple of the ranks). Persistent
-    parameters are gathered after the step (``_post_step``), one all-gather each
-    (``partition_parameters.py`` ``_allgather_params_coalesced`` launches one per parameter)."""
+    The fetches are the replayed trace's (``formal._engine_zero3``: one coalesced all-gather of
+    each parameter's padded shard, ceil(n/ranks) elements, from every rank, per fetch and per
+    prefetch). Gradients arrive module by module in reverse order, each module's parameters in
+    registration order, and are reduce-scattered per bucket (``stage3.py``
+    ``__reduce_and_partition_ipg_grads``, through ``reduce_scatter_coalesced``: every tensor
+    padded to a multiple of the ranks). Persistent parameters are gathered after the step
+    (``_post_step``), one all-gather each (``partition_parameters.py``
+    ``_allgather_params_coalesced`` launches one per parameter)."""
+    replay = zero3_fetches(model, zero3_settings(fx))
+    gathers = [replay.padded(g, ranks) * pbytes for g in replay.gathers]
     modules = _modules(model)
-    ids = [[(m, k) for k in range(len(sizes))] for m, sizes in enumerate(modules)]
-    size = {t: modules[t[0]][t[1]] for ts in ids for t in ts}
-    persistent: set[tuple[int, int]] = set()
-    total = 0
-    for t in (t for ts in ids for t in ts):  # registration order, as ``named_parameters``
-        if size[t] + total > fx.model_persistence_threshold:
-            continue
-        if size[t] <= fx.param_persistence_threshold:
-            persistent.add(t)
-            total += size[t]
-    notes = []
-    if fx.prefetch_bucket_elements > 0 and len(persistent) < len(size):
-        notes.append(
-            f"ZeRO-3 prefetch of {fx.prefetch_bucket_elements} elements (stage3_prefetch_bucket_size):"
-            " which calls it groups is not modelled"
-        )
-
-    def padded(ts: Sequence[tuple[int, int]]) -> int:
-        return ranks * sum(-(-size[t] // ranks) for t in ts)
-
-    trace = list(range(len(modules))) + list(range(len(modules)))[::-1]
-    available = set(persistent)
-    gathers: list[int] = []
-    for step, m in enumerate(trace):
-        fetch = [t for t in ids[m] if t not in available]
-        if fetch:
-            gathers.append(padded(fetch) * pbytes)
-            available |= set(fetch)
-        release = set(ids[m]) - persistent
-        seen = 0
-        for later in trace[step + 1 :]:
-            if seen >= fx.max_reuse_distance:
-                break
-            release -= set(ids[later])
-            seen += sum(size[t] for t in ids[later])
-        available -= release
-    backward = [t for m in reversed(range(len(modules))) for t in ids[m]]
+    sizes = [n for m in modules for n in m]
+    starts = [sum(len(m) for m in modules[:i]) for i in range(len(modules))]
+    backward = [starts[m] + k for m in reversed(range(len(modules))) for k in range(len(modules[m]))]
     scatters = [
-        padded([backward[j] for j in b]) * gbytes
-        for b in _buckets([size[t] for t in backward], fx.reduce_bucket_elements)
+        replay.padded([backward[j] for j in b], ranks) * gbytes
+        for b in _buckets([sizes[t] for t in backward], fx.reduce_bucket_elements)
     ]
-    post = [padded([t]) * pbytes for t in sorted(persistent)]
-    return gathers, scatters, post, notes
+    post = [replay.padded([t], ranks) * pbytes for t in sorted(replay.persistent)]
+    return gathers, scatters, post
 
 
 def deepspeed_collectives(
@@ -425,8 +469,7 @@ def deepspeed_collectives(
         label = f"DeepSpeed gradient buckets ({fx.reduce_bucket_elements} elements), {kind.value} each"
         out.append(CollectiveTerm("deepspeed_gradient_buckets", label, kind, n, tuple(calls)))
     else:
-        gathers, scatters, post, found = _zero3_calls(model, n, pbytes, gbytes, fx)
-        notes += found
+        gathers, scatters, post = _zero3_calls(model, n, pbytes, gbytes, fx)
         out.append(
             CollectiveTerm(
                 "deepspeed_zero3_fetch",

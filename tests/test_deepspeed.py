@@ -170,7 +170,13 @@ def test_cli_peak_adds_deepspeeds_terms(stage: int, n: int, precision: str) -> N
         assert straddling == 0
     assert got["deepspeed_reduce_bucket"] == bucket
     assert got.get("deepspeed_fp32_master", 0) == master
-    assert a.peak == placement + bucket + master + straddling + _token_ids(model)
+    # ZeRO-3 with DeepSpeed's defaults: every tensor of the small model has at most 1e5 elements,
+    # so all are persistent, held whole all step, where the placement counts one layer gathered.
+    layer = 12 * H * H + 13 * H
+    gathered = (PARAMETERS - layer) * prec.parameters if stage == 3 else 0
+    for moment in ("forward", "loss", "backward"):
+        assert got.get(f"deepspeed_zero3_gathered_{moment}", 0) == gathered
+    assert a.peak == placement + bucket + master + straddling + gathered + _token_ids(model)
 
 
 def _cli(*args: str) -> tuple[int, str]:
@@ -184,15 +190,21 @@ def test_cli_prints_the_reduce_bucket_as_its_own_line_and_in_json() -> None:
     assert code == 0
     # ZeRO-3 by name runs on DeepSpeed; 5e8 elements of 2-byte gradients: 1.0 GB
     assert "  DeepSpeed reduce bucket (500000000 elements): 1.0 GB" in out.splitlines()
-    assert "engine   deepspeed: +1.0 GB on the placement's" in out
     code, text = _cli("check", "zero3", "--devices", "8", "--model", "gpt3-1.3b", "--json")
     doc = json.loads(text)
-    terms = {t["name"]: t for t in doc["memory"]["engine"]["terms"]}
+    engine = doc["memory"]["engine"]
+    terms = {t["name"]: t for t in engine["terms"]}
     assert terms["deepspeed_reduce_bucket"]["bytes"] == DEFAULT_BUCKET * 2
     assert terms["deepspeed_reduce_bucket"]["moment"] == "persistent"
     gpt = PRESETS["gpt3-1.3b"]
     assert isinstance(gpt, Transformer)
-    assert doc["memory"]["peak"] == doc["memory"]["per_device"]["total"] + DEFAULT_BUCKET * 2 + _token_ids(gpt)
+    # ZeRO-3's gathered parameters at the peak's moment (tests/test_zero3_fetches.py) beside the bucket
+    gathered = terms[f"deepspeed_zero3_gathered_{engine['peak_moment']}"]["bytes"]
+    assert doc["memory"]["peak"] == doc["memory"]["per_device"]["total"] + DEFAULT_BUCKET * 2 + gathered + _token_ids(
+        gpt
+    )
+    added = (DEFAULT_BUCKET * 2 + gathered + _token_ids(gpt)) / 1e9
+    assert f"engine   deepspeed: +{added:.1f} GB on the placement's" in out
 
 
 def test_deepspeed_notes_what_it_does_not_count() -> None:
@@ -341,6 +353,30 @@ def test_zero3_reuse_distance_saves_the_gathers_deepspeed_saves() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs the deepspeed extra")
+@pytest.mark.parametrize(("world", "zero3"), [(2, "prefetch"), (4, "prefetch"), (2, "prefetch-reuse")])
+def test_zero3_prefetch_is_replayed_call_for_call(world: int, zero3: str) -> None:
+    # stage3_prefetch_bucket_size 20,000 elements (and 100, with a reuse distance of 20,000):
+    # DeepSpeed's gathers, grouped as its prefetches group them, equal the replay's
+    # (formal._engine_zero3), and so does the most it holds gathered at once, measured from the
+    # parameters' own status after every collective.
+    from checker._torch._deepspeed import compare_deepspeed, measure_deepspeed
+
+    measured = measure_deepspeed(world, (f"zero3{world}",), zero3=zero3)
+    for c in [compare_deepspeed(m, world, zero3=zero3) for m in measured]:
+        assert c.ok and c.calls_equal and c.gathered_exact, c
+        gathered = dict((q, m) for q, _, m in c.rows)["gathered (peak)"]
+        assert 0 < gathered <= 4 * PARAMETERS
+        if zero3 == "prefetch":
+            # every prefetched use marks its parameter kept: at the peak every parameter is gathered
+            assert gathered == 4 * PARAMETERS
+            gathers = [b for k, _, b in c.measured_calls if k == "all_gather"]
+            assert len(gathers) < len(MODULES)  # fewer calls than modules: the prefetch groups them
+
+
+@pytest.mark.deepspeed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs the deepspeed extra")
 def test_cli_validate_deepspeed_json_is_clean() -> None:
     # DeepSpeed's ranks log to stdout; the JSON on stdout must still parse (they write to stderr).
     import json
@@ -465,9 +501,16 @@ def test_zero3_defaults_keep_a_small_model_persistent() -> None:
     assert _counted(got["reduce_scatter"]) == ZERO3_BUCKETS
 
 
-def test_zero3_prefetch_of_partitioned_parameters_is_not_modelled() -> None:
-    _, notes = _collectives("zero32", param_persistence_threshold=0)
-    assert len(notes) == 1 and "prefetch" in notes[0] and "not modelled" in notes[0]
+def test_zero3_a_prefetch_bucket_as_large_as_the_model_gathers_it_once() -> None:
+    # At the root's hook (the trace's first module, no parameters of its own) the prefetch pops
+    # the whole queue and gathers every parameter in one call; each popped use marks the
+    # parameter's latest use, so none is released before its backward use, and nothing is
+    # gathered again. Every size divides by 2: the call moves 4 x PARAMETERS bytes.
+    off = {"param_persistence_threshold": 0, "max_reuse_distance": 0, "prefetch_bucket_elements": 10**9}
+    got, notes = _collectives("zero32", **off)
+    assert not notes
+    assert got["all_gather"] == [4 * PARAMETERS]
+    assert _counted(got["reduce_scatter"]) == ZERO3_BUCKETS
 
 
 def test_collectives_outside_one_zero_axis_are_not_modelled() -> None:
@@ -536,6 +579,28 @@ def test_importer_reads_the_engine_settings() -> None:
     assert not fx.allreduce_gradients and fx.overlap_comm  # overlap_comm defaults on for ZeRO-3
     assert fx.overflow_check and not fx.fp16
     assert not deepspeed_effects({"zero_optimization": {"stage": 2}}).overlap_comm
+
+
+def test_imported_prefetch_and_live_limit_reach_the_replay() -> None:
+    # A config's prefetch bucket and live-parameter limit are read (with or without stage3_) and
+    # change the replayed gathers: a limit of 0 leaves no room to prefetch, whatever the bucket.
+    from checker._import_deepspeed import deepspeed_effects
+    from formal._engine_deepspeed import deepspeed_collectives
+
+    def gathers(**zero: Any) -> list[int]:
+        fx = deepspeed_effects({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}})
+        pl = parse("zero32").placement(_model())
+        terms, _ = deepspeed_collectives(pl, _model(), PRECISIONS["fp32-adam"], fx)
+        return [b for t in terms if t.kind.value == "all_gather" for b in t.calls]
+
+    fx = deepspeed_effects({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e6}})
+    assert fx.max_live_parameters == 1_000_000
+    assert deepspeed_effects({"zero_optimization": {"max_live_parameters": 7}}).max_live_parameters == 7
+    whole = gathers(stage3_prefetch_bucket_size=10**9, stage3_max_reuse_distance=0)
+    assert whole == [4 * PARAMETERS]  # one gather of everything (the hand count above)
+    none = gathers(stage3_prefetch_bucket_size=10**9, stage3_max_live_parameters=0, stage3_max_reuse_distance=0)
+    unprefetched = gathers(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)
+    assert none == unprefetched and len(none) == 2 * len(MODULES)
 
 
 def test_settings_beyond_the_terms_are_reported_not_modelled() -> None:

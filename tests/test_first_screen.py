@@ -27,8 +27,12 @@ from checker._output import Column, fitted_table
 from checker._parse import parse, readable
 from checker._report import Report, print_report, what_ifs
 from checker.cli import main
+from formal._engine_deepspeed import DeepSpeedEffects, zero3_settings
+from formal._engine_zero3 import zero3_fetches
 from formal._model import Transformer
 from formal._presets import PRESETS
+from formal._strategies import Composition
+from formal._tensors import parameter_tensors
 from formal._verdict import Condition, Obligation, Status, Verdict, Violation
 from formal.errors import CompositionError
 
@@ -157,7 +161,25 @@ def deepspeed_peak(text: str) -> int:
     placement = int(analyze(c, MODEL).memory.total)
     pp = next((s.degree for s in c.strategies if s.name == "pp"), None)
     ids = TOKEN * pp if pp else 2 * TOKEN
-    return placement + DS_BUCKET + ids
+    return placement + DS_BUCKET + ids + zero3_gathered(c)
+
+
+def zero3_gathered(c: Composition) -> int:
+    """ZeRO-3 alone on whole tensors: what DeepSpeed's replayed fetches (formal._engine_zero3,
+    DeepSpeed's defaults) hold gathered beyond the placement's one layer, at the moment it is
+    most: after the forward, or at the first or second block's backward (0 beside tp or pp,
+    whose gathers the placement's stand for)."""
+    if [st.name for st in c.strategies] != ["zero3"] or not isinstance(MODEL, Transformer):
+        return 0
+    pl = c.placement(MODEL)
+    f = zero3_fetches(MODEL, zero3_settings(DeepSpeedEffects()))
+    layer = sum(t.elements for t in parameter_tensors(MODEL) if t.layer == 0)
+    backward = [i for i, m in enumerate(f.trace) if not m.forward and m.params and m.name.startswith("layers.")]
+    second = next(i for i in backward if f.trace[i].name.split(".")[1] != f.trace[backward[0]].name.split(".")[1])
+    end = max(i for i, m in enumerate(f.trace) if m.forward)
+    most = max(f.after[end], f.live[backward[0]], f.live[second]) + f.persistent_elements
+    assert pl.degree(pl.axes[0]) == 64
+    return 2 * (most - layer)  # 16-bit parameters
 
 
 def test_summary_comes_first_then_the_assumptions_then_the_tables() -> None:

@@ -45,8 +45,10 @@ if TYPE_CHECKING:
 REDUCE_BUCKET_ELEMENTS = 20_000
 # ZeRO-3's fetch settings by name: every parameter partitioned and released after its use
 # ("released", the placement's ZeRO-3); the same, released parameters kept when used again within
-# REUSE_ELEMENTS ("reuse"); DeepSpeed's defaults ("defaults").
+# REUSE_ELEMENTS ("reuse"); PREFETCH_ELEMENTS gathered ahead ("prefetch"), with a reuse distance
+# too ("prefetch-reuse"); DeepSpeed's defaults ("defaults").
 REUSE_ELEMENTS = 50_000
+PREFETCH_ELEMENTS = 20_000
 _RELEASED = {
     "stage3_param_persistence_threshold": 0,
     "stage3_model_persistence_threshold": 0,
@@ -56,6 +58,9 @@ _RELEASED = {
 ZERO3_SETTINGS: dict[str, dict[str, int]] = {
     "released": _RELEASED,
     "reuse": _RELEASED | {"stage3_max_reuse_distance": REUSE_ELEMENTS},
+    "prefetch": _RELEASED | {"stage3_prefetch_bucket_size": PREFETCH_ELEMENTS},
+    # a bucket smaller than most tensors: one parameter at a time is fetched ahead
+    "prefetch-reuse": _RELEASED | {"stage3_prefetch_bucket_size": 100, "stage3_max_reuse_distance": PREFETCH_ELEMENTS},
     "defaults": {},
 }
 # A wedged collective ends the run instead of hanging it.
@@ -76,6 +81,9 @@ STATE_OF_HOLDER: dict[str, str] = {
     "optimizer state": "optimizer",  # Adam's exp_avg and exp_avg_sq of the master partition
     "ipg bucket": "buffers",  # the reduce bucket (``reduce_bucket_size`` elements) after the step
     "ipg bucket (peak over the step)": "buffers",
+    # ZeRO-3: the parameters gathered whole (available, persistent ones always, or in flight),
+    # at their most over the step: sampled after every collective, so right after every fetch.
+    "gathered parameters (peak)": "gathered",
 }
 
 
@@ -135,6 +143,7 @@ class Recorder:
         self.whole_peak = 0  # ``param.grad``
         self.partition_peak = 0  # the engine's partitioned gradient holders
         self.bucket_peak = 0
+        self.gathered_peak = 0  # ZeRO-3's gathered parameters
 
     def sample(self) -> None:
         whole, partition = _gradient_tensors(self.engine)
@@ -143,6 +152,7 @@ class Recorder:
         self.whole_peak = max(self.whole_peak, _nbytes(whole))
         self.partition_peak = max(self.partition_peak, _nbytes(_flat(partition)))
         self.bucket_peak = max(self.bucket_peak, _ipg_bytes(self.engine.optimizer))
+        self.gathered_peak = max(self.gathered_peak, _gathered_bytes(self.engine))
 
     @contextmanager
     def active(self) -> Iterator[Recorder]:
@@ -167,6 +177,18 @@ class Recorder:
         with _Mode():
             yield self
         self.sample()
+
+
+def _gathered_bytes(engine: Any) -> int:
+    """ZeRO-3's parameters gathered now, whole: available (persistent ones always) or in flight
+    (``ZeroParamStatus``; 0 under ZeRO-1/2, whose parameters have no status)."""
+    total = 0
+    for p in engine.module.parameters():
+        status = getattr(p, "ds_status", None)
+        if status is None or status.name == "NOT_AVAILABLE":
+            continue
+        total += int(p.ds_numel) * int(p.element_size())
+    return total
 
 
 def _flat(x: Any) -> list[Any]:
@@ -334,6 +356,7 @@ def _run_one(
     held["param.grad (peak)"] = rec.whole_peak
     held["partition gradients (peak)"] = rec.partition_peak
     held["ipg bucket (peak over the step)"] = rec.bucket_peak
+    held["gathered parameters (peak)"] = rec.gathered_peak
     return held, tuple(rec.calls)
 
 
@@ -396,11 +419,16 @@ class DSComparison:
 
     @property
     def model_states_exact(self) -> bool:
-        return all(p == m for q, p, m in self.rows if q != "reduce bucket")
+        return all(p == m for q, p, m in self.rows if q not in _BUFFER_ROWS)
 
     @property
     def bucket_exact(self) -> bool:
         return all(p == m for q, p, m in self.rows if q == "reduce bucket")
+
+    @property
+    def gathered_exact(self) -> bool:
+        """ZeRO-3's gathered working set at its peak (True where it has none)."""
+        return all(p == m for q, p, m in self.rows if q == "gathered (peak)")
 
     @property
     def calls_equal(self) -> bool:
@@ -414,7 +442,17 @@ class DSComparison:
 
     @property
     def ok(self) -> bool:
-        return self.model_states_exact and self.bucket_exact and self.calls_equal and not self.not_modelled
+        return (
+            self.model_states_exact
+            and self.bucket_exact
+            and self.gathered_exact
+            and self.calls_equal
+            and not self.not_modelled
+        )
+
+
+# The rows beside the model states: the reduce bucket, ZeRO-3's gathered parameters at their peak.
+_BUFFER_ROWS = ("reduce bucket", "gathered (peak)")
 
 
 @dataclass(frozen=True)
@@ -440,9 +478,10 @@ def predict_deepspeed(
     from checker._torch._net import NetConfig
     from checker._torch._predict import harness_precision
     from formal._costs import memory
-    from formal._engine_deepspeed import deepspeed_collectives, deepspeed_terms
+    from formal._engine_deepspeed import deepspeed_collectives, deepspeed_terms, zero3_replay
     from formal._exact import exact_int
     from formal._program import group_sizes
+    from formal._vocab import State
 
     cfg = NetConfig()
     model = cfg.formal()
@@ -455,11 +494,16 @@ def predict_deepspeed(
     def add(state: str) -> int:
         return sum(t.bytes for t in terms if t.state == state)
 
+    replay = zero3_replay(pl, model, fx)
     states = {
         "parameters": exact_int(mem.parameters.total),
         "gradients": exact_int(mem.gradients.total) + add("gradients"),
         "optimizer": exact_int(mem.optimizer.total) + add("optimizer"),
-        "reduce bucket": add("buffers"),
+        "reduce bucket": sum(t.bytes for t in terms if t.key == "deepspeed_reduce_bucket"),
+        # the replayed fetches' most elements gathered at once and the persistent parameters, whole
+        "gathered (peak)": 0
+        if replay is None
+        else (replay.peak + replay.persistent_elements) * precision.wire_bytes_of(State.PARAMETERS),
     }
     collectives, notes = deepspeed_collectives(pl, model, precision, fx)
     calls = sorted((t.kind.value, t.ranks, b) for t in collectives for b in t.calls)
@@ -487,9 +531,11 @@ def compare_deepspeed(
         "gradients": m.holders["param.grad (peak)" if stage == 1 else "partition gradients (peak)"],
         "optimizer": m.state("optimizer"),
         "reduce bucket": m.holders["ipg bucket (peak over the step)"],
+        "gathered (peak)": m.holders.get("gathered parameters (peak)", 0),
     }
-    rows = tuple((q, states[q], measured[q]) for q in ("parameters", "gradients", "optimizer", "reduce bucket"))
-    rows = (*rows[:3], ("model states", sum(r[1] for r in rows[:3]), sum(r[2] for r in rows[:3])), rows[3])
+    names = ("parameters", "gradients", "optimizer", "reduce bucket", "gathered (peak)")
+    rows = tuple((q, states[q], measured[q]) for q in names[: 5 if stage == 3 else 4])
+    rows = (*rows[:3], ("model states", sum(r[1] for r in rows[:3]), sum(r[2] for r in rows[:3])), *rows[3:])
     kinds = _vocabulary_kinds()
     unknown = sorted({c[0] for c in m.calls if c[0] not in kinds})
     not_modelled = (*(f"{k} (no such kind in the op vocabulary)" for k in unknown), *pred.not_modelled)
@@ -538,6 +584,7 @@ def format_deepspeed(results: list[DSComparison]) -> str:
         lines.append(
             f"  collectives list equal: {c.calls_equal}; model states exact: {c.model_states_exact}; "
             f"bucket exact: {c.bucket_exact}"
+            + (f"; gathered exact: {c.gathered_exact}" if any(q == "gathered (peak)" for q, _, _ in c.rows) else "")
         )
         lines += [f"  not modelled: {line}" for line in c.not_modelled]
         lines += [f"  + {t.label}: {t.bytes} B, {t.moment}" for t in c.terms]
@@ -561,6 +608,7 @@ def as_json(c: DSComparison) -> dict[str, Any]:
         },
         "model_states_exact": c.model_states_exact,
         "bucket_exact": c.bucket_exact,
+        "gathered_exact": c.gathered_exact,
         "ok": c.ok,
         "terms": [{"name": t.key, "label": t.label, "bytes": t.bytes, "moment": t.moment} for t in c.terms],
         "collective_terms": [

@@ -28,6 +28,7 @@ the same in reverse, backward (measured on DeepSpeed 0.19.8, docs/torch-validati
 from __future__ import annotations
 
 from collections import deque
+from functools import lru_cache
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -125,8 +126,11 @@ def persistent_parameters(sizes: Sequence[int], settings: Zero3Settings) -> froz
     return frozenset(out)
 
 
+@lru_cache(maxsize=64)
 def zero3_fetches(model: Transformer, settings: Zero3Settings) -> Zero3Fetches:
-    """Replay a steady step's fetches, prefetches and releases (the module docstring's rules)."""
+    """Replay a steady step's fetches, prefetches and releases (the module docstring's rules).
+    Kept per model and settings: the replay reads neither the mesh nor the ranks (the padding
+    is the caller's, ``Zero3Fetches.padded``), so a planner's candidates share one."""
     sizes, trace = module_trace(model)
     persistent = persistent_parameters(sizes, settings)
     queue = deque((p, s) for s, m in enumerate(trace) for p in m.params)

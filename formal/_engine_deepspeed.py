@@ -300,11 +300,10 @@ def _zero3_gathered_terms(
     trace = replay.trace
     end = max(i for i, m in enumerate(trace) if m.forward)
     blocks: list[int] = []  # the first module of each block the backward reaches, in order
-    seen: set[str] = set()
+    seen: set[int] = set()
     for i, m in enumerate(trace):
-        block = m.name.split(".")[1] if m.name.startswith("layers.") else None
-        if not m.forward and m.params and block is not None and block not in seen:
-            seen.add(block)
+        if not m.forward and m.params and m.layer is not None and m.layer not in seen:
+            seen.add(m.layer)
             blocks.append(i)
     after_forward = replay.after[end] * width - unit
     first = replay.live[blocks[0]] * width - unit if blocks else after_forward

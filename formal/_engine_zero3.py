@@ -28,9 +28,9 @@ the same in reverse, backward (measured on DeepSpeed 0.19.8, docs/torch-validati
 from __future__ import annotations
 
 from collections import deque
-from functools import lru_cache
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from formal._model import Transformer
 from formal._tensors import parameter_tensors
@@ -51,11 +51,13 @@ class Zero3Settings:
 
 @dataclass(frozen=True)
 class Module:
-    """One use of a module in the trace: its name and its own parameters (ids into ``sizes``)."""
+    """One use of a module in the trace: its name, its own parameters (ids into ``sizes``), the
+    pass, and the transformer layer it belongs to (None outside the layers)."""
 
     name: str
     params: tuple[int, ...]
     forward: bool
+    layer: int | None = None
 
 
 @dataclass(frozen=True)
@@ -100,9 +102,9 @@ def module_trace(model: Transformer) -> tuple[tuple[int, ...], tuple[Module, ...
         for name in names:
             layer, params = leaves[name]
             if layer is not None and layer != block:
-                out.append(Module(f"layers.{layer}", (), forward))  # the block, a parent
+                out.append(Module(f"layers.{layer}", (), forward, layer))  # the block, a parent
             block = layer
-            out.append(Module(name, tuple(params), forward))
+            out.append(Module(name, tuple(params), forward, layer))
         return out
 
     if model.tied_embeddings:  # the head reads the embedding's own parameter

@@ -174,8 +174,8 @@ def zero3_gathered(c: Composition) -> int:
     pl = c.placement(MODEL)
     f = zero3_fetches(MODEL, zero3_settings(DeepSpeedEffects()))
     layer = sum(t.elements for t in parameter_tensors(MODEL) if t.layer == 0)
-    backward = [i for i, m in enumerate(f.trace) if not m.forward and m.params and m.name.startswith("layers.")]
-    second = next(i for i in backward if f.trace[i].name.split(".")[1] != f.trace[backward[0]].name.split(".")[1])
+    backward = [i for i, m in enumerate(f.trace) if not m.forward and m.params and m.layer is not None]
+    second = next(i for i in backward if f.trace[i].layer != f.trace[backward[0]].layer)
     end = max(i for i, m in enumerate(f.trace) if m.forward)
     most = max(f.after[end], f.live[backward[0]], f.live[second]) + f.persistent_elements
     assert pl.degree(pl.axes[0]) == 64

@@ -647,3 +647,19 @@ def test_importer_says_what_the_bucket_keys_change() -> None:
     assert "same volume" not in notes["zero_optimization.use_multi_rank_bucket_allreduce"]
     engine = import_deepspeed({"zero_optimization": zero, "train_micro_batch_size_per_gpu": 1}, devices=8).deepspeed
     assert engine is not None and not engine.allreduce_gradients and engine.max_reuse_distance == 0
+
+
+def test_the_validation_text_fits_80_columns() -> None:
+    # The summary line of a ZeRO-3 rank and a long term label wrap at 80 columns, none cut.
+    from checker._torch._deepspeed import DSComparison, format_deepspeed
+    from formal._engine_terms import Term
+
+    label = "ZeRO-3 gathered parameters less one layer (prefetch 0, reuse 0)"
+    rows = (("parameters", 1, 1), ("reduce bucket", 2, 2), ("gathered (peak)", 3, 4))
+    c = DSComparison(
+        "zero34", 0, 4, rows, (), (), {}, {}, ("n" * 100,), 1.0, (Term("k", label, -199936, "forward", "buffers"),)
+    )
+    out = format_deepspeed([c])
+    assert max(len(line) for line in out.splitlines()) <= 80
+    words = " ".join(out.split())
+    assert "gathered exact: False" in words and f"+ {label}: -199936 B, forward" in words

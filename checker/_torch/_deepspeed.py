@@ -27,6 +27,7 @@ import os
 import pickle
 import socket
 import tempfile
+import textwrap
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -581,14 +582,22 @@ def format_deepspeed(results: list[DSComparison]) -> str:
             lines.append(f"  {kind:<16}{n_p:>7}{n_m:>9}{p:>12}{mm:>12}{'' if same else '  <- differs'}")
         differing = _differences(c)
         lines += differing[:8] + ([f"  ... {len(differing) - 8} more"] if len(differing) > 8 else [])
-        lines.append(
-            f"  collectives list equal: {c.calls_equal}; model states exact: {c.model_states_exact}; "
-            f"bucket exact: {c.bucket_exact}"
-            + (f"; gathered exact: {c.gathered_exact}" if any(q == "gathered (peak)" for q, _, _ in c.rows) else "")
-        )
-        lines += [f"  not modelled: {line}" for line in c.not_modelled]
-        lines += [f"  + {t.label}: {t.bytes} B, {t.moment}" for t in c.terms]
-        lines += [f"  + {t.label}: {len(t.calls)} x {t.kind.value}, {t.bytes} B" for t in c.collective_terms]
+        checks = [
+            f"collectives list equal: {c.calls_equal}",
+            f"model states exact: {c.model_states_exact}",
+            f"bucket exact: {c.bucket_exact}",
+        ]
+        if any(q == "gathered (peak)" for q, _, _ in c.rows):
+            checks.append(f"gathered exact: {c.gathered_exact}")
+        said = [
+            "; ".join(checks),
+            *(f"not modelled: {line}" for line in c.not_modelled),
+            *(f"+ {t.label}: {t.bytes} B, {t.moment}" for t in c.terms),
+            *(f"+ {t.label}: {len(t.calls)} x {t.kind.value}, {t.bytes} B" for t in c.collective_terms),
+        ]
+        lines += [
+            row for line in said for row in textwrap.wrap(line, 80, initial_indent="  ", subsequent_indent="    ")
+        ]
     return "\n".join(lines)
 
 
